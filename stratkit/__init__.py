@@ -1,0 +1,40 @@
+"""stratkit: distributed Keras 3 training on TensorFlow as a one-line decision.
+
+Importing stratkit and calling `detect()` never imports TensorFlow; the names
+that need TensorFlow (`make_strategy`, `Trainer`, ...) load it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stratkit.cluster import STRATEGIES, ClusterSpec, detect
+from stratkit.errors import ConfigError, KerasCompatError, StratkitError
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported lazily so `import stratkit` stays TF-free.
+_LAZY = {
+    "make_strategy": "stratkit.strategy.factory",
+    "Trainer": "stratkit.training.trainer",
+    "callbacks": "stratkit.training.callbacks",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stratkit.strategy.factory import make_strategy
+    from stratkit.training.trainer import Trainer
+
+__all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "STRATEGIES", "StratkitError",
+           "Trainer", "detect", "make_strategy", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'stratkit' has no attribute {name!r}")
+    import importlib
+
+    module = importlib.import_module(module_name)
+    value = module if module_name.endswith(name) else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,125 @@
+"""The `stratkit` command: info, tf-config (and launch, when installed).
+
+`stratkit --help` and `stratkit info --json` never import TensorFlow, so they
+answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from importlib import metadata
+
+from stratkit.cluster import ROLES, detect
+from stratkit.cluster.tf_config import parse_tf_config
+from stratkit.errors import ConfigError
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _info(args: argparse.Namespace) -> int:
+    spec = detect(strategy=args.strategy)
+    report = {
+        "spec": spec.to_dict(),
+        "tf_config": spec.to_tf_config(),
+        "devices": {"gpus": spec.num_gpus, "cpus": os.cpu_count(),
+                    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        "versions": {name: _version(name) for name in
+                     ("stratkit", "tensorflow", "tensorflow-cpu", "keras", "tf-keras", "pyspark")},
+        "python": sys.version.split()[0],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"strategy      {spec.strategy}")
+    role = f"{spec.task_type}:{spec.task_index}" if spec.task_type else "single host"
+    print(f"task          {role}{' (chief)' if spec.is_chief else ''}")
+    print(f"workers       {spec.num_workers}")
+    print(f"source        {spec.source}")
+    for role_name, addresses in spec.cluster.items():
+        print(f"cluster       {role_name}: {', '.join(addresses)}")
+    print("why")
+    for reason in spec.reasons:
+        print(f"  - {reason}")
+    print(f"devices       {spec.num_gpus} GPU(s), {os.cpu_count()} CPU core(s)")
+    print("versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v))
+    return 0
+
+
+def parse_cluster_arg(values: list[str]) -> dict[str, list[str]]:
+    """Parse `worker=h1:2222,h2:2222 ps=h3:2222` (repeatable) into a cluster dict."""
+    cluster: dict[str, list[str]] = {}
+    for value in values:
+        for part in value.split():
+            role, sep, addresses = part.partition("=")
+            if not sep or not addresses:
+                raise ConfigError(f"--cluster {part!r} is not ROLE=host:port[,host:port]. "
+                                  "Fix: e.g. --cluster worker=h1:2222,h2:2222 ps=h3:2222")
+            cluster.setdefault(role.strip(), []).extend(a.strip() for a in addresses.split(",") if a.strip())
+    return cluster
+
+
+def _tf_config(args: argparse.Namespace) -> int:
+    cluster = parse_cluster_arg(args.cluster)
+    role, sep, index = args.task.partition(":")
+    if not sep or not index.isdigit():
+        raise ConfigError(f"--task {args.task!r} is not ROLE:INDEX. Fix: e.g. --task worker:1 "
+                          f"(roles: {', '.join(ROLES)})")
+    text = json.dumps({"cluster": cluster, "task": {"type": role, "index": int(index)}})
+    parsed = parse_tf_config(text)  # the same validation detect() applies
+    spec = detect({"TF_CONFIG": text})
+    assert parsed is not None
+    out = spec.to_tf_config()
+    print(f"export TF_CONFIG={shlex.quote(out)}" if args.export else out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stratkit", description=(
+        "Distributed Keras training on TensorFlow: detect the cluster, build the strategy, launch."))
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    info = sub.add_parser("info", help="show the detected cluster, strategy, devices and versions")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument("--strategy", default=None, help="an explicit strategy, as stratkit.detect(strategy=...)")
+    info.set_defaults(func=_info)
+
+    tfc = sub.add_parser("tf-config", help="print a validated TF_CONFIG for one task of a cluster")
+    tfc.add_argument("--cluster", action="append", required=True, metavar="ROLE=HOST:PORT[,...]",
+                     help="e.g. worker=h1:2222,h2:2222 (repeat or space-separate for ps=..., chief=...)")
+    tfc.add_argument("--task", required=True, metavar="ROLE:INDEX", help="e.g. worker:1")
+    tfc.add_argument("--export", action="store_true", help="print a shell `export TF_CONFIG=...` line")
+    tfc.set_defaults(func=_tf_config)
+
+    try:
+        from stratkit.launch.cli import add_launch_parser
+    except ImportError:
+        pass
+    else:
+        add_launch_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"stratkit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
