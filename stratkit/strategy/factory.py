@@ -1,0 +1,205 @@
+"""`make_strategy`: build the tf.distribute strategy a `ClusterSpec` calls for.
+
+Detection decides *what* (stratkit.cluster); this module only builds it. The
+Keras 3 compatibility layer is applied here, so users who call `model.fit`
+themselves on a model built in `make_strategy(...).scope()` get it too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stratkit.cluster import ClusterSpec, detect
+from stratkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_STARTUP_FIX = ("create the strategy before any other TensorFlow op: call stratkit.make_strategy() "
+                "(or stratkit.Trainer()) at the top of the script, before building tensors, models or datasets")
+
+
+def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None, **options: Any):
+    """Build the `tf.distribute.Strategy` for `spec` (detected when None).
+
+    Args:
+        spec: the cluster spec; `stratkit.detect(strategy=strategy)` when None.
+        strategy: an explicit strategy kind; with `spec`, it must agree with the
+            spec's cluster (the same rule `detect` applies).
+        **options: per-strategy options:
+            one_device: `device` (default "/gpu:0" when a GPU is visible, else "/cpu:0").
+            mirrored: `devices` (default: all GPUs, else all logical CPUs),
+                `logical_cpus=N` (split the CPU into N logical devices first;
+                useful for testing on a CPU machine), `cross_device_ops`.
+            multi_worker_mirrored: `implementation` ("auto", "ring", "nccl"),
+                `timeout_seconds` (collective timeout; keep it well above any
+                chief pause), `bytes_per_pack` (gradient packing).
+            parameter_server: `variable_partitioner` (e.g.
+                `tf.distribute.experimental.partitioners.MinSizePartitioner`).
+            tpu: `tpu` (name or address; default from the spec).
+
+    Returns:
+        The strategy. On the `ps` and `worker` tasks of a parameter-server
+        cluster it does not return: the task serves its `tf.distribute.Server`
+        until the chief signals the end of training, then the process exits 0
+        (see `stratkit.strategy.server.serve`).
+
+    Raises:
+        ConfigError: on a bad spec/option, or when TensorFlow was already
+            initialised so a multi-worker strategy can no longer be created.
+    """
+    if spec is None:
+        spec = detect(strategy=strategy)
+    elif strategy is not None:
+        spec = _override(spec, strategy)
+
+    build = _BUILDERS[spec.strategy]
+    known = _OPTIONS[spec.strategy]
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"make_strategy got option(s) {unknown} that strategy {spec.strategy!r} does not take. "
+                          f"Fix: use only {sorted(known) or 'no options'}")
+    result = build(spec, **options)
+    if spec.strategy in ("mirrored", "multi_worker_mirrored", "one_device"):
+        from stratkit.strategy import keras_compat
+
+        keras_compat.apply(result)
+    return result
+
+
+def _override(spec: ClusterSpec, strategy: str) -> ClusterSpec:
+    """Apply an explicit strategy to a given spec with the same rule detect() uses."""
+    from stratkit.cluster.detect import _apply_override, normalize_strategy
+
+    kind = normalize_strategy(strategy)
+    return _apply_override(spec, kind, f"strategy={strategy!r} was passed explicitly") if kind else spec
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def runtime_initialized() -> bool:
+    """True when TensorFlow's eager runtime already started (devices and collectives are fixed)."""
+    try:
+        from tensorflow.python.eager import context
+    except ImportError:  # pragma: no cover - TF is a hard dependency
+        return False
+    return getattr(context.context(), "_context_handle", None) is not None
+
+
+def _build_one_device(spec: ClusterSpec, device: str | None = None):
+    tf = _tf()
+    if device is None:
+        device = "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
+    return tf.distribute.OneDeviceStrategy(device)
+
+
+def configure_logical_cpus(count: int) -> list[str]:
+    """Split the first physical CPU into `count` logical devices (before TF starts)."""
+    tf = _tf()
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"logical_cpus must be a positive integer: got {count!r}. Fix: e.g. logical_cpus=2")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is None or len(current) != count:
+        if runtime_initialized():
+            raise ConfigError(f"logical_cpus={count} cannot be applied: TensorFlow already started "
+                              f"with {len(current or [1])} CPU device(s). Fix: {_STARTUP_FIX}")
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def _build_mirrored(spec: ClusterSpec, devices: list[str] | None = None, logical_cpus: int | None = None,
+                    cross_device_ops: Any = None):
+    tf = _tf()
+    if logical_cpus is not None:
+        cpu_devices = configure_logical_cpus(logical_cpus)
+    if devices is None:
+        gpus = tf.config.list_logical_devices("GPU")
+        # MirroredStrategy() alone uses one CPU even when several logical CPUs exist.
+        devices = [d.name for d in gpus] if gpus else (
+            cpu_devices if logical_cpus is not None else [d.name for d in tf.config.list_logical_devices("CPU")])
+    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
+
+
+def cluster_resolver(spec: ClusterSpec):
+    """A resolver for the spec's own cluster (not re-read from the environment: Slurm specs have no TF_CONFIG)."""
+    tf = _tf()
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec.cluster), task_type=spec.task_type, task_id=spec.task_index,
+        rpc_layer="grpc", num_accelerators={"GPU": spec.num_gpus} if spec.num_gpus else None)
+
+
+def _build_multi_worker(spec: ClusterSpec, implementation: str = "auto", timeout_seconds: float | None = None,
+                        bytes_per_pack: int = 0):
+    tf = _tf()
+    impls = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}
+    if implementation not in impls:
+        raise ConfigError(f"implementation={implementation!r} is not a collective implementation. "
+                          f"Fix: use one of {sorted(impls)}")
+    if spec.task_type in ("evaluator", "ps"):
+        # An evaluator is outside the collective group: it evaluates checkpoints on its own devices.
+        return _build_mirrored(spec) if spec.num_gpus > 1 else _build_one_device(spec)
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=impls[implementation], timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
+    if runtime_initialized():
+        raise ConfigError("MultiWorkerMirroredStrategy must be created before TensorFlow runs any op "
+                          f"(TensorFlow raises 'Collective ops must be configured at program startup'). Fix: {_STARTUP_FIX}")
+    resolver = cluster_resolver(spec) if spec.cluster else None
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+    except RuntimeError as exc:
+        if "program startup" in str(exc):
+            raise ConfigError(f"MultiWorkerMirroredStrategy could not be created ({exc}). Fix: {_STARTUP_FIX}") from None
+        raise
+
+
+def _build_parameter_server(spec: ClusterSpec, variable_partitioner: Any = None):
+    tf = _tf()
+    if spec.task_type in ("ps", "worker"):
+        from stratkit.strategy.server import serve
+
+        serve(spec)  # never returns: exits 0 when the chief signals the end
+    if spec.task_type == "evaluator":
+        return _build_mirrored(spec) if spec.num_gpus > 1 else _build_one_device(spec)
+    from stratkit.strategy.server import configure_coordinator
+
+    configure_coordinator(spec)
+    return tf.distribute.experimental.ParameterServerStrategy(
+        cluster_resolver(spec), variable_partitioner=variable_partitioner)
+
+
+def _build_tpu(spec: ClusterSpec, tpu: str | None = None):
+    tf = _tf()
+    name = tpu if tpu is not None else spec.tpu
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=name)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except Exception as exc:  # noqa: BLE001 - URLError, NotFoundError, ValueError: all mean 'no TPU here'
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"no TPU could be reached for TPU_NAME={name!r}: {first_line}. Fix: run on a TPU VM "
+                          "or set TPU_NAME to a reachable TPU; on a CPU/GPU machine use another strategy "
+                          "(STRATKIT_STRATEGY=one_device or mirrored)") from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+_BUILDERS = {
+    "one_device": _build_one_device,
+    "mirrored": _build_mirrored,
+    "multi_worker_mirrored": _build_multi_worker,
+    "parameter_server": _build_parameter_server,
+    "tpu": _build_tpu,
+}
+_OPTIONS = {
+    "one_device": {"device"},
+    "mirrored": {"devices", "logical_cpus", "cross_device_ops"},
+    "multi_worker_mirrored": {"implementation", "timeout_seconds", "bytes_per_pack"},
+    "parameter_server": {"variable_partitioner"},
+    "tpu": {"tpu"},
+}

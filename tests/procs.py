@@ -1,0 +1,278 @@
+"""Run small TensorFlow clusters as real local processes, for tests.
+
+Multi-worker tf.distribute behaviour can only be observed with several real
+processes talking gRPC on loopback: one process cannot host two MWMS workers
+(collective ops are configured once per process). These helpers start N Python
+processes, each with its own ``TF_CONFIG``, collect their output, and make sure
+none of them outlives the call (a hung collective must not leave orphans that
+hold ports or CPU for the next test).
+
+Typical use::
+
+    ports = free_ports(2)
+    results = run_cluster(code, worker_tf_configs(ports), timeout=60)
+    assert all(r.returncode == 0 for r in results), describe(results)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parent
+
+#: Environment every child gets (quiet TF logs, never touch a GPU).
+BASE_ENV: dict[str, str] = {
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "CUDA_VISIBLE_DEVICES": "",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """Outcome of one child process.
+
+    ``returncode`` is negative when the process died of a signal (e.g. -9 after
+    we killed it on timeout); ``killed`` says whether *we* killed it.
+    """
+
+    index: int
+    returncode: int
+    stdout: str
+    stderr: str
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.killed
+
+    def last_json(self) -> Any:
+        """Parse the last stdout line that is a JSON object (the script's report)."""
+        for line in reversed(self.stdout.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+        raise ValueError(f"process {self.index} printed no JSON line; stdout={self.stdout!r}")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Return ``n`` distinct TCP ports that were free a moment ago.
+
+    All sockets are held open until every port is picked, so the ports are
+    distinct; a small race with other programs remains (unavoidable without
+    handing the socket to the child).
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def cluster_tf_configs(cluster: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
+    """One TF_CONFIG dict per task of ``cluster``, in role order then index order.
+
+    ``cluster`` is a TF cluster spec such as
+    ``{"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}``.
+    """
+    spec = {role: list(addrs) for role, addrs in cluster.items()}
+    configs = []
+    for role, addrs in spec.items():
+        for i in range(len(addrs)):
+            configs.append({"cluster": spec, "task": {"type": role, "index": i}})
+    return configs
+
+
+def worker_tf_configs(ports: Sequence[int], host: str = "127.0.0.1") -> list[dict[str, Any]]:
+    """TF_CONFIGs for a cluster of ``len(ports)`` plain workers on ``host``."""
+    return cluster_tf_configs({"worker": [f"{host}:{p}" for p in ports]})
+
+
+def child_env(
+    tf_config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str | None] | None = None,
+) -> dict[str, str]:
+    """The environment for one child.
+
+    Starts from ``os.environ``, drops any inherited ``TF_CONFIG``, adds
+    :data:`BASE_ENV`, puts the repository root and ``tests/`` first on
+    ``PYTHONPATH``, sets ``TF_CONFIG`` from ``tf_config`` (if not None), then
+    applies ``env`` (a value of None removes the variable).
+    """
+    out = dict(os.environ)
+    out.pop("TF_CONFIG", None)
+    out.update(BASE_ENV)
+    paths = [str(REPO_ROOT), str(TESTS_DIR)]
+    if out.get("PYTHONPATH"):
+        paths.append(out["PYTHONPATH"])
+    out["PYTHONPATH"] = os.pathsep.join(paths)
+    if tf_config is not None:
+        out["TF_CONFIG"] = json.dumps(tf_config)
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def _script_argv(script: str | os.PathLike[str], workdir: Path) -> list[str]:
+    """argv for the script: a path to a file, or Python code written to a temp file.
+
+    A ``str`` naming an existing file is treated as a path; any other ``str``
+    is code (written to a file so tracebacks show real line numbers).
+    """
+    if isinstance(script, os.PathLike) or (
+        isinstance(script, str) and "\n" not in script and os.path.isfile(script)
+    ):
+        return [sys.executable, os.fspath(script)]
+    path = workdir / "child_script.py"
+    path.write_text(str(script))
+    return [sys.executable, str(path)]
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's process group (it was started as a group leader)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def run_cluster(
+    script: str | os.PathLike[str],
+    tf_configs: Sequence[Mapping[str, Any] | None],
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 120.0,
+    args: Sequence[str] = (),
+    per_process_env: Sequence[Mapping[str, str | None]] | None = None,
+    grace_after_failure: float | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[Result]:
+    """Start one process per entry of ``tf_configs`` and wait for all of them.
+
+    Args:
+        script: a path to a Python file, or Python source code.
+        tf_configs: one TF_CONFIG dict per process (None: no TF_CONFIG).
+        env: extra environment for every process (None values unset a variable).
+        timeout: overall seconds for the whole cluster; then every process still
+            running is SIGKILLed (its whole process group) and marked ``killed``.
+        args: extra command-line arguments for every process.
+        per_process_env: optional extra environment per process (same length
+            as ``tf_configs``), applied after ``env``.
+        grace_after_failure: if set, once any process exits non-zero the others
+            get this many seconds to finish, then are killed. Peers of a dead
+            MWMS worker otherwise block in a collective until the heartbeat
+            timeout.
+        cwd: working directory of the children (default: repository root).
+
+    Returns:
+        One :class:`Result` per process, in ``tf_configs`` order. Never leaves a
+        child running, also when interrupted (KeyboardInterrupt, test timeout).
+    """
+    if per_process_env is not None and len(per_process_env) != len(tf_configs):
+        raise ValueError("per_process_env must have one entry per tf_config")
+    procs: list[subprocess.Popen[bytes]] = []
+    outs: list[tuple[Any, Any]] = []
+    killed: set[int] = set()
+    with tempfile.TemporaryDirectory(prefix="stratkit-procs-") as tmp:
+        workdir = Path(tmp)
+        argv = _script_argv(script, workdir) + list(args)
+        try:
+            for i, cfg in enumerate(tf_configs):
+                extra = dict(env or {})
+                if per_process_env is not None:
+                    extra.update(per_process_env[i])
+                # Files, not pipes: a chatty child can never block on a full pipe.
+                out = open(workdir / f"{i}.out", "w+b")
+                err = open(workdir / f"{i}.err", "w+b")
+                outs.append((out, err))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        env=child_env(cfg, extra),
+                        cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes):
+                    break
+                now = time.monotonic()
+                if grace_after_failure is not None and any(c not in (None, 0) for c in codes):
+                    deadline = min(deadline, now + grace_after_failure)
+                    grace_after_failure = None  # start the grace period only once
+                if now >= deadline:
+                    for i, p in enumerate(procs):
+                        if p.poll() is None:
+                            killed.add(i)
+                            _kill(p)
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                _kill(p)
+                p.wait()
+        results = []
+        for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+            out.seek(0)
+            err.seek(0)
+            results.append(
+                Result(
+                    index=i,
+                    returncode=p.returncode,
+                    stdout=out.read().decode(errors="replace"),
+                    stderr=err.read().decode(errors="replace"),
+                    killed=i in killed,
+                )
+            )
+            out.close()
+            err.close()
+        return results
+
+
+def run_process(
+    script: str | os.PathLike[str],
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 120.0,
+    args: Sequence[str] = (),
+    tf_config: Mapping[str, Any] | None = None,
+) -> Result:
+    """Run a single child process (same environment rules as :func:`run_cluster`)."""
+    return run_cluster(script, [tf_config], env=env, timeout=timeout, args=args)[0]
+
+
+def describe(results: Sequence[Result], tail: int = 3000) -> str:
+    """Human-readable dump of results for assertion messages (stderr tails)."""
+    parts = []
+    for r in results:
+        parts.append(
+            f"--- process {r.index}: returncode={r.returncode} killed={r.killed}\n"
+            f"stdout (tail):\n{r.stdout[-tail:]}\nstderr (tail):\n{r.stderr[-tail:]}"
+        )
+    return "\n".join(parts)
