@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "make_strategy": "stratkit.strategy.factory",
     "Trainer": "stratkit.training.trainer",
-    "callbacks": "stratkit.training.callbacks",
+    "callbacks": "stratkit.callbacks",
 }
 
 if TYPE_CHECKING:  # pragma: no cover

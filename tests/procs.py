@@ -25,9 +25,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -150,13 +151,43 @@ def _script_argv(script: str | os.PathLike[str], workdir: Path) -> list[str]:
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the child's process group (it was started as a group leader)."""
-    if proc.poll() is not None:
-        return
+    """SIGKILL the child's process group (it was started as a group leader).
+
+    The group is killed even if the child itself already exited, so anything it
+    spawned goes too; a group with no members left raises ProcessLookupError.
+    """
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        proc.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _load_prctl() -> Any:
+    """libc's prctl on Linux, looked up once in the parent (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the parent dies (Linux only).
+
+    Covers what no ``finally`` can: the test runner itself being killed. prctl is
+    resolved in the parent so the forked child imports nothing (the parent may
+    have threads, e.g. TensorFlow's, holding import locks).
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def run_cluster(
@@ -193,9 +224,9 @@ def run_cluster(
     if per_process_env is not None and len(per_process_env) != len(tf_configs):
         raise ValueError("per_process_env must have one entry per tf_config")
     procs: list[subprocess.Popen[bytes]] = []
-    outs: list[tuple[Any, Any]] = []
+    files: list[tuple[IO[bytes], IO[bytes]]] = []
     killed: set[int] = set()
-    with tempfile.TemporaryDirectory(prefix="stratkit-procs-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="stratkit-procs-") as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         argv = _script_argv(script, workdir) + list(args)
         try:
@@ -204,9 +235,9 @@ def run_cluster(
                 if per_process_env is not None:
                     extra.update(per_process_env[i])
                 # Files, not pipes: a chatty child can never block on a full pipe.
-                out = open(workdir / f"{i}.out", "w+b")
-                err = open(workdir / f"{i}.err", "w+b")
-                outs.append((out, err))
+                out = stack.enter_context(open(workdir / f"{i}.out", "w+b"))
+                err = stack.enter_context(open(workdir / f"{i}.err", "w+b"))
+                files.append((out, err))
                 procs.append(
                     subprocess.Popen(
                         argv,
@@ -216,17 +247,20 @@ def run_cluster(
                         env=child_env(cfg, extra),
                         cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
                         start_new_session=True,
+                        # Safe with threads: it calls one preloaded C function, takes no lock.
+                        preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509
                     )
                 )
             deadline = time.monotonic() + timeout
+            grace = grace_after_failure
             while True:
                 codes = [p.poll() for p in procs]
                 if all(c is not None for c in codes):
                     break
                 now = time.monotonic()
-                if grace_after_failure is not None and any(c not in (None, 0) for c in codes):
-                    deadline = min(deadline, now + grace_after_failure)
-                    grace_after_failure = None  # start the grace period only once
+                if grace is not None and any(c not in (None, 0) for c in codes):
+                    deadline = min(deadline, now + grace)
+                    grace = None  # start the grace period only once
                 if now >= deadline:
                     for i, p in enumerate(procs):
                         if p.poll() is None:
@@ -235,11 +269,12 @@ def run_cluster(
                     break
                 time.sleep(0.05)
         finally:
+            # Also on KeyboardInterrupt / an exception above: no orphans.
             for p in procs:
                 _kill(p)
                 p.wait()
         results = []
-        for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        for i, (p, (out, err)) in enumerate(zip(procs, files, strict=True)):
             out.seek(0)
             err.seek(0)
             results.append(
@@ -251,8 +286,6 @@ def run_cluster(
                     killed=i in killed,
                 )
             )
-            out.close()
-            err.close()
         return results
 
 

@@ -1,0 +1,557 @@
+"""Version-gated fixes that let Keras 3 train under multi-worker tf.distribute.
+
+Why this exists
+---------------
+Keras 3's TensorFlow trainer (``keras/src/backend/tensorflow/trainer.py``) has
+two bugs that stop ``fit``/``evaluate`` under ``MultiWorkerMirroredStrategy``
+(MWMS) with two or more workers:
+
+1. ``TensorFlowTrainer._maybe_symbolic_build`` builds the model from the first
+   batch after *averaging that batch across replicas* with
+   ``strategy.reduce("MEAN", batch, axis=None)``. Under multi-worker MWMS this
+   raises ``ValueError: Attempt to convert a value (PerReplica:{...}) ... to a
+   Tensor`` (keras-team/keras#20585). The batch is only needed for its shapes
+   and dtypes, so we build from the first *local* replica's batch
+   (``strategy.experimental_local_results(v)[0]``): no cross-worker traffic,
+   same shapes.
+2. The module function ``reduce_per_replica`` reduces the step's logs under
+   multi-worker with ``strategy.reduce("MEAN", v, axis=0)``. Logs are scalars
+   (rank 0), so this raises ``Invalid reduction dimension 0 for input with 0
+   dimensions`` (tensorflow/tensorflow#72388). We reduce rank-0 values with
+   ``axis=None`` (mean across replicas only) and leave every other case to the
+   original function.
+
+Both fixes replace private Keras functions, so they are applied only to Keras
+versions they were verified on (:data:`TESTED_KERAS_VERSIONS`, with two real
+worker processes in ``tests/strategy/test_keras_compat.py``). On any other
+Keras 3 version :func:`apply` runs a cheap in-process probe of the installed
+functions; if it cannot prove both bugs are gone it raises
+:class:`~stratkit.errors.KerasCompatError` instead of letting training fail
+later or, worse, silently do something else.
+
+This module imports neither TensorFlow nor Keras at import time: ``import
+stratkit`` must stay TensorFlow-free. Everything heavy is imported inside the
+functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from stratkit.errors import ConfigError, KerasCompatError
+
+__all__ = [
+    "ENV_VAR",
+    "TESTED_KERAS_VERSIONS",
+    "apply",
+    "check_first_batch",
+    "check_steps_per_execution",
+    "installed_keras_version",
+    "revert",
+    "upstream_bugs_present",
+]
+
+log = logging.getLogger(__name__)
+
+#: Exact Keras versions on which the patches were verified with two real MWMS
+#: worker processes (identical, finite losses; evaluate and predict correct).
+TESTED_KERAS_VERSIONS: frozenset[str] = frozenset({"3.15.1"})
+
+#: Environment variable overriding the version gate: ``force`` patches any
+#: Keras 3 version (at the user's own risk), ``off`` never patches,
+#: ``auto`` (or unset) is the default gate.
+ENV_VAR = "STRATKIT_KERAS_COMPAT"
+
+#: Names of the upstream bugs this module fixes, as reported by
+#: :func:`upstream_bugs_present`.
+BUG_SYMBOLIC_BUILD = "keras-team/keras#20585 (_maybe_symbolic_build reduces the first batch)"
+BUG_SCALAR_REDUCE = "tensorflow/tensorflow#72388 (reduce_per_replica reduces scalars with axis=0)"
+
+_TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
+_PATCH_MARK = "__stratkit_keras_compat__"
+
+_lock = threading.Lock()
+_status: str | None = None
+_originals: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------
+# Version detection
+# --------------------------------------------------------------------------
+
+
+def _legacy_keras_requested() -> bool:
+    """True when TensorFlow routes ``tf.keras`` to tf-keras (Keras 2).
+
+    Uses the exact test TensorFlow itself applies to ``TF_USE_LEGACY_KERAS``.
+    """
+    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
+
+
+def installed_keras_version() -> str:
+    """The version of the Keras that training will use, e.g. ``"3.15.1"``.
+
+    With ``TF_USE_LEGACY_KERAS=1`` that is tf-keras (a ``2.x`` version) when it
+    is installed; otherwise the ``keras`` package. This is the *only* place the
+    version gate reads the version, so tests can monkeypatch it.
+    """
+    if _legacy_keras_requested():
+        try:
+            import tf_keras  # type: ignore[import-not-found]
+
+            return str(tf_keras.__version__)
+        except ImportError:
+            pass  # TF will complain itself; report the Keras that is importable.
+    import keras
+
+    return str(keras.__version__)
+
+
+def _major(version: str) -> int:
+    """Major version number of ``version`` (``"3.15.1"`` -> 3)."""
+    try:
+        return int(version.split(".", 1)[0])
+    except ValueError as exc:
+        raise KerasCompatError(f"Cannot parse the Keras version {version!r}.") from exc
+
+
+def _mode() -> str:
+    """The value of :data:`ENV_VAR`, validated (``auto``, ``force`` or ``off``)."""
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("force", "off"):
+        return raw
+    raise ConfigError(
+        f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} is not understood. "
+        f"Use {ENV_VAR}=auto (default: patch tested Keras versions only), "
+        f"{ENV_VAR}=force (patch any Keras 3 version at your own risk) or "
+        f"{ENV_VAR}=off (never patch)."
+    )
+
+
+# --------------------------------------------------------------------------
+# The replacement functions
+# --------------------------------------------------------------------------
+
+
+def _first_local_value(strategy: Any, value: Any) -> Any:
+    """``value`` itself, or the first local replica's component of a distributed value."""
+    import tensorflow as tf
+
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> None:
+    """Replacement for ``TensorFlowTrainer._maybe_symbolic_build``.
+
+    Upstream averages the first distributed batch across replicas with
+    ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its shapes;
+    under multi-worker MWMS that reduce fails (keras-team/keras#20585). The
+    first local replica's batch has the same per-replica shapes and dtypes and
+    needs no cross-worker communication, so we build from it. (The same MEAN
+    is what makes MirroredStrategy crash with ``AddN must have the same size
+    and shape`` on an uneven first batch; building from one replica's batch
+    avoids that too.) Everything else (the early return without a strategy,
+    consuming one batch from the first epoch iterator, building inside
+    ``strategy.scope()``) is unchanged.
+    """
+    from keras.src import tree
+
+    if self._distribute_strategy is None:
+        # Without an explicit strategy Keras defers building to tracing time.
+        return
+    strategy = self.distribute_strategy
+    if iterator is not None:
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tree.map_structure(lambda v: _first_local_value(strategy, v), batch)
+            break
+    with strategy.scope():
+        self._symbolic_build(data_batch=data_batch)
+
+
+def _static_rank(strategy: Any, value: Any) -> int | None:
+    """Static rank of a tensor or of a distributed value's local component, if known."""
+    local = _first_local_value(strategy, value)
+    shape = getattr(local, "shape", None)
+    if shape is None:
+        return None
+    return getattr(shape, "rank", len(shape) if isinstance(shape, tuple) else None)
+
+
+def _is_multi_worker_collective(strategy: Any) -> bool:
+    """True for an MWMS whose cluster has more than one worker (where bug 2 bites)."""
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        strategy.extended._in_multi_worker_mode()
+    )
+
+
+def _reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+    """Replacement for the module function ``reduce_per_replica``.
+
+    Upstream, under multi-worker MWMS, ``"mean"`` (what ``"auto"`` means off
+    TPU) calls ``strategy.reduce("MEAN", v, axis=0)`` for every value. For the
+    scalar logs every train/test step returns that fails with ``Invalid
+    reduction dimension 0 for input with 0 dimensions``
+    (tensorflow/tensorflow#72388). A rank-0 value has no axis to average
+    within a replica, so ``axis=None`` (average across replicas only) is the
+    intended meaning. Values of rank >= 1 keep ``axis=0`` and every other
+    reduction and strategy goes to the original function unchanged, so the
+    patch changes nothing but the failing case.
+    """
+    original = _originals["reduce_per_replica"]
+    if reduction not in ("auto", "mean") or not _is_multi_worker_collective(strategy):
+        return original(values, strategy, reduction)
+
+    from keras.src import tree
+
+    def _mean(v: Any) -> Any:
+        axis = None if _static_rank(strategy, v) == 0 else 0
+        return strategy.reduce("MEAN", v, axis=axis)
+
+    return tree.map_structure(_mean, values)
+
+
+setattr(_maybe_symbolic_build, _PATCH_MARK, True)
+setattr(_reduce_per_replica, _PATCH_MARK, True)
+
+
+def _trainer_module() -> Any:
+    """The Keras module holding the two patched functions (imported lazily)."""
+    import importlib
+
+    return importlib.import_module(_TRAINER_MODULE)
+
+
+def _install() -> None:
+    """Swap the two Keras functions for ours; a second call is a no-op."""
+    m = _trainer_module()
+    cls = m.TensorFlowTrainer
+    if not getattr(cls.__dict__.get("_maybe_symbolic_build"), _PATCH_MARK, False):
+        _originals["_maybe_symbolic_build"] = cls.__dict__["_maybe_symbolic_build"]
+        cls._maybe_symbolic_build = _maybe_symbolic_build
+    if not getattr(m.reduce_per_replica, _PATCH_MARK, False):
+        _originals["reduce_per_replica"] = m.reduce_per_replica
+        m.reduce_per_replica = _reduce_per_replica
+
+
+def revert() -> None:
+    """Restore the original Keras functions and forget the cached :func:`apply` result.
+
+    For tests and for callers who need upstream behaviour back in this process.
+    """
+    global _status
+    with _lock:
+        if _originals:
+            m = _trainer_module()
+            if "_maybe_symbolic_build" in _originals:
+                m.TensorFlowTrainer._maybe_symbolic_build = _originals.pop("_maybe_symbolic_build")
+            if "reduce_per_replica" in _originals:
+                m.reduce_per_replica = _originals.pop("reduce_per_replica")
+        _status = None
+
+
+# --------------------------------------------------------------------------
+# Self-check for Keras versions we did not test
+# --------------------------------------------------------------------------
+
+
+def _probe_strategy_class() -> type:
+    """A stand-in MWMS that claims multi-worker mode and records what Keras asks of it.
+
+    It is an instance of ``tf.distribute.MultiWorkerMirroredStrategy`` (so
+    Keras takes its multi-worker branches) but never touches a cluster. Its
+    ``reduce`` fails exactly where the real one fails: on a value whose rank
+    is too small for ``axis``, and on any cross-replica reduce of an input
+    batch (which is what bug 1 does).
+    """
+    import contextlib
+
+    import tensorflow as tf
+
+    class _ProbeExtended:
+        worker_devices = ("/job:worker/task:0/device:CPU:0",)
+
+        def _in_multi_worker_mode(self) -> bool:
+            return True
+
+    class _ProbeStrategy(tf.distribute.MultiWorkerMirroredStrategy):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:  # deliberately no super().__init__: no cluster
+            self._extended = _ProbeExtended()
+            self.reduce_calls: list[tuple[str, Any]] = []
+            self.batch_reduced = False
+
+        @property
+        def extended(self) -> Any:
+            return self._extended
+
+        @property
+        def num_replicas_in_sync(self) -> int:
+            return 2
+
+        def scope(self) -> Any:
+            return contextlib.nullcontext()
+
+        def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+            if isinstance(value, tf.distribute.DistributedValues):
+                return tuple(value.values)
+            return (value,)
+
+        def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
+            self.reduce_calls.append((str(reduce_op), axis))
+            if isinstance(value, (tuple, list, dict)):
+                self.batch_reduced = True
+                raise TypeError("probe: cross-replica reduce of an input batch")
+            local = self.experimental_local_results(value)[0]
+            rank = local.shape.rank
+            if axis is not None and (rank is None or rank <= axis):
+                raise ValueError(
+                    f"probe: Invalid reduction dimension {axis} for input with {rank} dimensions"
+                )
+            return local
+
+    return _ProbeStrategy
+
+
+def upstream_bugs_present() -> list[str]:
+    """Which of the two bugs the *currently installed* Keras functions still have.
+
+    Runs both functions in-process against a stand-in multi-worker MWMS and
+    symbolic tensors in a private ``tf.Graph``: no cluster, no eager op (so it
+    is safe before the real MWMS is created), a few milliseconds. It fails
+    closed: anything unexpected (a renamed function, a changed signature, a
+    different call pattern) counts as "bug present".
+
+    Returns an empty list only if both functions were seen to handle the
+    failing inputs correctly.
+    """
+    try:
+        import tensorflow as tf
+        from tensorflow.python.distribute import values as tf_values
+
+        m = _trainer_module()
+        probe_cls = _probe_strategy_class()
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot verify"
+        log.debug("keras_compat self-check could not start: %r", exc)
+        return [BUG_SYMBOLIC_BUILD, BUG_SCALAR_REDUCE]
+
+    present: list[str] = []
+    with tf.Graph().as_default():
+        x = tf.zeros((8, 4), tf.float32)
+        y = tf.zeros((8, 1), tf.float32)
+        loss = tf.constant(1.0)
+
+        # Bug 1: build from a distributed first batch without reducing it.
+        try:
+            strategy = probe_cls()
+            built: list[Any] = []
+
+            class _Model:
+                _distribute_strategy = strategy
+                distribute_strategy = strategy
+
+                def _symbolic_build(self, data_batch: Any = None) -> None:
+                    built.append(data_batch)
+
+            batch = (tf_values.PerReplica((x,)), tf_values.PerReplica((y,)))
+            m.TensorFlowTrainer._maybe_symbolic_build(_Model(), iterator=[(0, 0, iter([batch]))])
+            ok = (
+                not strategy.batch_reduced
+                and len(built) == 1
+                and isinstance(built[0], (tuple, list))
+                and len(built[0]) == 2
+                and all(isinstance(t, tf.Tensor) for t in built[0])
+                and [t.shape.as_list() for t in built[0]] == [[8, 4], [8, 1]]
+            )
+        except Exception as exc:  # noqa: BLE001
+            log.debug("keras_compat self-check, symbolic build: %r", exc)
+            ok = False
+        if not ok:
+            present.append(BUG_SYMBOLIC_BUILD)
+
+        # Bug 2: reduce scalar logs across workers.
+        try:
+            strategy = probe_cls()
+            logs = {"loss": tf_values.PerReplica((loss,))}
+            out = m.reduce_per_replica(logs, strategy, reduction="auto")
+            ok = (
+                isinstance(out, dict)
+                and isinstance(out.get("loss"), tf.Tensor)
+                and out["loss"].shape.rank == 0
+                and len(strategy.reduce_calls) == 1
+                and strategy.reduce_calls[0][0].upper().endswith("MEAN")
+            )
+        except Exception as exc:  # noqa: BLE001
+            log.debug("keras_compat self-check, scalar reduce: %r", exc)
+            ok = False
+        if not ok:
+            present.append(BUG_SCALAR_REDUCE)
+    return present
+
+
+# --------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------
+
+
+def _refusal(version: str, bugs: list[str]) -> KerasCompatError:
+    """The error raised for an untested Keras version that still has a bug."""
+    tested = ", ".join(sorted(TESTED_KERAS_VERSIONS))
+    newest = max(TESTED_KERAS_VERSIONS, key=lambda v: tuple(int(p) for p in v.split(".")))
+    return KerasCompatError(
+        f"Keras {version} is installed, but stratkit's multi-worker fixes for Keras 3 "
+        f"were only tested on Keras {tested}, and a self-check of Keras {version} "
+        f"could not show these upstream bugs are fixed: {'; '.join(bugs)}. "
+        f"Fix: install a tested version (pip install keras=={newest}), or set "
+        f"{ENV_VAR}=force to apply the patches to Keras {version} at your own risk, "
+        f"or set {ENV_VAR}=off to run Keras {version} unpatched."
+    )
+
+
+def apply(strategy: Any = None) -> str:
+    """Make Keras 3 work under MWMS / MirroredStrategy; safe to call many times.
+
+    Patches once per process and caches the outcome (a refusal is not cached,
+    so a fixed environment can retry). Returns:
+
+    * ``"patched"``: Keras is a tested version; the fixes are installed.
+    * ``"forced"``: Keras is untested and still buggy, but
+      ``STRATKIT_KERAS_COMPAT=force``; the fixes are installed anyway.
+    * ``"not_needed"``: legacy Keras 2 / tf-keras (``TF_USE_LEGACY_KERAS=1``),
+      a non-TensorFlow Keras backend, or an untested Keras 3 whose self-check
+      shows both bugs fixed upstream. Nothing is changed.
+    * ``"disabled"``: ``STRATKIT_KERAS_COMPAT=off``. Nothing is changed.
+
+    Raises:
+        KerasCompatError: an untested Keras 3 version that still has a bug (or
+            cannot be checked), and no override is set.
+        ConfigError: ``STRATKIT_KERAS_COMPAT`` has an unknown value.
+
+    ``strategy`` is optional and only used for a log line: the fixes act on
+    Keras classes, so they cover every strategy in the process and change
+    nothing for strategies that never hit the buggy code (they delegate to
+    the original code, or build from identical shapes). Calling this before or
+    after creating the strategy both work: no TensorFlow op is run.
+    """
+    global _status
+    with _lock:
+        if _status is not None:
+            return _status
+        mode = _mode()
+        if mode == "off":
+            log.info("%s=off: Keras 3 multi-worker fixes not applied.", ENV_VAR)
+            _status = "disabled"
+            return _status
+        version = installed_keras_version()
+        major = _major(version)
+        if major < 3:
+            _status = "not_needed"  # Keras 2 / tf-keras has neither bug.
+            return _status
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            _status = "not_needed"  # tf.distribute is irrelevant to jax/torch.
+            return _status
+        if version in TESTED_KERAS_VERSIONS:
+            _install()
+            _status = "patched"
+        else:
+            bugs = upstream_bugs_present()
+            if not bugs:
+                log.info("Keras %s: self-check shows the bugs fixed upstream; not patching.", version)
+                _status = "not_needed"
+            elif mode == "force":
+                log.warning(
+                    "Keras %s is not among the tested versions %s; %s=force: "
+                    "applying stratkit's Keras fixes at your own risk.",
+                    version,
+                    sorted(TESTED_KERAS_VERSIONS),
+                    ENV_VAR,
+                )
+                _install()
+                _status = "forced"
+            else:
+                raise _refusal(version, bugs)
+        log.debug(
+            "keras_compat.apply: %s (Keras %s, strategy %s)",
+            _status,
+            version,
+            type(strategy).__name__ if strategy is not None else None,
+        )
+        return _status
+
+
+# --------------------------------------------------------------------------
+# Configuration guards
+# --------------------------------------------------------------------------
+
+
+def _num_replicas(strategy: Any) -> int:
+    return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+
+
+def check_steps_per_execution(model: Any, strategy: Any) -> None:
+    """Refuse ``steps_per_execution > 1`` with more than one replica.
+
+    Keras 3 fails with Mirrored/MultiWorkerMirrored strategies and more than
+    one replica when ``steps_per_execution > 1`` (keras-team/keras#19246).
+
+    Decision: raise :class:`~stratkit.errors.ConfigError` rather than quietly
+    resetting it to 1. ``steps_per_execution`` also decides how often
+    batch-level callbacks run and was chosen for throughput; changing it
+    behind the user's back changes behaviour they configured, and a compiled
+    model may already hold a train function built for the old value. The
+    message names the value and the one-line fix.
+    """
+    import tensorflow as tf
+
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    replicas = _num_replicas(strategy)
+    mirrored = isinstance(
+        strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    )
+    if mirrored and replicas > 1 and spe > 1:
+        raise ConfigError(
+            f"steps_per_execution={spe} does not work in Keras 3 with "
+            f"{type(strategy).__name__} and {replicas} replicas (keras-team/keras#19246). "
+            f"Fix: compile the model with steps_per_execution=1 "
+            f"(model.compile(..., steps_per_execution=1))."
+        )
+
+
+def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
+    """Refuse a global batch size that does not split evenly across replicas.
+
+    Upstream Keras 3 with MirroredStrategy fails on an uneven first batch with
+    ``AddN must have the same size and shape`` deep inside TensorFlow; this
+    says why up front. (Measured on Keras 3.15.1: that AddN is the
+    cross-replica MEAN in ``_maybe_symbolic_build``, so with :func:`apply`
+    active the fit no longer crashes. The check still stands: each replica
+    averages its own share, so unequal shares weigh samples unequally, and
+    with the compat layer off or not needed the crash is back.)
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError(f"num_replicas={num_replicas!r} must be a positive integer.")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(
+            f"global batch size {global_batch_size!r} must be a positive integer "
+            f"(the GLOBAL batch, split across {num_replicas} replicas)."
+        )
+    if global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % num_replicas
+        upper = lower + num_replicas
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ConfigError(
+            f"global batch size {global_batch_size} does not split evenly across "
+            f"{num_replicas} replicas (MirroredStrategy then fails with 'AddN must "
+            f"have the same size and shape'). Fix: use a global batch size that is a "
+            f"multiple of {num_replicas}, e.g. {choices}."
+        )

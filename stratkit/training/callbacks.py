@@ -1,0 +1,151 @@
+"""Callbacks stratkit adds to `fit`: throughput, learning-rate scaling with warmup,
+and the chief-only rules for side effects (progress bar, TensorBoard, checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Iterable
+
+import keras
+
+from stratkit.errors import ConfigError
+
+
+class Throughput(keras.callbacks.Callback):
+    """Report examples/sec per epoch (printed on the chief; added to the epoch logs).
+
+    Args:
+        global_batch_size: examples per step across the cluster.
+        verbose: print a line per epoch (stratkit turns this off on non-chief workers).
+    """
+
+    def __init__(self, global_batch_size: int, verbose: bool = True) -> None:
+        super().__init__()
+        self.global_batch_size = int(global_batch_size)
+        self.verbose = verbose
+        self.history: list[float] = []
+        self._start = 0.0
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._start = time.perf_counter()
+        self._steps = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._steps += 1
+        self._last = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # Training steps only: validation and backups after the last step are not throughput.
+        seconds = max(getattr(self, "_last", self._start) - self._start, 1e-9)
+        rate = self._steps * self.global_batch_size / seconds
+        self.history.append(rate)
+        if logs is not None:
+            logs["examples_per_sec"] = rate
+        if self.verbose:
+            print(f"[stratkit] epoch {epoch + 1}: {rate:,.0f} examples/sec "
+                  f"({self._steps} steps x global batch {self.global_batch_size}, {seconds:.2f}s)", flush=True)
+
+
+def _learning_rate_variable(model: Any) -> Any:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ConfigError("scale_learning_rate=True needs a compiled model. Fix: call model.compile(optimizer=...) "
+                          "in the function passed to trainer.build")
+    if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
+            optimizer._learning_rate):
+        raise ConfigError(f"scale_learning_rate=True needs a constant learning rate, but the optimizer uses "
+                          f"{type(optimizer._learning_rate).__name__}. Fix: scale the schedule's initial rate by "
+                          "trainer.num_replicas yourself and pass scale_learning_rate=False")
+    return optimizer.learning_rate
+
+
+class LinearScalingWarmup(keras.callbacks.Callback):
+    """The linear scaling rule with gradual warmup (Goyal et al. 2017).
+
+    The learning rate goes linearly from the compiled rate `lr` to `lr x scale`
+    over the first `warmup_epochs` epochs (per step), then stays at `lr x scale`.
+
+    Args:
+        scale: the factor, normally the number of replicas.
+        warmup_epochs: epochs of warmup (0: scale at once).
+        steps_per_epoch: steps in one epoch (needed for a per-step ramp).
+    """
+
+    def __init__(self, scale: float, warmup_epochs: int = 0, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if warmup_epochs and not steps_per_epoch:
+            raise ConfigError("warmup_epochs needs the number of steps per epoch. Fix: pass steps_per_epoch=N "
+                              "to fit when the data's length is unknown")
+        self.scale = float(scale)
+        self.warmup_epochs = int(warmup_epochs)
+        self.steps_per_epoch = steps_per_epoch
+        self.base_lr: float | None = None
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        variable = _learning_rate_variable(self.model)
+        if self.base_lr is None:
+            self.base_lr = float(keras.ops.convert_to_numpy(variable))
+        self._set(self._rate(0, 0))
+
+    def _rate(self, epoch: int, batch: int) -> float:
+        assert self.base_lr is not None
+        if self.warmup_epochs <= 0:
+            return self.base_lr * self.scale
+        progress = min((epoch * self.steps_per_epoch + batch) / (self.warmup_epochs * self.steps_per_epoch), 1.0)
+        return self.base_lr * (1.0 + (self.scale - 1.0) * progress)
+
+    def _set(self, value: float) -> None:
+        self.model.optimizer.learning_rate.assign(value)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.warmup_epochs > 0 and self._epoch <= self.warmup_epochs:
+            self._set(self._rate(self._epoch, batch))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+def route_side_effects(callbacks: Iterable[Any], is_chief: bool) -> tuple[list[Any], list[str]]:
+    """Keep the user's callbacks, sending non-chief TensorBoard/checkpoint output to temp dirs.
+
+    Every worker still runs them (reading synchronised variables may need all
+    workers), but only the chief's files land where the user asked.
+
+    Returns:
+        (callbacks, temporary directories to remove after training).
+    """
+    callbacks = list(callbacks or ())
+    if is_chief:
+        return callbacks, []
+    temps: list[str] = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.TensorBoard):
+            temps.append(tempfile.mkdtemp(prefix="stratkit-tb-worker-"))
+            callback.log_dir = temps[-1]
+        elif isinstance(callback, keras.callbacks.ModelCheckpoint):
+            temps.append(tempfile.mkdtemp(prefix="stratkit-ckpt-worker-"))
+            callback.filepath = os.path.join(temps[-1], os.path.basename(str(callback.filepath)))
+    return callbacks, temps
+
+
+def remove_dirs(paths: Iterable[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def default_verbose(is_chief: bool) -> Any:
+    """Progress bar on the chief ("auto": a bar on a terminal, a line per epoch in logs); workers quiet."""
+    if not is_chief and os.environ.get("STRATKIT_VERBOSE_WORKERS", "") not in ("1", "true", "yes"):
+        return 0
+    return 1 if sys.stdout.isatty() else 2

@@ -1,0 +1,251 @@
+"""`Trainer`: one build + fit that runs unchanged on one device, several local
+devices, N workers, and every task of a parameter-server cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterable
+
+from stratkit.cluster import ClusterSpec, detect
+from stratkit.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """Build and train a Keras model under the strategy the environment calls for.
+
+    Args:
+        strategy: an explicit strategy kind ("one_device", "mirrored",
+            "multi_worker_mirrored", "parameter_server", "tpu"); beats detection.
+        spec: a `ClusterSpec` (default: `stratkit.detect(strategy=strategy)`).
+        seed: shuffle seed for numpy inputs; the same on every worker.
+        **strategy_options: passed to `stratkit.make_strategy` (e.g.
+            `logical_cpus=2`, `timeout_seconds=600`, `variable_partitioner=...`).
+
+    The strategy is created in the constructor, so create the Trainer before
+    any other TensorFlow op. On the ps and worker tasks of a parameter-server
+    cluster the constructor serves the task and exits the process when the
+    chief finishes (no `if` needed in the user's script).
+    """
+
+    def __init__(self, strategy: str | None = None, spec: ClusterSpec | None = None, *, seed: int | None = None,
+                 **strategy_options: Any) -> None:
+        from stratkit.strategy.factory import _override, make_strategy
+
+        if spec is None:
+            spec = detect(strategy=strategy)
+        elif strategy is not None:
+            spec = _override(spec, strategy)
+        self.spec: ClusterSpec = spec
+        self.strategy = make_strategy(spec, **strategy_options)
+        from stratkit.training.data import DEFAULT_SEED
+
+        self.seed = DEFAULT_SEED if seed is None else int(seed)
+
+    # -- properties ---------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        """Replicas that train in sync (GPUs x workers; 1 per CPU worker)."""
+        return int(self.strategy.num_replicas_in_sync)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the task that saves, logs and prints the progress bar."""
+        return self.spec.is_chief
+
+    @property
+    def _ps(self) -> bool:
+        return self.spec.strategy == "parameter_server"
+
+    # -- build ----------------------------------------------------------------------
+    def build(self, build_and_compile: Callable[[], Any]) -> Any:
+        """Call `build_and_compile()` inside the strategy's scope and return the compiled model."""
+        import keras
+
+        with self.strategy.scope():
+            model = build_and_compile()
+        if not isinstance(model, keras.Model):
+            raise ConfigError(f"build_and_compile returned {type(model).__name__}, not a keras.Model. Fix: return "
+                              "the model from the function passed to trainer.build")
+        if not getattr(model, "compiled", False) and getattr(model, "optimizer", None) is None:
+            raise ConfigError("the model returned by build_and_compile is not compiled. Fix: call model.compile("
+                              "optimizer=..., loss=...) inside the function, so the optimizer's variables are "
+                              "created under the strategy")
+        if not self._ps:
+            from stratkit.strategy import keras_compat
+
+            keras_compat.check_steps_per_execution(model, self.strategy)
+        return model
+
+    # -- fit ------------------------------------------------------------------------
+    def fit(self, model: Any, data: Any, epochs: int = 1, steps_per_epoch: int | None = None,
+            validation_data: Any = None, global_batch_size: int | None = None,
+            per_replica_batch_size: int | None = None, backup_dir: str | None = None,
+            callbacks: Iterable[Any] = (), scale_learning_rate: bool = False, warmup_epochs: int = 0,
+            verbose: Any = None, validation_steps: int | None = None, shuffle: bool = True) -> Any:
+        """Train `model` on `data` with the global batch split over every replica.
+
+        Args:
+            model: from `trainer.build`.
+            data: `(x, y)` numpy arrays, an unbatched `tf.data.Dataset`, or
+                `dataset_fn(input_context)` returning a per-replica-batched dataset.
+            epochs: total epochs (a resumed run continues to this number).
+            steps_per_epoch: steps per epoch (required with dataset_fn and on PS).
+            validation_data: same forms as `data`.
+            global_batch_size / per_replica_batch_size: exactly one (global =
+                per_replica x num_replicas).
+            backup_dir: back up every epoch and resume there after a failure.
+            callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
+                on the chief (other workers write to temp dirs).
+            scale_learning_rate: multiply the compiled learning rate by
+                `num_replicas` (linear scaling rule) ...
+            warmup_epochs: ... reached gradually over this many epochs.
+            verbose: Keras verbosity; default: progress on the chief only.
+
+        Returns:
+            The `keras.callbacks.History` (on PS: an object with `.history` too).
+        """
+        from stratkit.training import callbacks as cb
+        from stratkit.training.data import prepare, resolve_global_batch_size
+
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive integer: got {epochs!r}. Fix: e.g. epochs=3")
+        if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
+                                            or steps_per_epoch < 1):
+            raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
+        is_fn = callable(data) and not hasattr(data, "element_spec")
+        global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
+                                                 required=not is_fn)
+        if self._ps:
+            from stratkit.training.ps import fit_parameter_server
+
+            return fit_parameter_server(self, model, data, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                                        validation_data=validation_data, global_batch_size=global_batch,
+                                        backup_dir=backup_dir, callbacks=callbacks, verbose=verbose,
+                                        validation_steps=validation_steps)
+        tpu = self.spec.strategy == "tpu"
+        train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
+                        global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
+                        shuffle=shuffle, seed=self.seed, tpu=tpu)
+        val = None
+        if validation_data is not None:
+            val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
+                          global_batch_size=global_batch, steps_per_epoch=validation_steps, training=False,
+                          tpu=tpu).dataset
+
+        callback_list, temps = cb.route_side_effects(callbacks, self.is_chief)
+        if scale_learning_rate:
+            callback_list.insert(0, cb.LinearScalingWarmup(self.num_replicas, warmup_epochs,
+                                                           train.steps_per_epoch or steps_per_epoch))
+        elif warmup_epochs:
+            raise ConfigError(f"warmup_epochs={warmup_epochs} only applies with scale_learning_rate=True. "
+                              "Fix: pass scale_learning_rate=True, or drop warmup_epochs")
+        if train.global_batch_size:
+            callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
+        if backup_dir is not None:
+            from stratkit.training.backup import Backup
+
+            callback_list.insert(0, Backup(os.fspath(backup_dir), is_chief=self.is_chief,
+                                           rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers))
+        try:
+            return model.fit(train.dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                             validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
+                             verbose=cb.default_verbose(self.is_chief) if verbose is None else verbose)
+        finally:
+            cb.remove_dirs(temps)
+
+    def _min_over_workers(self, value: int) -> int:
+        """MIN of an int over all workers (a collective); identity on one worker."""
+        if self.spec.strategy != "multi_worker_mirrored" or self.spec.num_workers <= 1:
+            return value
+        import tensorflow as tf
+
+        # ReduceOp has no MIN: gather every worker's value and take the smallest.
+        per_replica = self.strategy.run(lambda: tf.constant([value], tf.int64))
+        return int(tf.reduce_min(self.strategy.gather(per_replica, axis=0)))
+
+    # -- evaluate / predict ----------------------------------------------------------
+    def evaluate(self, model: Any, data: Any, global_batch_size: int | None = None,
+                 per_replica_batch_size: int | None = None, steps: int | None = None, verbose: Any = 0,
+                 return_dict: bool = True) -> Any:
+        """Evaluate over the whole of `data`, sharded across workers; every worker gets the same result."""
+        from stratkit.training.data import prepare, resolve_global_batch_size
+
+        global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
+                                                 required=not callable(data))
+        prepared = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
+                           global_batch_size=global_batch, steps_per_epoch=steps, training=False,
+                           tpu=self.spec.strategy == "tpu")
+        return model.evaluate(prepared.dataset, steps=steps, verbose=verbose, return_dict=return_dict)
+
+    def predict(self, model: Any, x: Any, global_batch_size: int | None = None,
+                per_replica_batch_size: int | None = None, verbose: Any = 0) -> Any:
+        """Predict every row of `x`, in order, on every worker."""
+        from stratkit.training.data import prepare, resolve_global_batch_size
+
+        global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
+                                                 required=True)
+        if self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1:
+            # Keras' distributed predict returns only this worker's shard (padded); inference
+            # needs no collective, so every worker runs the whole input locally instead.
+            return self._predict_locally(model, x, global_batch)
+        prepared = prepare(x if isinstance(x, tuple) else (x,), strategy=self.strategy,
+                           num_replicas=self.num_replicas, global_batch_size=global_batch, training=False,
+                           shuffle=False, shard=False, tpu=self.spec.strategy == "tpu")
+        return model.predict(prepared.dataset, verbose=verbose)
+
+    @staticmethod
+    def _predict_locally(model: Any, x: Any, batch_size: int) -> Any:
+        import numpy as np
+        import tensorflow as tf
+
+        inputs = x[0] if isinstance(x, tuple) and len(x) == 1 else x
+        dataset = tf.data.Dataset.from_tensor_slices(inputs).batch(batch_size)
+        forward = tf.function(lambda batch: model(batch, training=False), reduce_retracing=True)
+        outputs = [forward(batch) for batch in dataset]
+        return tf.nest.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
+
+    # -- save -----------------------------------------------------------------------
+    def save(self, model: Any, path: str | os.PathLike[str]) -> str | None:
+        """Save `model` (a `.keras` file, or `.weights.h5`) from the chief; atomic; creates parent dirs.
+
+        Every worker must call it (reading synchronised variables can need all
+        of them); non-chief workers write to a temp dir and remove it.
+
+        Returns:
+            The path written on the chief, None on other workers.
+        """
+        path = os.fspath(path)
+        if not (path.endswith(".keras") or path.endswith(".weights.h5")):
+            raise ConfigError(f"save path {path!r} must end in .keras (whole model) or .weights.h5 (weights). "
+                              "Fix: e.g. trainer.save(model, 'out/model.keras')")
+        suffix = ".weights.h5" if path.endswith(".weights.h5") else ".keras"
+        if self.is_chief:
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)[:-len(suffix)]}{suffix}")
+            try:
+                self._write(model, tmp)
+                os.replace(tmp, path)  # the user's file is never half-written
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            return path
+        scratch = tempfile.mkdtemp(prefix="stratkit-save-worker-")
+        try:
+            self._write(model, os.path.join(scratch, "model" + suffix))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return None
+
+    @staticmethod
+    def _write(model: Any, path: str) -> None:
+        if path.endswith(".weights.h5"):
+            model.save_weights(path, overwrite=True)
+        else:
+            model.save(path, overwrite=True)
