@@ -95,11 +95,11 @@ def save_epoch(model: Any, directory: str, epoch: int, keep: int = 2) -> str:
     _atomic_write_text(os.path.join(directory, METADATA),
                        json.dumps({"epoch": epoch, "file": os.path.basename(final)}))
     _fsync_dir(directory)
-    for old in available_epochs(directory)[:-keep]:
-        try:
-            os.remove(weights_path(directory, old))
-        except OSError:
-            pass
+    # Keep this epoch and the ones just before it; anything else (older, or stale
+    # "future" epochs of an abandoned run) goes.
+    for old in available_epochs(directory):
+        if not epoch - keep < old <= epoch:
+            _remove(weights_path(directory, old))
     return final
 
 
