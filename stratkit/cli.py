@@ -14,7 +14,6 @@ import sys
 from importlib import metadata
 
 from stratkit.cluster import ROLES, detect
-from stratkit.cluster.tf_config import parse_tf_config
 from stratkit.errors import ConfigError
 
 
@@ -74,9 +73,10 @@ def _tf_config(args: argparse.Namespace) -> int:
         raise ConfigError(f"--task {args.task!r} is not ROLE:INDEX. Fix: e.g. --task worker:1 "
                           f"(roles: {', '.join(ROLES)})")
     text = json.dumps({"cluster": cluster, "task": {"type": role, "index": int(index)}})
-    parsed = parse_tf_config(text)  # the same validation detect() applies
-    spec = detect({"TF_CONFIG": text})
-    assert parsed is not None
+    try:
+        spec = detect({"TF_CONFIG": text})  # the same rule and validation every task will apply
+    except ConfigError as exc:
+        raise ConfigError(f"--cluster/--task describe an invalid cluster: {exc}") from None
     out = spec.to_tf_config()
     print(f"export TF_CONFIG={shlex.quote(out)}" if args.export else out)
     return 0

@@ -43,6 +43,7 @@ _ALIASES = {
     "tpu": "tpu",
 }
 _SAGEMAKER_VARS = ("SM_CURRENT_HOST", "SM_TRAINING_ENV", "SM_HOSTS")
+_SOURCE_NAMES = {"slurm": "the Slurm step (SLURM_STEP_NUM_TASKS)", "tpu": "the TPU environment"}
 
 
 def normalize_strategy(value: str | None, var: str = "strategy") -> str | None:
@@ -53,10 +54,10 @@ def normalize_strategy(value: str | None, var: str = "strategy") -> str | None:
         raise ConfigError(f"{var} must be a string naming a strategy: got {value!r}. "
                           f"Fix: use one of {', '.join(STRATEGIES)}")
     key = value.strip().lower().replace("-", "_")
+    if key == "":
+        return None  # an empty variable means "not set"
     if key.endswith("strategy"):
         key = key[: -len("strategy")].rstrip("_")
-    if key == "":
-        return None
     kind = _ALIASES.get(key) or _ALIASES.get(key.replace("_", ""))
     if kind is None:
         raise ConfigError(f"{var}={value!r} is not a strategy. Fix: use one of {', '.join(STRATEGIES)}")
@@ -192,8 +193,10 @@ def _apply_override(base: ClusterSpec, override: str, why: str) -> ClusterSpec:
     from dataclasses import replace
 
     def contradiction(fix: str) -> ConfigError:
-        layout = ", ".join(f"{len(a)} {r}" for r, a in base.cluster.items()) or "a single host"
-        return ConfigError(f"{why} contradicts the {base.source} environment ({layout}, which means "
+        layout = ", ".join(f"{len(a)} {r}" + ("" if len(a) == 1 or r == "ps" else "s")
+                           for r, a in base.cluster.items()) or "a single host"
+        where = _SOURCE_NAMES.get(base.source, "TF_CONFIG")
+        return ConfigError(f"{why} contradicts the cluster in {where} ({layout}, which means "
                            f"{base.strategy}). Fix: {fix}")
 
     if base.cluster:

@@ -146,14 +146,16 @@ def _check_address(address: str, role: str) -> None:
 
 
 def _check_unique(cluster: dict[str, list[str]]) -> None:
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, int], str] = {}
     for role, addresses in cluster.items():
         for index, address in enumerate(addresses):
             where = f"{role}[{index}]"
-            if address in seen:
-                raise _fail(f"uses address {address} for both {seen[address]} and {where}", cluster,
+            host, _, port = address.rpartition(":")
+            key = (host.lower(), int(port))  # "H:02222" and "h:2222" are the same endpoint
+            if key in seen:
+                raise _fail(f"uses address {address} for both {seen[key]} and {where}", cluster,
                             "give every task its own host:port (a second task on a host needs another port)")
-            seen[address] = where
+            seen[key] = where
 
 
 def _parse_task(task: Any, cluster: dict[str, list[str]]) -> tuple[str, int]:

@@ -219,7 +219,7 @@ def test_override_contradicting_the_cluster(cluster: str, override: str, via: st
         else:
             stratkit.detect(environ, strategy=override)
     name = "STRATKIT_STRATEGY" if via == "variable" else "strategy="
-    assert_config_error(excinfo, name, repr(override), "contradicts", "tf_config")
+    assert_config_error(excinfo, name, repr(override), "contradicts", "TF_CONFIG")
 
 
 @pytest.mark.parametrize("override", ["mirrored", "one_device"])
@@ -231,13 +231,13 @@ def test_single_device_strategies_are_allowed_on_a_one_worker_cluster(override: 
 def test_mirrored_contradicts_a_slurm_cluster() -> None:
     with pytest.raises(ConfigError) as excinfo:
         stratkit.detect(env(**SLURM_4, STRATKIT_STRATEGY="mirrored"))
-    assert_config_error(excinfo, "STRATKIT_STRATEGY", "'mirrored'", "slurm", "4 worker")
+    assert_config_error(excinfo, "STRATKIT_STRATEGY", "'mirrored'", "Slurm", "4 workers")
 
 
 def test_tpu_contradicts_a_slurm_cluster() -> None:
     with pytest.raises(ConfigError) as excinfo:
         stratkit.detect(env(**SLURM_4), strategy="tpu")
-    assert_config_error(excinfo, "strategy='tpu'", "slurm")
+    assert_config_error(excinfo, "strategy='tpu'", "Slurm")
 
 
 @pytest.mark.parametrize("environ", [

@@ -1,0 +1,42 @@
+"""The `stratkit` command: info and tf-config answer without importing TensorFlow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from procs import child_env
+
+
+def _run(*code_or_args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, timeout=60,
+                          env=child_env(env=env))
+
+
+def test_info_json_reports_spec_reasons_and_versions_without_tensorflow():
+    code = ("import sys, stratkit.cli as c; rc = c.main(['info', '--json']); "
+            "assert 'tensorflow' not in sys.modules, 'info imported TensorFlow'; sys.exit(rc)")
+    tf_config = {"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": {"type": "worker",
+                                                                                        "index": 0}}
+    result = _run("-c", code, env={"TF_CONFIG": json.dumps(tf_config)})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["spec"]["strategy"] == "multi_worker_mirrored"
+    assert report["spec"]["task_type"] == "worker" and report["spec"]["is_chief"] is False
+    assert any("TF_CONFIG" in reason for reason in report["spec"]["reasons"])
+    assert report["versions"]["tensorflow"] and report["versions"]["keras"]
+    assert json.loads(report["tf_config"])["task"] == {"type": "worker", "index": 0}
+
+
+def test_info_explains_a_bad_environment_instead_of_a_traceback():
+    result = _run("-m", "stratkit.cli", "info", env={"TF_CONFIG": "{not json"})
+    assert result.returncode == 2
+    assert "TF_CONFIG is not valid JSON" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_the_commands():
+    result = _run("-m", "stratkit.cli", "--help")
+    assert result.returncode == 0
+    for command in ("info", "tf-config"):
+        assert command in result.stdout
