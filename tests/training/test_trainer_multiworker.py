@@ -39,15 +39,20 @@ def test_fit_evaluate_predict_save_on_two_workers(tmp_path):
     assert chief["history"]["loss"][-1] < chief["history"]["loss"][0]
     assert chief["evaluate"]["accuracy"] >= 0.9
     # predict returns every row, in order, on every worker.
-    assert chief["predict_shape"] == worker["predict_shape"] == [392, 10]
+    assert chief["predict_shape"] == worker["predict_shape"] == [397, 10]
     assert chief["predict_accuracy"] == pytest.approx(chief["evaluate"]["accuracy"], abs=1e-6)
     # Only the chief wrote the model, and it reloads without any strategy with identical predictions.
     assert chief["is_chief"] and chief["saved"] and not worker["is_chief"] and worker["saved"] is None
     assert sorted(os.listdir(tmp_path / "model")) == ["digits.keras"]
+    # TensorBoard logs and ModelCheckpoint files come from the chief only.
+    event_files = [f for _, _, files in os.walk(tmp_path / "tensorboard") for f in files]
+    assert event_files and all(f".{chief['pid']}." in f for f in event_files), event_files
+    assert os.listdir(tmp_path / "checkpoints") == ["last.keras"]
     reload = run_process(f"""
 import json, numpy as np, keras
 from sklearn.datasets import load_digits
-x = (load_digits().data / 16.0).astype("float32")[1400:1792]
+data = load_digits()
+x = (data.data[np.random.default_rng(0).permutation(len(data.target))] / 16.0).astype("float32")[1400:]
 model = keras.models.load_model({str(tmp_path / 'model' / 'digits.keras')!r})
 print(json.dumps({{"max_diff": float(np.abs(model.predict(x, verbose=0) - np.load({str(tmp_path / 'predictions.npy')!r})).max())}}))
 """)

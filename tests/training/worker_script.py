@@ -58,9 +58,10 @@ def digits():
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    x = (data.data / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    return x[:1400], y[:1400], x[1400:1792], y[1400:1792]
+    order = np.random.default_rng(0).permutation(len(data.target))  # one split, the same on every worker
+    x = (data.data[order] / 16.0).astype("float32")
+    y = data.target[order].astype("int32")
+    return x[:1400], y[:1400], x[1400:], y[1400:]
 
 
 def mlp(lr=0.01, optimizer="adam"):
@@ -75,8 +76,10 @@ def mlp(lr=0.01, optimizer="adam"):
 if MODE == "digits":
     x, y, xt, yt = digits()
     model = trainer.build(mlp)
+    side_effects = [keras.callbacks.TensorBoard(log_dir=os.path.join(OUT, "tensorboard")),
+                    keras.callbacks.ModelCheckpoint(os.path.join(OUT, "checkpoints", "last.keras"))]
     history = trainer.fit(model, (x, y), epochs=EPOCHS, per_replica_batch_size=BATCH, validation_data=(xt, yt),
-                          backup_dir=os.environ.get("BACKUP_DIR"), callbacks=[KillAfterBackup()])
+                          backup_dir=os.environ.get("BACKUP_DIR"), callbacks=[KillAfterBackup(), *side_effects])
     evaluation = trainer.evaluate(model, (xt, yt), per_replica_batch_size=BATCH)
     predictions = trainer.predict(model, xt, per_replica_batch_size=BATCH)
     saved = trainer.save(model, os.path.join(OUT, "model", "digits.keras"))
@@ -85,7 +88,8 @@ if MODE == "digits":
     report = {"history": history.history, "epochs_run": len(history.history["loss"]), "evaluate": evaluation,
               "predict_shape": list(predictions.shape),
               "predict_accuracy": float((predictions.argmax(axis=1) == yt).mean()),
-              "saved": saved, "is_chief": trainer.is_chief, "num_replicas": trainer.num_replicas}
+              "saved": saved, "is_chief": trainer.is_chief, "num_replicas": trainer.num_replicas,
+              "pid": os.getpid()}
 
 elif MODE == "equivalence":
     # Fixed data order (no shuffle), fixed init, plain SGD: data-parallel == single device.
