@@ -1,0 +1,262 @@
+"""`stratkit launch`: the command line around `stratkit.launch.launch`.
+
+Every flag can also come from an environment variable (STRATKIT_WORKERS=2,
+STRATKIT_CHIEF=1, ...), as torchrun's do, so a scheduler's job template can set
+the layout once; a flag on the command line wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shlex
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from stratkit.errors import ConfigError
+from stratkit.launch.local import (
+    DEFAULT_EXIT_GRACE,
+    DEFAULT_HOST,
+    DEFAULT_STOP_GRACE,
+    Task,
+    build_cluster,
+    format_address,
+    launch,
+    plan_tasks,
+    task_tf_config,
+)
+
+#: Port of the first task on each host in a printed multi-host plan (TensorFlow's documented default).
+DEFAULT_PLAN_PORT = 2222
+
+EXAMPLES = """\
+examples:
+  stratkit launch --workers 2 -- python train.py --epochs 3
+  stratkit launch --chief --workers 2 --ps 1 --max-restarts 2 --log-dir logs -- python train.py
+  stratkit launch --hosts h1,h2 --print-tf-config -- python train.py   # what to run on each machine
+
+exit code: 0 when every task succeeded; else the failed task's code, 128+N when it died of signal N,
+124 after --timeout, 130 after Ctrl-C, 2 for a usage error.
+"""
+
+
+@dataclass(frozen=True)
+class _Flag:
+    dest: str
+    var: str
+    parse: Callable[[str, str], Any]
+
+
+def _int_value(text: str, name: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number. Fix: e.g. {name}=2, or unset it") from None
+
+
+def _float_value(text: str, name: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds. Fix: e.g. {name}=600, or unset it") from None
+
+
+def _bool_value(text: str, name: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={text!r} is not a yes/no value. Fix: {name}=1 or {name}=0, or unset it")
+
+
+def _str_value(text: str, name: str) -> str:
+    return text.strip()
+
+
+_FLAGS = (
+    _Flag("workers", "STRATKIT_WORKERS", _int_value),
+    _Flag("chief", "STRATKIT_CHIEF", _bool_value),
+    _Flag("ps", "STRATKIT_PS", _int_value),
+    _Flag("evaluator", "STRATKIT_EVALUATOR", _bool_value),
+    _Flag("max_restarts", "STRATKIT_MAX_RESTARTS", _int_value),
+    _Flag("log_dir", "STRATKIT_LOG_DIR", _str_value),
+    _Flag("host", "STRATKIT_HOST", _str_value),
+    _Flag("base_port", "STRATKIT_BASE_PORT", _int_value),
+    _Flag("timeout", "STRATKIT_TIMEOUT", _float_value),
+    _Flag("exit_grace", "STRATKIT_EXIT_GRACE", _float_value),
+    _Flag("stop_grace", "STRATKIT_STOP_GRACE", _float_value),
+    _Flag("hosts", "STRATKIT_HOSTS", _str_value),
+)
+
+
+def _arg_type(kind: Callable[[str], Any], example: str) -> Callable[[str], Any]:
+    """An argparse type whose error says what was expected (argparse adds the flag name)."""
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}") from None
+    return parse
+
+
+def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `stratkit launch` on the `stratkit` command's subparsers."""
+    parser = subparsers.add_parser(
+        "launch", help="run a training script as a local TF_CONFIG cluster (like torchrun)",
+        description="Start COMMAND once per task of a TF_CONFIG cluster on this machine, each task with its "
+                    "own TF_CONFIG; prefix and log their output; on the first failure stop the others, report "
+                    "the root cause and optionally restart the whole cluster. Each flag can also be set by "
+                    "the environment variable shown in brackets.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, seconds = _arg_type(int, "a whole number"), _arg_type(float, "a number of seconds")
+    layout = parser.add_argument_group("cluster layout")
+    layout.add_argument("--workers", type=count, default=None, metavar="N",
+                        help="worker tasks (default 1; with --hosts, one per host) [STRATKIT_WORKERS]")
+    layout.add_argument("--chief", action="store_true", default=None,
+                        help="add a chief task (required with --ps) [STRATKIT_CHIEF]")
+    layout.add_argument("--ps", type=count, default=None, metavar="M",
+                        help="parameter-server tasks: parameter_server strategy (default 0) [STRATKIT_PS]")
+    layout.add_argument("--evaluator", action="store_true", default=None,
+                        help="add an evaluator task (not listed in the cluster) [STRATKIT_EVALUATOR]")
+    run = parser.add_argument_group("supervision")
+    run.add_argument("--max-restarts", type=count, default=None, metavar="K",
+                     help="restart the whole cluster up to K times after a failure (default 0) "
+                          "[STRATKIT_MAX_RESTARTS]")
+    run.add_argument("--log-dir", default=None, metavar="DIR",
+                     help="also write <role>-<index>.log per task, events.jsonl and root-cause.txt here "
+                          "[STRATKIT_LOG_DIR]")
+    run.add_argument("--timeout", type=seconds, default=None, metavar="S",
+                     help="stop an attempt that runs longer than S seconds, as a failure [STRATKIT_TIMEOUT]")
+    run.add_argument("--exit-grace", type=seconds, default=None, metavar="S",
+                     help=f"after the chief (or worker 0) finished, give the other tasks S seconds to exit, then "
+                          f"stop them without failing (default {DEFAULT_EXIT_GRACE:g}) [STRATKIT_EXIT_GRACE]")
+    run.add_argument("--stop-grace", type=seconds, default=None, metavar="S",
+                     help=f"seconds between SIGTERM and SIGKILL when stopping tasks (default "
+                          f"{DEFAULT_STOP_GRACE:g}) [STRATKIT_STOP_GRACE]")
+    net = parser.add_argument_group("addresses")
+    net.add_argument("--host", default=None, metavar="ADDR",
+                     help=f"address the tasks bind and reach each other at (default {DEFAULT_HOST}) "
+                          "[STRATKIT_HOST]")
+    net.add_argument("--base-port", type=count, default=None, metavar="P",
+                     help="consecutive ports from P instead of free ones picked (and held) by the launcher "
+                          f"(with --print-tf-config: default {DEFAULT_PLAN_PORT}) [STRATKIT_BASE_PORT]")
+    net.add_argument("--hosts", default=None, metavar="H1,H2,...",
+                     help="several machines: with --print-tf-config, print what to run on each [STRATKIT_HOSTS]")
+    net.add_argument("--print-tf-config", action="store_true",
+                     help="print each task's `export TF_CONFIG=...` and command instead of running them")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the program to run as every task, e.g. -- python train.py --epochs 3")
+    parser.set_defaults(func=run_launch)
+    return parser
+
+
+def resolve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Flags, else their STRATKIT_* variables, else None: one dict keyed by flag dest."""
+    env = os.environ if environ is None else environ
+    options: dict[str, Any] = {}
+    for flag in _FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is None and env.get(flag.var, "").strip():
+            value = flag.parse(env[flag.var], flag.var)
+        options[flag.dest] = value
+    return options
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """`stratkit launch`: returns the launcher's exit code."""
+    options = resolve_options(args)
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    hosts = _parse_hosts(options["hosts"]) if options["hosts"] else None
+    if args.print_tf_config:
+        print(format_host_plan(command, hosts or [options["host"] or DEFAULT_HOST], options))
+        return 0
+    if hosts:
+        raise ConfigError(f"--hosts {options['hosts']} names several machines, but stratkit launch starts "
+                          "processes on this machine only. Fix: add --print-tf-config to print what to run on "
+                          "each host (then start them with ssh, your scheduler or a Kubernetes TFJob), or drop "
+                          "--hosts to run the whole cluster here")
+    result = launch(
+        command, workers=1 if options["workers"] is None else options["workers"], chief=bool(options["chief"]),
+        ps=options["ps"] or 0, evaluator=bool(options["evaluator"]), max_restarts=options["max_restarts"] or 0,
+        log_dir=options["log_dir"] or None, host=options["host"] or DEFAULT_HOST, base_port=options["base_port"],
+        timeout=options["timeout"],
+        exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
+        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"])
+    return result.returncode
+
+
+def _parse_hosts(text: str) -> list[str]:
+    hosts = [h.strip() for h in text.split(",")]
+    for host in hosts:
+        if not host:
+            raise ConfigError(f"--hosts {text!r} has an empty entry. Fix: comma-separate host names, e.g. "
+                              "--hosts h1,h2")
+        if ":" in host and not _is_ipv6(host):
+            raise ConfigError(f"--hosts entry {host!r} has a port. Fix: give host names only (--hosts h1,h2) and "
+                              "set the first port with --base-port")
+    return hosts
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).version == 6
+    except ValueError:
+        return False
+
+
+def plan_hosts(tasks: list[Task], hosts: list[str], base_port: int) -> list[tuple[Task, str, str | None]]:
+    """Place tasks on hosts round-robin, in task order (chief, workers, ps, evaluator).
+
+    Round-robin spreads the roles (the ps tasks do not all land on one machine);
+    each host numbers its own ports from `base_port`, so one task per host
+    uses base_port everywhere. Returns (task, host, "host:port" or None for
+    the evaluator, which is not in the cluster).
+    """
+    next_port: dict[str, int] = {}
+    placed = []
+    for i, task in enumerate(tasks):
+        host = hosts[i % len(hosts)]
+        address = None
+        if task.serves:
+            port = next_port.get(host, base_port)
+            next_port[host] = port + 1
+            address = format_address(host.strip("[]"), port)
+        placed.append((task, host, address))
+    return placed
+
+
+def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str, Any],
+                     environ: Mapping[str, str] | None = None) -> str:
+    """The shell text that starts the cluster by hand: per task, its host, TF_CONFIG export and command."""
+    if not command:
+        raise ConfigError("missing the command to run. Fix: put it after --, e.g. "
+                          "`stratkit launch --hosts h1,h2 --print-tf-config -- python train.py`")
+    workers = options.get("workers")
+    tasks = plan_tasks(len(hosts) if workers is None else workers, bool(options.get("chief")),
+                       options.get("ps") or 0, bool(options.get("evaluator")))
+    base_port = options.get("base_port") or DEFAULT_PLAN_PORT
+    placed = plan_hosts(tasks, hosts, base_port)
+    if max(port_of(a) for _, _, a in placed if a) > 65535:
+        raise ConfigError(f"--base-port {base_port} leaves no room for every task's port. Fix: a lower --base-port")
+    cluster = build_cluster(tasks, [a for _, _, a in placed if a])
+    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k != "TF_CONFIG"}
+    roles = ", ".join(f"{len(a)} {r}" for r, a in cluster.items()) + (", 1 evaluator" if options.get("evaluator")
+                                                                       else "")
+    lines = [f"# stratkit launch plan: {roles} on {len(set(hosts))} host(s), ports from {base_port}.",
+             "# Run each block on its host, in any order (the tasks wait for each other); the ports must be",
+             "# reachable between the hosts. For restarts, start every task again (resume: Trainer.fit(backup_dir=...)",
+             "# on storage every host shares)."]
+    run = shlex.join(command)
+    for task, host, address in placed:
+        tf_config = task_tf_config(cluster, task, env)
+        lines += ["", f"# --- {host}: {task.name}" + (f" ({address})" if address else " (not in the cluster)"),
+                  f"export TF_CONFIG={shlex.quote(tf_config)}", run]
+    return "\n".join(lines)
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
