@@ -45,7 +45,7 @@ def multi_worker() -> float:
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        if "examples/sec" in line or "held_out_accuracy" in line or "Error" in line or "error" in line:
+        if "examples/sec" in line or "held_out_accuracy" in line or "Root cause" in line:
             print(line, end="", flush=True)
     if proc.wait() != 0:
         print("".join(lines[-40:]))
