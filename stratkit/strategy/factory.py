@@ -60,7 +60,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
         raise ConfigError(f"make_strategy got option(s) {unknown} that strategy {spec.strategy!r} does not take. "
                           f"Fix: use only {sorted(known) or 'no options'}")
     result = build(spec, **options)
-    if spec.strategy in ("mirrored", "multi_worker_mirrored", "one_device"):
+    # One device never reaches the buggy cross-replica code, so an untested Keras
+    # version is no reason to refuse it.
+    if spec.strategy in ("mirrored", "multi_worker_mirrored"):
         from stratkit.strategy import keras_compat
 
         keras_compat.apply(result)
@@ -167,11 +169,18 @@ def _build_parameter_server(spec: ClusterSpec, variable_partitioner: Any = None)
         serve(spec)  # never returns: exits 0 when the chief signals the end
     if spec.task_type == "evaluator":
         return _build_mirrored(spec) if spec.num_gpus > 1 else _build_one_device(spec)
-    from stratkit.strategy.server import configure_coordinator
+    from dataclasses import replace
+
+    from stratkit.strategy.server import configure_coordinator, end_training_at_exit
 
     configure_coordinator(spec)
-    return tf.distribute.experimental.ParameterServerStrategy(
-        cluster_resolver(spec), variable_partitioner=variable_partitioner)
+    # The evaluator runs no server: listed in the coordinator's cluster, the
+    # connection waits for it forever (measured: the chief hangs in the constructor).
+    training = replace(spec, cluster={r: a for r, a in spec.cluster.items() if r != "evaluator"})
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        cluster_resolver(training), variable_partitioner=variable_partitioner)
+    end_training_at_exit(spec)
+    return strategy
 
 
 def _build_tpu(spec: ClusterSpec, tpu: str | None = None):
