@@ -7,10 +7,18 @@ task's device* that writes a marker file on that task's host
 (`signal_done`). `serve` polls for that file and exits 0. If the chief
 disappears without signalling (crashed), `serve` exits non-zero after a grace
 period instead of hanging forever.
+
+When: the chief signals once, at interpreter exit (`end_training_at_exit`,
+registered when the chief's strategy is built), because the ps tasks hold the
+model's variables: a script that calls `fit` twice, or saves or predicts after
+`fit`, still needs them. If the chief's script dies of an uncaught exception,
+the marker says "failed" and the tasks exit 1 at once (a job supervisor then
+restarts the job, which resumes from `backup_dir`).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -25,6 +33,14 @@ log = logging.getLogger(__name__)
 
 GRACE_VAR = "STRATKIT_CHIEF_GRACE_SECONDS"
 DEFAULT_GRACE = 120.0
+#: How long a ps/worker task waits for a chief it has never seen (crashed before it started serving).
+STARTUP_VAR = "STRATKIT_CHIEF_STARTUP_SECONDS"
+DEFAULT_STARTUP = 1800.0
+
+_DONE, _FAILED = "done", "failed"
+_LINGER_SECONDS = 30.0
+_signalled = False
+_exit_hook_registered = False
 
 
 def inter_op_threads(spec: ClusterSpec) -> int:
@@ -74,9 +90,10 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     """Run this ps/worker task's server until the chief ends training, then exit the process.
 
     Exits 0 when the chief wrote this task's done marker; exits 1 when the
-    chief was seen and then stayed unreachable for `STRATKIT_CHIEF_GRACE_SECONDS`
-    (default 120) without signalling, so a crashed chief never leaves a hung
-    cluster behind.
+    marker says the chief failed, when the chief was seen and then stayed
+    unreachable for `STRATKIT_CHIEF_GRACE_SECONDS` (default 120) without
+    signalling, or when it never appeared within `STRATKIT_CHIEF_STARTUP_SECONDS`
+    (default 1800), so a crashed chief never leaves a hung cluster behind.
     """
     import tensorflow as tf
 
@@ -84,6 +101,8 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
         raise ConfigError(f"serve() is for ps and worker tasks: got task {spec.task_type}:{spec.task_index}. "
                           "Fix: call it only on a parameter-server cluster's ps/worker tasks")
     grace = float(os.environ.get(GRACE_VAR, DEFAULT_GRACE))
+    startup = float(os.environ.get(STARTUP_VAR, DEFAULT_STARTUP))
+    started = time.monotonic()
     marker = done_marker(spec, spec.task_type, spec.task_index)
     if os.path.exists(marker):
         os.remove(marker)  # a previous run's marker must not end this one
@@ -96,12 +115,27 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     seen_chief, gone_since = False, None
     while True:
         if os.path.exists(marker):
+            status = _read_quietly(marker)
             _remove_quietly(marker)
-            print(f"[stratkit] {spec.task_type}:{spec.task_index} done: the chief finished training", flush=True)
+            if status == _FAILED:
+                print(f"[stratkit] {spec.task_type}:{spec.task_index}: the chief failed; exiting 1 so the job "
+                      "can be restarted (it resumes from backup_dir)", file=sys.stderr, flush=True)
+            else:
+                print(f"[stratkit] {spec.task_type}:{spec.task_index} done: the chief finished training", flush=True)
             sys.stdout.flush()
-            os._exit(0)  # TF servers cannot be stopped cleanly; nothing of the user's is open here.
+            # Serve until the chief's process is gone: on exit its runtime still releases functions
+            # on every task, and logs an error for each task that vanished first.
+            deadline = time.monotonic() + _LINGER_SECONDS
+            while _chief_reachable(chief) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            # TF servers cannot be stopped cleanly; nothing of the user's is open here.
+            os._exit(1 if status == _FAILED else 0)
         if _chief_reachable(chief):
             seen_chief, gone_since = True, None
+        elif not seen_chief and time.monotonic() - started > startup:
+            print(f"[stratkit] {spec.task_type}:{spec.task_index}: chief {chief} never came up in {startup:.0f}s; "
+                  f"exiting. Set {STARTUP_VAR} to wait longer.", file=sys.stderr, flush=True)
+            os._exit(1)
         elif seen_chief:
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since > grace:
@@ -113,6 +147,14 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     del server  # pragma: no cover
 
 
+def _read_quietly(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return _DONE
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -120,15 +162,45 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def signal_done(spec: ClusterSpec) -> None:
-    """From the chief: end every ps and worker task by writing its marker on its own host."""
+def signal_done(spec: ClusterSpec, failed: bool = False) -> None:
+    """From the chief: end every ps and worker task by writing its marker on its own host.
+
+    Only the first call in a process signals (the exit hook calls it too).
+    `failed=True` makes the tasks exit 1 instead of 0.
+    """
     import tensorflow as tf
 
+    global _signalled
+    if _signalled:
+        return
+    _signalled = True
     for task_type in ("worker", "ps"):
         for index in range(len(spec.cluster.get(task_type, []))):
             path = done_marker(spec, task_type, index)
             try:
                 with tf.device(f"/job:{task_type}/replica:0/task:{index}/device:CPU:0"):
-                    tf.io.write_file(path, "done")
+                    tf.io.write_file(path, _FAILED if failed else _DONE)
             except tf.errors.OpError as exc:  # a dead task has nothing to end
                 log.warning("could not signal %s:%d to finish: %s", task_type, index, str(exc).splitlines()[0])
+
+
+def end_training_at_exit(spec: ClusterSpec) -> None:
+    """On the chief: signal the ps/worker tasks once, when this interpreter exits.
+
+    Registered when the chief's strategy is built. An uncaught exception in the
+    chief's script (Python sets `sys.last_value` before exit hooks run) sends
+    "failed"; a normal end, or `sys.exit`, sends "done".
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    _exit_hook_registered = True
+    atexit.register(_signal_at_exit, spec)
+
+
+def _signal_at_exit(spec: ClusterSpec) -> None:
+    failed = getattr(sys, "last_value", None) is not None
+    try:
+        signal_done(spec, failed=failed)
+    except Exception as exc:  # noqa: BLE001 - exiting anyway; the tasks' grace period covers it
+        log.warning("could not signal the end of training: %r", exc)

@@ -108,7 +108,8 @@ class Trainer:
             verbose: Keras verbosity; default: progress on the chief only.
 
         Returns:
-            The `keras.callbacks.History` (on PS: an object with `.history` too).
+            The `keras.callbacks.History` (on PS also with `.steps`, the exact step
+            count; see `stratkit.training.ps.fit_parameter_server`).
         """
         from stratkit.training import callbacks as cb
         from stratkit.training.data import prepare, resolve_global_batch_size
@@ -178,6 +179,12 @@ class Trainer:
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not callable(data))
+        if self._ps:
+            # Keras' evaluate refuses ParameterServerStrategy datasets: evaluate in this process instead.
+            from stratkit.training.ps import evaluate_locally
+
+            return evaluate_locally(model, data, global_batch_size=global_batch, steps=steps,
+                                    strategy=self.strategy)
         prepared = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                            global_batch_size=global_batch, steps_per_epoch=steps, training=False,
                            tpu=self.spec.strategy == "tpu")
@@ -190,9 +197,9 @@ class Trainer:
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=True)
-        if self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1:
-            # Keras' distributed predict returns only this worker's shard (padded); inference
-            # needs no collective, so every worker runs the whole input locally instead.
+        if self._ps or (self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1):
+            # Keras' distributed predict returns only this worker's shard (padded), and refuses
+            # ParameterServerStrategy datasets; inference needs no collective, so run it locally.
             return self._predict_locally(model, x, global_batch)
         prepared = prepare(x if isinstance(x, tuple) else (x,), strategy=self.strategy,
                            num_replicas=self.num_replicas, global_batch_size=global_batch, training=False,

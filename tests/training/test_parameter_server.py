@@ -50,6 +50,12 @@ SCRIPT = textwrap.dedent('''
         options["variable_partitioner"] = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=32 * 1024, max_shards=2)
     trainer = stratkit.Trainer(**options)   # ps and worker tasks serve here, then exit
+    chief_port_bound = None
+    if spec.task_type == "chief":  # the servers watch this port to notice a chief that died
+        import socket
+        host, port = spec.address().rsplit(":", 1)
+        with socket.socket() as probe:
+            chief_port_bound = probe.connect_ex((host, int(port))) == 0
 
     import keras
     import numpy as np
@@ -103,10 +109,28 @@ SCRIPT = textwrap.dedent('''
                 raise RuntimeError("the user's code failed on the chief")
 
 
+    class Record(keras.callbacks.Callback):
+        calls = []
+
+        def on_train_begin(self, logs=None):
+            self.calls.append(["train_begin", self.model is model])
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.calls.append(["epoch_end", epoch, sorted(logs)])
+
+        def on_train_end(self, logs=None):
+            self.calls.append(["train_end", sorted(logs or {})])
+
+
     model = trainer.build(build)
+    first_fit_steps = None
+    if os.environ.get("FIT_TWICE"):
+        first_fit_steps = trainer.fit(model, data, epochs=1, steps_per_epoch=int(os.environ["STEPS"]),
+                                      global_batch_size=32, verbose=0).steps
     history = trainer.fit(model, data, epochs=int(os.environ["EPOCHS"]), steps_per_epoch=int(os.environ["STEPS"]),
                           global_batch_size=32, validation_data=(x_test, y_test),
-                          backup_dir=os.environ.get("BACKUP_DIR"), callbacks=[Chaos()])
+                          backup_dir=os.environ.get("BACKUP_DIR"), callbacks=[Chaos(), Record()] + (
+                              [keras.callbacks.TensorBoard(os.environ["TB_DIR"])] if "TB_DIR" in os.environ else []))
     if spec.task_type == "evaluator":
         report = {"history": history.history, "epochs": history.epoch}
     else:
@@ -116,7 +140,9 @@ SCRIPT = textwrap.dedent('''
         np.save(os.path.join(OUT, "predictions.npy"), predictions)
         report = {"history": history.history, "steps": history.steps, "steps_scheduled": history.steps_scheduled,
                   "initial_epoch": history.initial_epoch, "evaluate": evaluation,
-                  "iterations": int(model.optimizer.iterations.numpy()),
+                  "iterations": int(model.optimizer.iterations.numpy()), "first_fit_steps": first_fit_steps,
+                  "callback_calls": Record.calls,
+                  "chief_port_bound": chief_port_bound,
                   "predict_accuracy": float((predictions.argmax(axis=1) == y_test).mean())}
         if MODE == "embedding":
             value = model.layers[0].embeddings.value
@@ -185,26 +211,33 @@ def _assert_trained(report: dict, epochs_run: int = EPOCHS) -> None:
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_chief_two_workers_one_ps_train_digits_with_exact_step_count(tmp_path):
-    results, out = _train(tmp_path, _cluster(workers=2, ps=1))
+    # fit twice, then evaluate, predict and save: the ps tasks serve until the chief's script ends.
+    results, out = _train(tmp_path, _cluster(workers=2, ps=1), FIT_TWICE="1")
     assert all(r.ok for r in results), describe(results)
     chief, *servers = results
     for server in servers:
         assert "the chief finished training" in server.stdout, describe(results)
     report = _report(out)
+    assert report["chief_port_bound"] is True
     _assert_trained(report)
-    # Asynchronous workers, yet every scheduled step is counted exactly once, and Keras' own
-    # (non-atomic) counter is set to the exact count.
-    assert report["steps"] == report["steps_scheduled"] == EPOCHS * STEPS
-    assert report["iterations"] == EPOCHS * STEPS
+    # Asynchronous workers, yet every scheduled step is counted exactly once, across both fits, and
+    # Keras' own (non-atomic) counter is set to the exact count.
+    assert report["first_fit_steps"] == STEPS
+    assert report["steps"] == report["steps_scheduled"] == (1 + EPOCHS) * STEPS
+    assert report["iterations"] == (1 + EPOCHS) * STEPS
+    # Keras callbacks see the model and each epoch's logs, as with model.fit.
+    keys = ["accuracy", "examples_per_sec", "loss", "val_accuracy", "val_loss"]
+    assert report["callback_calls"] == ([["train_begin", True]] + [["epoch_end", e, keys] for e in range(EPOCHS)]
+                                        + [["train_end", keys]])
     _assert_reloads_identically(tmp_path, out, "mlp")
 
 
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_evaluator_follows_the_chief_and_a_partitioned_embedding_spans_two_ps(tmp_path):
-    backup = tmp_path / "backup"
+    backup, tensorboard = tmp_path / "backup", tmp_path / "tb"
     results, out = _train(tmp_path, _cluster(workers=2, ps=2, evaluator=True), MODE="embedding", PARTITION="1",
-                          DATA_KIND="dataset", BACKUP_DIR=str(backup))
+                          DATA_KIND="dataset", BACKUP_DIR=str(backup), TB_DIR=str(tensorboard))
     assert all(r.ok for r in results), describe(results)
     report = _report(out)
     _assert_trained(report)
@@ -217,7 +250,9 @@ def test_evaluator_follows_the_chief_and_a_partitioned_embedding_spans_two_ps(tm
     assert evaluator["history"]["val_accuracy"][-1] == pytest.approx(report["history"]["val_accuracy"][-1],
                                                                      abs=1e-6)
     assert "[stratkit] evaluator: epoch 5" in results[-1].stdout
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(backup / "eval"))
+    # TensorBoard: the chief's callback wrote train and validation curves, the evaluator its own run.
+    for run in ("train", "validation", "eval"):
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tensorboard / run)), run
     assert json.loads((backup / "training-done.json").read_text())["epoch"] == EPOCHS
     _assert_reloads_identically(tmp_path, out, "embedding")
 
@@ -265,6 +300,18 @@ def test_when_the_chief_fails_the_servers_exit_1_at_once(tmp_path):
     for server in (worker, ps):  # not killed by the timeout: the chief told them
         assert server.returncode == 1 and not server.killed, describe(results)
         assert "the chief failed" in server.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_when_the_chief_is_killed_the_servers_exit_1_after_the_grace_period(tmp_path):
+    results, _ = _train(tmp_path, _cluster(workers=1, ps=1), timeout=90, KILL_SELF_AT_EPOCH="1",
+                        STRATKIT_CHIEF_GRACE_SECONDS="3")
+    chief, worker, ps = results
+    assert chief.returncode == -9, describe(results)  # no exit hook runs: only its vanished port tells
+    for server in (worker, ps):
+        assert server.returncode == 1 and not server.killed, describe(results)
+        assert "gone for 3s without ending training" in server.stderr
 
 
 def _chief_without_cluster(cluster: dict) -> object:
