@@ -1,0 +1,118 @@
+"""The training process of one Spark task: `stratkit.spark.child.main([_, WORKDIR])` in a new interpreter.
+
+Why a fresh process per task and run: Spark reuses its Python workers, and
+TensorFlow fixes collectives and devices once per process ("Collective ops
+are already configured" on the second MultiWorkerMirroredStrategy run in
+spark-tensorflow-distributor). A new interpreter per run starts with no
+TensorFlow state, with exactly the environment the task prepared (TF_CONFIG,
+CUDA_VISIBLE_DEVICES), and can be killed as a whole process tree.
+
+WORKDIR holds `payload.pkl` (cloudpickled `(train_fn, args, kwargs)`); on the
+task whose return value is wanted, the result is cloudpickled to `result.pkl`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+PAYLOAD = "payload.pkl"
+RESULT = "result.pkl"
+
+#: Environment the task sets for this process (read here and by `stratkit.spark.task_info`).
+RUN_VAR = "STRATKIT_SPARK_RUN"
+RANK_VAR = "STRATKIT_SPARK_RANK"
+NUM_TASKS_VAR = "STRATKIT_SPARK_NUM_TASKS"
+LABEL_VAR = "STRATKIT_SPARK_TASK"
+ATTEMPT_VAR = "STRATKIT_SPARK_ATTEMPT"
+PARENT_VAR = "STRATKIT_SPARK_PARENT_PID"
+RESULT_VAR = "STRATKIT_SPARK_RETURNS"
+WRAP_VAR = "STRATKIT_SPARK_WRAP"
+SHARD_VAR = "STRATKIT_SPARK_SHARD"  # "index/count" of this task's DataFrame shard
+
+
+def _die_with_parent() -> None:
+    """Get SIGKILL when the Spark Python worker that started us dies (Spark kills it on task kill)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    parent = os.environ.get(PARENT_VAR)
+    if parent and os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(137)
+
+
+def _load(workdir: str):
+    import cloudpickle
+
+    with open(os.path.join(workdir, PAYLOAD), "rb") as handle:
+        try:
+            return cloudpickle.load(handle)
+        except Exception as exc:
+            raise RuntimeError(
+                f"could not unpickle train_fn and its arguments in the training process ({type(exc).__name__}: "
+                f"{exc}). Fix: define train_fn in the driver script or notebook (pickled by value), or install "
+                "the module it lives in on every executor (same Python as PYSPARK_PYTHON)") from exc
+
+
+def _resolve_data(value):
+    """Replace staged DataFrames in the arguments with this task's `ParquetShard`."""
+    from stratkit.spark.data import StagedData
+
+    if not isinstance(value, StagedData):
+        return value
+    index, _, count = os.environ.get(SHARD_VAR, "0/1").partition("/")
+    return value.shard(int(index), int(count))
+
+
+def _call(fn, args, kwargs):
+    args = tuple(_resolve_data(a) for a in args)
+    kwargs = {k: _resolve_data(v) for k, v in kwargs.items()}
+    if os.environ.get(WRAP_VAR) == "multi_worker_mirrored":
+        # MirroredStrategyRunner(use_custom_strategy=False): the strategy is made for the user, through
+        # stratkit so the Keras 3 multi-worker fixes apply, and train_fn runs in its scope.
+        import stratkit
+
+        strategy = stratkit.make_strategy(strategy="multi_worker_mirrored")
+        with strategy.scope():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    workdir = argv[1]
+    try:
+        fn, args, kwargs = _load(workdir)
+        result = _call(fn, args, kwargs)
+        if os.environ.get(RESULT_VAR) == "1":
+            import cloudpickle
+
+            tmp = os.path.join(workdir, RESULT + ".tmp")
+            with open(tmp, "wb") as handle:
+                cloudpickle.dump(result, handle)
+            os.replace(tmp, os.path.join(workdir, RESULT))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code:
+            print(f"[stratkit] train_fn called sys.exit({exc.code!r})", file=sys.stderr)
+        return code
+    except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        traceback.print_exc()
+        # What the interpreter records for an uncaught exception, so exit hooks (e.g. the parameter-server
+        # chief's "end training" signal) see that train_fn failed.
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

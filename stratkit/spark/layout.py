@@ -1,0 +1,186 @@
+"""Which TF task each Spark barrier task becomes, and which GPUs it sees.
+
+Pure Python (no pyspark, no TensorFlow), so every rule here is unit-tested
+without a JVM. The role -> strategy rule itself is not re-derived here: the
+TF_CONFIG built for each task is handed to `stratkit.detect`, the one place
+that maps a TF_CONFIG to a `ClusterSpec`.
+
+Rank order (the barrier task's partition id):
+  * synchronous (num_ps == 0): every task is a "worker"; worker 0 (rank 0) is
+    the chief by TensorFlow's rule, so no separate chief task is needed.
+  * parameter server (num_ps > 0): rank 0 is the "chief" (the coordinator),
+    ranks 1..num_workers are "worker", the last num_ps ranks are "ps".
+Rank 0 is always the chief, and its return value is the one `run()` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from stratkit.cluster import ClusterSpec, detect
+from stratkit.cluster.detect import LAUNCHER_VAR
+from stratkit.errors import ConfigError
+
+#: Value of STRATKIT_LAUNCHER that makes `detect()` report source "spark".
+LAUNCHER = "spark"
+
+# Spark GPU addresses must be plain CUDA ordinals: "0", "1", ..., no padding ("01" is another device to CUDA).
+_GPU_ADDRESS = re.compile(r"^(0|[1-9][0-9]*)$")
+
+
+@dataclass(frozen=True)
+class TaskRole:
+    """The TF task one barrier task (its `rank`) becomes."""
+
+    rank: int
+    task_type: str
+    task_index: int
+
+    @property
+    def label(self) -> str:
+        """`worker:1`, `ps:0`, ...: the prefix of this task's log lines on the driver."""
+        return f"{self.task_type}:{self.task_index}"
+
+    @property
+    def trains(self) -> bool:
+        """True for tasks that compute steps on data (chief/worker of a synchronous cluster, PS workers)."""
+        return self.task_type == "worker"
+
+
+def _positive_int(name: str, value: object, minimum: int = 1, example: str = "2") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}: got {value!r}. Fix: e.g. {name}={example}")
+    return value
+
+
+def plan_roles(num_workers: int, num_ps: int = 0) -> list[TaskRole]:
+    """One `TaskRole` per barrier task, in rank order (see the module docstring)."""
+    _positive_int("num_workers", num_workers)
+    _positive_int("num_ps", num_ps, minimum=0, example="1")
+    if num_ps == 0:
+        return [TaskRole(rank, "worker", rank) for rank in range(num_workers)]
+    roles = [TaskRole(0, "chief", 0)]
+    roles += [TaskRole(1 + i, "worker", i) for i in range(num_workers)]
+    roles += [TaskRole(1 + num_workers + j, "ps", j) for j in range(num_ps)]
+    return roles
+
+
+def cluster_of(roles: Sequence[TaskRole], addresses: Sequence[str]) -> dict[str, list[str]]:
+    """The TF_CONFIG "cluster" for `roles`, given each rank's "host:port" (indexed by rank)."""
+    if len(addresses) != len(roles):
+        raise ConfigError(f"got {len(addresses)} task address(es) for {len(roles)} task(s). "
+                          "Fix: every barrier task must report exactly one address")
+    cluster: dict[str, list[str]] = {}
+    for role in roles:
+        cluster.setdefault(role.task_type, []).append(addresses[role.rank])
+    return cluster
+
+
+def tf_config(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int) -> str:
+    """The TF_CONFIG JSON of the task with `rank`."""
+    role = roles[rank]
+    return json.dumps({"cluster": cluster_of(roles, addresses),
+                       "task": {"type": role.task_type, "index": role.task_index}}, sort_keys=True)
+
+
+def validate(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int,
+             environ: Mapping[str, str] | None = None) -> ClusterSpec:
+    """Run `stratkit.detect` on exactly the environment the task's process will get.
+
+    Returns the `ClusterSpec` the training process will see; raises `ConfigError`
+    when detection disagrees with the layout (e.g. a preset STRATKIT_STRATEGY
+    that contradicts the cluster), so the task fails before TensorFlow starts.
+    """
+    env = dict(environ or {})
+    env["TF_CONFIG"] = tf_config(roles, addresses, rank)
+    env[LAUNCHER_VAR] = LAUNCHER
+    spec = detect(env)
+    role = roles[rank]
+    expected = "parameter_server" if any(r.task_type == "ps" for r in roles) else "multi_worker_mirrored"
+    if (spec.task_type, spec.task_index) != (role.task_type, role.task_index) or spec.source != LAUNCHER \
+            or spec.strategy != expected:
+        raise ConfigError(f"stratkit.detect() read task {spec.task_type}:{spec.task_index} ({spec.strategy}, source "
+                          f"{spec.source}) from the TF_CONFIG built for {role.label} ({expected}). Fix: do not set "
+                          "STRATKIT_STRATEGY or STRATKIT_CLUSTER_ENV on the executors; the Spark runner decides them")
+    if spec.is_chief != (rank == 0):
+        raise ConfigError(f"rank {rank} ({role.label}) would{' not' if rank == 0 else ''} be the chief. "
+                          "This is a stratkit bug: rank 0 must be the only chief")
+    return spec
+
+
+def check_layout(roles: Sequence[TaskRole]) -> None:
+    """Validate the layout on the driver, before any Spark job, with placeholder addresses."""
+    placeholders = [f"127.0.0.1:{20000 + role.rank}" for role in roles]
+    for role in roles:
+        validate(roles, placeholders, role.rank)
+
+
+# -- GPUs ---------------------------------------------------------------------------------------
+
+def check_gpu_addresses(addresses: Sequence[str], resource_name: str = "gpu") -> list[str]:
+    """Spark's GPU addresses for a task, checked to be CUDA ordinals and sorted numerically."""
+    bad = [a for a in addresses if not _GPU_ADDRESS.match(str(a))]
+    if bad:
+        raise ConfigError(f"Spark resource {resource_name!r} has addresses {list(addresses)}; {bad} are not CUDA "
+                          "device ordinals. Fix: make the GPU discovery script print integer addresses without "
+                          'zero padding, e.g. {"name": "gpu", "addresses": ["0", "1"]}')
+    return sorted((str(a) for a in addresses), key=int)
+
+
+def remap_visible(addresses: Sequence[str], preset: str | None, where: str = "the executor") -> list[str]:
+    """Translate Spark's GPU addresses through a CUDA_VISIBLE_DEVICES already set in the process.
+
+    Spark's addresses count the devices *visible* to the executor; when the
+    executor itself runs with CUDA_VISIBLE_DEVICES="10,11,12,13", address "2"
+    is physical device "12", and the child process (which gets its own
+    CUDA_VISIBLE_DEVICES) must be given "12".
+    """
+    if preset is None:
+        return list(addresses)
+    visible = [d.strip() for d in preset.split(",") if d.strip()]
+    out = []
+    for address in addresses:
+        index = int(address)
+        if index >= len(visible):
+            raise ConfigError(f"Spark assigned GPU address {address} but CUDA_VISIBLE_DEVICES={preset!r} on {where} "
+                              f"lists only {len(visible)} device(s). Fix: make the discovery script report "
+                              "indices into CUDA_VISIBLE_DEVICES (0..N-1), or unset CUDA_VISIBLE_DEVICES there")
+        out.append(visible[index])
+    return out
+
+
+def split_evenly(total: int, parts: int, index: int) -> int:
+    """How many of `total` items part `index` of `parts` gets: sizes differ by at most one, larger first."""
+    return total // parts + (1 if index < total % parts else 0)
+
+
+def visible_devices(role: TaskRole, *, use_gpu: bool, owned: Sequence[str] | None, count: int | None,
+                    preset: str | None, resource_name: str = "gpu") -> str:
+    """The CUDA_VISIBLE_DEVICES value for one task's training process.
+
+    Args:
+        role: the task; "ps" tasks never get GPUs (they only hold variables).
+        use_gpu: False hides every GPU ("").
+        owned: the task's Spark resource addresses (None when Spark gave none).
+        count: how many of them to use (None: all).
+        preset: CUDA_VISIBLE_DEVICES already set in the executor, or None.
+    """
+    if not use_gpu or role.task_type == "ps":
+        return ""
+    if owned is None:
+        raise ConfigError(f"task {role.label} got no {resource_name!r} resource from Spark, though use_gpu=True. "
+                          f"Fix: set spark.task.resource.{resource_name}.amount, "
+                          f"spark.executor.resource.{resource_name}.amount and a discovery script "
+                          f"(spark.executor.resource.{resource_name}.discoveryScript, or "
+                          f"spark.worker.resource.{resource_name}.* on standalone), or pass use_gpu=False")
+    addresses = check_gpu_addresses(owned, resource_name)
+    if count is not None:
+        if count > len(addresses):
+            raise ConfigError(f"task {role.label} should use {count} GPU(s) but Spark gave it {len(addresses)} "
+                              f"({addresses}). Fix: raise spark.task.resource.{resource_name}.amount to {count} "
+                              "or ask for fewer GPUs per task")
+        addresses = addresses[:count]
+    return ",".join(remap_visible(addresses, preset))

@@ -1,0 +1,568 @@
+"""`SparkRunner`: run one training function as a TensorFlow cluster on Spark executors.
+
+The driver side of the Spark adapter. One `run()`:
+  1. checks everything that can be checked before Spark is involved: the
+     layout (through `stratkit.detect`), GPU confs, encryption, and whether
+     the cluster has enough task slots for the barrier stage;
+  2. stages DataFrame arguments as Parquet (`stratkit.spark.data`);
+  3. starts the log server, then one barrier stage with one task per TF task
+     (`DataFrame.mapInArrow(..., barrier=True)`, or an RDD barrier stage where
+     that is unavailable) -- each task runs `stratkit.spark.task.run_task`;
+  4. returns the chief's (rank 0's) return value; or raises
+     `SparkTrainingError` with the first failing task's last lines, after
+     stopping every other task; `max_retries` re-runs the whole stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from stratkit.errors import ConfigError, StratkitError
+from stratkit.spark import data as data_module
+from stratkit.spark import layout, slots
+from stratkit.spark.layout import TaskRole
+from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
+from stratkit.spark.task import TaskPlan, arrow_partition_function, rdd_partition_function
+
+log = logging.getLogger(__name__)
+
+#: Conf choosing the barrier stage: "auto" (mapInArrow when available), "arrow" or "rdd".
+STAGE_CONF = "spark.stratkit.stage"
+#: Confs that let training run on a cluster with spark.ssl.enabled (TensorFlow's gRPC is not encrypted).
+IGNORE_SSL_CONFS = ("spark.stratkit.ignoreSsl", "tensorflow.spark.distributor.ignoreSsl")
+
+
+class SparkTrainingError(StratkitError, RuntimeError):
+    """Training on Spark failed: which task, its exit code and its last output lines.
+
+    Attributes:
+        task: the failing task's label ("worker:1"), None for a timeout or a
+            failure before any training process ran.
+        rank: its barrier rank, or None.
+        exit_code: its training process's exit code (negative: killed by that
+            signal), or None.
+        lines: its last output lines (up to 100).
+        attempt: the attempt that failed (1-based).
+        timed_out: True when `timeout` ended the run.
+    """
+
+    def __init__(self, message: str, *, task: str | None = None, rank: int | None = None,
+                 exit_code: int | None = None, lines: Sequence[str] = (), attempt: int | None = None,
+                 timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.task = task
+        self.rank = rank
+        self.exit_code = exit_code
+        self.lines = list(lines)
+        self.attempt = attempt
+        self.timed_out = timed_out
+
+
+@dataclass
+class RunReport:
+    """What happened in the last `run()` (`runner.last_run`): for logs, tests and post-mortems."""
+
+    run_id: str
+    stage: str
+    tasks: list[str]
+    attempts: int = 0
+    seconds: float = 0.0
+    succeeded: bool = False
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    tails: dict[str, list[str]] = field(default_factory=dict)
+    first_output_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class SparkRunner:
+    """Run `train_fn` on Spark executors as a TensorFlow cluster; return the chief's result on the driver.
+
+    Args:
+        num_workers: training tasks. Without `num_ps` they form a
+            MultiWorkerMirroredStrategy cluster of `num_workers` "worker" tasks
+            (worker 0 is the chief). With `num_ps`, a parameter-server cluster of
+            one "chief" (the coordinator), `num_workers` "worker" and `num_ps`
+            "ps" tasks. Each task is one Spark barrier task.
+        use_gpu: give each task the GPUs Spark scheduled for it (needs
+            spark.task.resource.gpu.amount and GPU discovery on the executors);
+            False hides all GPUs (CUDA_VISIBLE_DEVICES="").
+        gpus_per_worker: use only this many of each task's Spark GPUs (default: all).
+        num_ps: parameter-server tasks (0: synchronous multi-worker training).
+        spark: the SparkSession (default: the active one, else a new one).
+        max_retries: re-run the whole barrier stage this many times after a
+            failure (train_fn using `trainer.fit(backup_dir=...)` resumes).
+        timeout: seconds for the whole `run()`, retries included; then every
+            task is killed, the Spark job cancelled and SparkTrainingError raised.
+
+    Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
+    (TF_CONFIG, `spec.source == "spark"`); train_fn runs in a fresh Python
+    process, so it must import what it uses and create the strategy before any
+    other TensorFlow op.
+    """
+
+    def __init__(self, num_workers: int = 2, *, use_gpu: bool = False, gpus_per_worker: int | None = None,
+                 num_ps: int = 0, spark: Any = None, max_retries: int = 0, timeout: float | None = None) -> None:
+        self.roles: list[TaskRole] = layout.plan_roles(num_workers, num_ps)
+        layout.check_layout(self.roles)
+        if not isinstance(use_gpu, bool):
+            raise ConfigError(f"use_gpu must be True or False: got {use_gpu!r}")
+        if gpus_per_worker is not None:
+            layout._positive_int("gpus_per_worker", gpus_per_worker, example="1")
+            if not use_gpu:
+                raise ConfigError(f"gpus_per_worker={gpus_per_worker} needs use_gpu=True. Fix: pass use_gpu=True, "
+                                  "or drop gpus_per_worker")
+        layout._positive_int("max_retries", max_retries, minimum=0, example="1")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ConfigError(f"timeout must be a positive number of seconds or None: got {timeout!r}. "
+                              "Fix: e.g. timeout=3600")
+        self.num_workers = num_workers
+        self.num_ps = num_ps
+        self.use_gpu = use_gpu
+        self.gpus_per_worker = gpus_per_worker
+        self.max_retries = max_retries
+        self.timeout = timeout
+        self._spark = spark
+        self.last_run: RunReport | None = None
+        # Set by MirroredStrategyRunner: GPU counts per rank, the resource name, and the strategy wrap.
+        self._gpu_counts: list[int | None] | None = None
+        self._gpu_resource_name = "gpu"
+        self._wrap: str | None = None
+
+    @property
+    def num_tasks(self) -> int:
+        """Barrier tasks (= TF tasks) one run uses."""
+        return len(self.roles)
+
+    # -- public ---------------------------------------------------------------------------------
+    def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `train_fn(*args, **kwargs)` on every task; return the chief's (rank 0's) return value.
+
+        Arguments are cloudpickled to the tasks. A Spark DataFrame argument
+        (or `DataFrameInput(df, feature_cols=..., label_col=...)`) is staged
+        as Parquet and arrives in train_fn as that worker's `ParquetShard`.
+        Each task's output is printed on the driver, prefixed `[worker:1]`.
+
+        Raises:
+            ConfigError: the cluster or arguments cannot work (before any job runs).
+            SparkTrainingError: a task failed (after all retries) or `timeout` passed.
+        """
+        if not callable(train_fn):
+            raise ConfigError(f"train_fn must be a function: got {type(train_fn).__name__}. "
+                              "Fix: runner.run(train_fn, *args, **kwargs)")
+        spark = self._session()
+        sc = _spark_context(spark)
+        confs = _confs(spark, sc)
+        _check_ssl(confs, type(self).__name__)
+        gpu_counts = self._check_gpus(confs)
+        stage = _choose_stage(confs, sc)
+        run_id = f"stratkit-{uuid.uuid4().hex[:12]}"
+        report = RunReport(run_id=run_id, stage=stage, tasks=[r.label for r in self.roles])
+        self.last_run = report
+        started = time.monotonic()
+        slots.check_slots(self.num_tasks, confs, sc)
+        staged: list[data_module.StagedData] = []
+        try:
+            args, kwargs = self._stage_data(spark, run_id, args, kwargs, staged)
+            # Inside the task closure, which Spark broadcasts once per stage (not once per task).
+            payload = _pickle_payload(train_fn, args, kwargs)
+            driver_host = confs.get("spark.driver.host") or "127.0.0.1"
+            bind_host = confs.get("spark.driver.bindAddress") or driver_host
+            deadline = None if self.timeout is None else started + self.timeout
+            for attempt in range(1, self.max_retries + 2):
+                report.attempts = attempt
+                plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(self.roles), payload=payload,
+                                log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
+                                gpu_counts=tuple(gpu_counts), gpu_resource_name=self._gpu_resource_name,
+                                wrap=self._wrap)
+                try:
+                    result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report)
+                except SparkTrainingError as error:
+                    if error.timed_out or attempt > self.max_retries:
+                        raise
+                    _say(f"[stratkit] attempt {attempt} of {self.max_retries + 1} failed ({_first_line(error)}); "
+                         "re-running the whole barrier stage")
+                    continue
+                report.succeeded = True
+                return result
+            raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            report.seconds = time.monotonic() - started
+            for item in staged:
+                data_module.remove(item)
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _session(self) -> Any:
+        if self._spark is not None:
+            return self._spark
+        from pyspark.sql import SparkSession
+
+        return SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+
+    def _check_gpus(self, confs: dict[str, str]) -> list[int | None]:
+        if self._gpu_counts is not None:
+            return list(self._gpu_counts)
+        if not self.use_gpu:
+            return [None] * self.num_tasks
+        key = f"spark.task.resource.{self._gpu_resource_name}.amount"
+        amount = _task_gpu_amount(confs, key)
+        if self.gpus_per_worker is not None and self.gpus_per_worker > amount:
+            raise ConfigError(f"gpus_per_worker={self.gpus_per_worker} is more than the {amount} GPU(s) Spark gives "
+                              f"each task ({key}={confs[key]}). Fix: raise {key} or lower gpus_per_worker")
+        return [self.gpus_per_worker] * self.num_tasks
+
+    def _stage_data(self, spark: Any, run_id: str, args: tuple, kwargs: dict,
+                    staged: list[data_module.StagedData]) -> tuple[tuple, dict]:
+        def convert(name: str, value: Any) -> Any:
+            data = _as_dataframe_input(value)
+            if data is None:
+                return value
+            if self.num_ps:
+                raise ConfigError(f"argument {name!r} is a DataFrame, but DataFrame input is not supported with "
+                                  f"num_ps={self.num_ps} (parameter-server workers read data through the "
+                                  "coordinator's dataset_fn). Fix: train synchronously (num_ps=0), or read the "
+                                  "data inside train_fn")
+            item = data_module.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
+            staged.append(item)
+            return item
+
+        new_args = tuple(convert(f"arg{i}", a) for i, a in enumerate(args))
+        new_kwargs = {k: convert(k, v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def _attempt(self, spark: Any, sc: Any, stage: str, plan: TaskPlan, bind_host: str,
+                 deadline: float | None, report: RunReport) -> Any:
+        """One barrier stage. Returns the chief's value or raises SparkTrainingError."""
+        tag = f"{plan.run_id}-attempt{plan.attempt}"
+        state = _AttemptState()
+
+        def stop_everything(reason: str) -> None:
+            server.abort_all(reason)
+            _cancel(spark, sc, tag)
+
+        def on_exit(task: TaskLog) -> None:
+            if task.exit_code == 0:
+                return
+            with state.lock:
+                if state.failure is not None or state.timed_out or state.finished:
+                    return
+                state.failure = task
+            threading.Thread(target=stop_everything, name="stratkit-abort", daemon=True,
+                             args=(f"{task.label} failed with exit code {task.exit_code}",)).start()
+
+        def on_timeout() -> None:
+            with state.lock:
+                if state.finished or state.failure is not None:
+                    return
+                state.timed_out = True
+            stop_everything(f"timeout of {self.timeout}s reached")
+
+        try:
+            server = LogServer(bind_host, on_exit=on_exit)
+        except OSError:  # a bind address this process cannot use: every interface (the token still guards)
+            server = LogServer("", on_exit=on_exit)
+        plan = _with_log_server(plan, server)
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), on_timeout)
+            timer.daemon = True
+            timer.start()
+        _say(f"[stratkit] {plan.run_id}: attempt {plan.attempt}, {plan.num_tasks} barrier task(s) "
+             f"({', '.join(r.label for r in plan.roles)}) via {stage}")
+        started = time.time()
+        error: BaseException | None = None
+        rows: list[tuple[int, int, bytes]] = []
+        try:
+            with _job_tag(spark, sc, tag, f"stratkit training {plan.run_id} attempt {plan.attempt}"):
+                rows = _collect(spark, sc, stage, plan)
+        except KeyboardInterrupt:
+            with state.lock:
+                state.finished = True
+            stop_everything("the driver was interrupted")
+            raise
+        except Exception as exc:  # noqa: BLE001 - Py4JJavaError, PySparkException, ... all mean the stage failed
+            error = exc
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if error is not None:
+                server.abort_all("the barrier stage failed")
+            server.shutdown()
+            with state.lock:
+                state.finished = True
+            for task in server.tasks.values():
+                report.exit_codes[task.label] = task.exit_code
+                report.tails[task.label] = list(task.tail)
+                if task.first_line_at is not None:
+                    report.first_output_seconds[task.label] = task.first_line_at - started
+        if error is None:
+            return _assemble_result(rows)
+        raise self._explain(error, state, server, plan) from None
+
+    def _explain(self, error: BaseException, state: _AttemptState, server: LogServer,
+                 plan: TaskPlan) -> SparkTrainingError:
+        attempts = f"attempt {plan.attempt} of {self.max_retries + 1}"
+        if state.timed_out:
+            tails = "\n".join(f"--- {t.label} (last {min(len(t.tail), 20)} lines):\n" + "\n".join(list(t.tail)[-20:])
+                              for t in sorted(server.tasks.values(), key=lambda t: t.rank))
+            return SparkTrainingError(f"training did not finish within timeout={self.timeout}s ({attempts}); every "
+                                      f"task was killed and the Spark job cancelled.\n{tails}",
+                                      attempt=plan.attempt, timed_out=True)
+        failure = state.failure
+        if failure is not None:
+            lines = list(failure.tail)
+            return SparkTrainingError(
+                f"task {failure.label} (rank {failure.rank}) failed with exit code {failure.exit_code} "
+                f"({_describe_code(failure.exit_code)}; {attempts}); the other tasks were stopped. "
+                f"Its last {len(lines)} lines:\n" + "\n".join(lines),
+                task=failure.label, rank=failure.rank, exit_code=failure.exit_code, lines=lines,
+                attempt=plan.attempt)
+        text = str(error)
+        hint = ""
+        if "ModuleNotFoundError" in text or "No module named" in text:
+            hint = (f"\nFix: the executors' Python cannot import a module (see above). Point them at the "
+                    f"interpreter that has stratkit installed: set PYSPARK_PYTHON={sys.executable} before the "
+                    "SparkSession starts (spark.pyspark.python with spark-submit), or install the module there")
+        lines = _tail_lines(text, 100)
+        return SparkTrainingError(f"the Spark barrier stage failed before a training process reported its exit "
+                                  f"({attempts}). Spark said (last {len(lines)} lines):\n" + "\n".join(lines) + hint,
+                                  lines=lines, attempt=plan.attempt)
+
+
+@dataclass
+class _AttemptState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    failure: TaskLog | None = None
+    timed_out: bool = False
+    finished: bool = False
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def _say(message: str) -> None:
+    print(message, file=sys.stdout, flush=True)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _describe_code(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code == SETUP_FAILED:
+        return "the task failed before its training process started"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (", e.g. out of memory" if name == "SIGKILL" else "")
+    return "train_fn raised; traceback below" if code == 1 else "non-zero exit"
+
+
+def _tail_lines(text: str, count: int) -> list[str]:
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("at ")]
+    return lines[-count:]
+
+
+def _spark_context(spark: Any) -> Any:
+    """The SparkContext, or None on Spark Connect (where only the DataFrame API exists)."""
+    try:
+        return spark.sparkContext
+    except Exception:  # noqa: BLE001 - Connect raises on sparkContext access
+        return None
+
+
+def _confs(spark: Any, sc: Any) -> dict[str, str]:
+    """Startup confs (SparkConf) overlaid with the session's runtime confs for stratkit's own keys."""
+    confs: dict[str, str] = {}
+    if sc is not None:
+        confs.update(dict(sc.getConf().getAll()))
+    else:
+        try:
+            confs.update(dict(spark.conf.getAll))
+        except Exception as exc:  # noqa: BLE001 - older Connect clients
+            log.debug("cannot list the session's confs: %s", exc)
+    for key in (STAGE_CONF, data_module.STAGING_CONF, slots.WAIT_CONF, *IGNORE_SSL_CONFS):
+        try:
+            value = spark.conf.get(key, None)
+        except Exception:  # noqa: BLE001
+            value = None
+        if value is not None:
+            confs[key] = value
+    if "spark.master" not in confs:
+        try:
+            confs["spark.master"] = spark.conf.get("spark.master", "")
+        except Exception:  # noqa: BLE001
+            confs["spark.master"] = ""
+    return confs
+
+
+def _conf_bool(confs: dict[str, str], key: str) -> bool:
+    value = str(confs.get(key, "false")).strip().lower()
+    if value not in ("true", "false"):
+        raise ConfigError(f"Spark conf {key}={confs[key]!r} must be true or false")
+    return value == "true"
+
+
+def _check_ssl(confs: dict[str, str], name: str) -> None:
+    """Refuse to send model and data unencrypted on a cluster that asked for encryption."""
+    if not _conf_bool(confs, "spark.ssl.enabled"):
+        return
+    if any(_conf_bool(confs, key) for key in IGNORE_SSL_CONFS):
+        log.warning("spark.ssl.enabled is true, but %s sends model parameters and data between tasks over "
+                    "TensorFlow's unencrypted gRPC, as %s allows", name,
+                    " / ".join(k for k in IGNORE_SSL_CONFS if _conf_bool(confs, k)))
+        return
+    raise ConfigError(f"this cluster has TLS encryption enabled (spark.ssl.enabled=true), but {name} sends model "
+                      "parameters and possibly training data between tasks unencrypted (TensorFlow's gRPC). "
+                      f"Fix: to run anyway, set {IGNORE_SSL_CONFS[0]}=true (or {IGNORE_SSL_CONFS[1]}=true) in the "
+                      "Spark configuration")
+
+
+def _task_gpu_amount(confs: dict[str, str], key: str) -> int:
+    if key not in confs:
+        raise ConfigError(f"use_gpu=True but the Spark conf {key} is not set, so Spark does not schedule GPUs to "
+                          f"tasks. Fix: set {key} (GPUs per task), spark.executor.resource.gpu.amount and a GPU "
+                          "discovery script (see spark_jobs/train_digits_gpu.py), or pass use_gpu=False")
+    try:
+        amount = float(confs[key])
+    except ValueError:
+        raise ConfigError(f"Spark conf {key}={confs[key]!r} is not a number. Fix: e.g. {key}=1") from None
+    if amount < 1 or amount != int(amount):
+        raise ConfigError(f"Spark conf {key}={confs[key]} must be a whole number >= 1 for training (a TensorFlow "
+                          f"task cannot share a GPU safely). Fix: set {key}=1 or more")
+    return int(amount)
+
+
+def _arrow_stage_available(spark: Any) -> bool:
+    """mapInArrow(barrier=True) needs pyspark >= 3.5, and pyspark needs pandas and pyarrow on the driver."""
+    try:
+        from pyspark.sql import DataFrame
+
+        if "barrier" not in inspect.signature(DataFrame.mapInArrow).parameters:
+            return False
+        import pandas  # noqa: F401 - pyspark refuses mapInArrow without it
+        import pyarrow  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _choose_stage(confs: dict[str, str], sc: Any) -> str:
+    choice = str(confs.get(STAGE_CONF, "auto")).strip().lower()
+    if choice not in ("auto", "arrow", "rdd"):
+        raise ConfigError(f"Spark conf {STAGE_CONF}={confs[STAGE_CONF]!r} is not known. Fix: use auto, arrow or rdd")
+    arrow = _arrow_stage_available(None)
+    if choice == "arrow" and not arrow:
+        raise ConfigError(f"{STAGE_CONF}=arrow needs DataFrame.mapInArrow(barrier=True) (pyspark >= 3.5) with pandas "
+                          "and pyarrow installed. Fix: pip install 'pyspark[sql]>=3.5', or set it to rdd")
+    if choice == "rdd" and sc is None:
+        raise ConfigError(f"{STAGE_CONF}=rdd needs a SparkContext, which Spark Connect does not have. "
+                          "Fix: set it to auto or arrow")
+    if choice == "auto":
+        choice = "arrow" if arrow or sc is None else "rdd"
+    return "mapInArrow" if choice == "arrow" else "rdd"
+
+
+def _as_dataframe_input(value: Any) -> data_module.DataFrameInput | None:
+    if isinstance(value, data_module.DataFrameInput):
+        return value
+    if type(value).__name__ != "DataFrame":  # cheap test first: never import pyspark.sql for plain arguments
+        return None
+    from pyspark.sql import DataFrame
+
+    return data_module.DataFrameInput(value) if isinstance(value, DataFrame) else None
+
+
+def _pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((train_fn, args, kwargs))
+    except Exception as exc:  # noqa: BLE001 - find the culprit for the message
+        for name, value in [("train_fn", train_fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
+                [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]:
+            try:
+                cloudpickle.dumps(value)
+            except Exception as inner:  # noqa: BLE001
+                raise ConfigError(f"{name} cannot be pickled to send to the Spark tasks ({type(inner).__name__}: "
+                                  f"{inner}). Fix: pass plain data (numbers, strings, numpy arrays, paths) and create "
+                                  "models, sessions, locks or open files inside train_fn") from None
+        raise ConfigError(f"train_fn and its arguments cannot be pickled ({type(exc).__name__}: {exc})") from None
+
+
+def _with_log_server(plan: TaskPlan, server: LogServer) -> TaskPlan:
+    from dataclasses import replace
+
+    return replace(plan, log_port=server.port, log_token=server.token)
+
+
+@contextmanager
+def _job_tag(spark: Any, sc: Any, tag: str, description: str) -> Iterator[None]:
+    """Tag this thread's Spark jobs so they can be cancelled (job tags; job groups before Spark 3.5)."""
+    if sc is None:
+        spark.addTag(tag)
+        try:
+            yield
+        finally:
+            spark.removeTag(tag)
+        return
+    previous = {key: sc.getLocalProperty(key) for key in ("spark.job.interruptOnCancel", "spark.job.description")}
+    sc.setLocalProperty("spark.job.interruptOnCancel", "true")
+    sc.setLocalProperty("spark.job.description", description)
+    tags = hasattr(sc, "addJobTag")
+    if tags:
+        sc.addJobTag(tag)
+    else:  # pragma: no cover - Spark < 3.5
+        sc.setJobGroup(tag, description, interruptOnCancel=True)
+    try:
+        yield
+    finally:
+        if tags:
+            sc.removeJobTag(tag)
+        else:  # pragma: no cover
+            sc.setLocalProperty("spark.jobGroup.id", None)
+        for key, value in previous.items():
+            sc.setLocalProperty(key, value)
+
+
+def _cancel(spark: Any, sc: Any, tag: str) -> None:
+    try:
+        if sc is None:
+            spark.interruptTag(tag)
+        elif hasattr(sc, "cancelJobsWithTag"):
+            sc.cancelJobsWithTag(tag)
+        else:  # pragma: no cover - Spark < 3.5
+            sc.cancelJobGroup(tag)
+    except Exception as exc:  # noqa: BLE001 - the context may be stopping; the tasks were told to stop anyway
+        log.debug("could not cancel Spark jobs tagged %s: %s", tag, exc)
+
+
+def _collect(spark: Any, sc: Any, stage: str, plan: TaskPlan) -> list[tuple[int, int, bytes]]:
+    n = plan.num_tasks
+    if stage == "mapInArrow":
+        frame = spark.range(0, n, 1, n).mapInArrow(arrow_partition_function(plan), "rank int, seq int, chunk binary",
+                                                   barrier=True)
+        return [(row["rank"], row["seq"], bytes(row["chunk"])) for row in frame.collect()]
+    return list(sc.parallelize(range(n), n).barrier().mapPartitions(rdd_partition_function(plan)).collect())
+
+
+def _assemble_result(rows: list[tuple[int, int, bytes]]) -> Any:
+    chunks = sorted((seq, chunk) for rank, seq, chunk in rows if rank == 0)
+    if not chunks:
+        return None
+    import cloudpickle
+
+    return cloudpickle.loads(b"".join(chunk for _, chunk in chunks))
