@@ -77,6 +77,7 @@ def spark() -> float | None:
         return None
     spark_session = (SparkSession.builder.master("local[2]").appName("stratkit-demo")
                      .config("spark.driver.host", "127.0.0.1").config("spark.ui.enabled", "false")
+                     .config("spark.ui.showConsoleProgress", "false")
                      .getOrCreate())
     try:
         accuracy = SparkRunner(num_workers=2, spark=spark_session).run(spark_train_fn, 10)
@@ -88,6 +89,8 @@ def spark() -> float | None:
 
 def main() -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    # Spark's Python workers must be this interpreter (the one with stratkit installed).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     banner("stratkit info (what this process would get)")
     subprocess.run(stratkit_cmd("info"), check=True)
