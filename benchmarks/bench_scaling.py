@@ -1,0 +1,226 @@
+"""Scaling efficiency of 2-worker MultiWorkerMirrored training on loopback, against a fair baseline.
+
+Model: the ResNet-style conv net of examples/resnet_synthetic.py on synthetic
+images, trained through `stratkit.Trainer`. The 2-worker job is what users run:
+`stratkit.launch.launch(..., workers=2)` (TF_CONFIG, MultiWorkerMirrored,
+ring all-reduce over gRPC on 127.0.0.1), one intra-op thread per worker, the
+same per-replica batch as a single job.
+
+Fair baseline: on one host the 2 workers share the cores, the memory bus and
+the caches, so "2 workers vs 1 worker alone" mixes the cost of distribution
+with the cost of contention. The baseline is therefore TWO INDEPENDENT
+single-worker jobs (no TF_CONFIG, stratkit's one_device) running AT THE SAME
+TIME with the same settings: both print READY after their warm-up epoch and
+start their measured epochs together on the parent's GO; only epochs that end
+before the first job finished count (so neither job ever runs alone).
+
+    efficiency = examples/s(2-worker job) / (examples/s(job A) + examples/s(job B))   goal >= 0.97
+    naive      = examples/s(2-worker job) / (2 x examples/s(one job alone))
+
+Rates are steady state: per-epoch wall times from an epoch-level callback,
+epoch 0 (tracing, connection set-up) excluded, median over the measured
+epochs; the headline configuration is repeated (alternating order) and the
+median over repeats is reported.
+
+Knobs stratkit controls, one row each (each vs the default, otherwise equal):
+  * gradient packing: `Trainer(bytes_per_pack=...)` -> CommunicationOptions
+    (0 = one pack for all gradients, TF's default);
+  * threads: intra-op per worker (stratkit launch: cores // tasks = 1 here; 2
+    oversubscribes the cores), inter-op (TF default = cores; 1 shown);
+  * input prefetch: prefetch(AUTOTUNE) (what stratkit's input path adds) vs none.
+Rows that change threads or prefetch get their own simultaneous baseline pair
+(those settings apply to single jobs too); packing rows share the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_result  # noqa: E402
+from jobs import TASKS, JobFailed, clean_env, python, run_barrier_group, thread_vars  # noqa: E402
+
+GOAL = 0.97
+TASK = TASKS / "scaling_task.py"
+
+FULL = {"image": 32, "classes": 10, "width": 16, "blocks": [1, 1, 1, 1], "per_replica_batch": 32,
+        "steps": 16, "epochs": 5, "examples_per_worker": 512}
+QUICK = {"image": 16, "classes": 10, "width": 4, "blocks": [1, 1], "per_replica_batch": 8,
+         "steps": 3, "epochs": 3, "examples_per_worker": 64}
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    intra: int | None = 1
+    inter: int | None = None      # None: TensorFlow's default (the number of cores)
+    prefetch: bool = True
+    bytes_per_pack: int = 0
+    own_baseline: bool = True     # False: compare with the default's baseline pair (single jobs ignore it)
+
+
+DEFAULT = Setting("stratkit default (intra 1, inter TF default, prefetch AUTOTUNE, one pack)")
+VARIANTS = [
+    Setting("bytes_per_pack=256 KiB", bytes_per_pack=256 * 1024, own_baseline=False),
+    Setting("bytes_per_pack=1 MiB", bytes_per_pack=1024 * 1024, own_baseline=False),
+    Setting("intra-op 2 per worker (oversubscribed)", intra=2),
+    Setting("inter-op 1 per worker", inter=1),
+    Setting("no prefetch", prefetch=False),
+]
+QUICK_VARIANTS = ["bytes_per_pack=256 KiB"]
+
+
+def _config(model: dict, setting: Setting, result: Path, barrier: bool) -> str:
+    return json.dumps({**model, "prefetch": setting.prefetch, "bytes_per_pack": setting.bytes_per_pack,
+                       "barrier": barrier, "result": str(result)})
+
+
+def _rates(record: dict, until: float | None = None) -> tuple[list[float], bool]:
+    """examples/s of each measured epoch (epoch 0 excluded), only epochs ending by `until` when given."""
+    epochs = record["epochs"][1:]
+    examples = record["steps"] * record["global_batch"]
+    kept = [e for e in epochs if until is None or e[1] <= until + 1e-6]
+    ok = bool(kept)
+    return [examples / (end - start) for start, end in (kept or epochs)], ok
+
+
+def run_two_workers(model: dict, setting: Setting, timeout: float, work: Path) -> dict:
+    from stratkit.launch import launch
+
+    result = work / "two"
+    env = clean_env(**thread_vars(setting.intra, setting.inter),
+                    STRATKIT_BENCH_SCALING=_config(model, setting, result, barrier=False))
+    out = io.StringIO()
+    load = os.getloadavg()
+    started = time.monotonic()
+    outcome = launch([python(), str(TASK)], workers=2, env=env, timeout=timeout, stdout=out, stderr=out,
+                     handle_signals=False)
+    wall = time.monotonic() - started
+    if not outcome.ok:
+        raise JobFailed(f"2-worker job failed (exit {outcome.returncode}):\n{outcome.report}\n{out.getvalue()[-3000:]}")
+    chief = json.loads(Path(f"{result}.0").read_text())
+    rates, _ = _rates(chief)
+    return {"examples_per_sec": statistics.median(rates), "per_epoch": rates,
+            "steps_per_sec": statistics.median(rates) / chief["global_batch"], "wall_seconds": wall,
+            "loadavg_before": load, "loadavg_after": os.getloadavg(), "strategy": chief["strategy"],
+            "replicas": chief["replicas"], "global_batch": chief["global_batch"], "params": chief["params"],
+            "gradient_bytes": chief["gradient_bytes"], "gradient_tensors": chief["gradient_tensors"],
+            "threads": chief["threads"]}
+
+
+def run_independent(model: dict, setting: Setting, count: int, timeout: float, work: Path) -> dict:
+    """`count` single-worker jobs started together at a barrier; their summed steady-state examples/s."""
+    results = [work / f"single{i}" for i in range(count)]
+    envs = [clean_env(**thread_vars(setting.intra, setting.inter), STRATKIT_CLUSTER_ENV="none",
+                      STRATKIT_BENCH_SCALING=_config(model, setting, results[i], barrier=True))
+            for i in range(count)]
+    load = os.getloadavg()
+    started = time.monotonic()
+    go = run_barrier_group([python(), str(TASK)], envs, timeout, [work / f"single{i}.log" for i in range(count)])
+    wall = time.monotonic() - started
+    records = [json.loads(Path(f"{r}.0").read_text()) for r in results]
+    overlap_end = min(r["epochs"][-1][1] for r in records)
+    jobs, overlapped = [], True
+    for record in records:
+        rates, ok = _rates(record, until=overlap_end)
+        overlapped &= ok
+        jobs.append({"examples_per_sec": statistics.median(rates), "per_epoch": rates,
+                     "steps_per_sec": statistics.median(rates) / record["global_batch"],
+                     "started_after_go": record["epochs"][1][0] - go})
+    return {"examples_per_sec": sum(j["examples_per_sec"] for j in jobs), "jobs": jobs,
+            "measured_together": overlapped, "wall_seconds": wall, "loadavg_before": load,
+            "loadavg_after": os.getloadavg(), "strategy": records[0]["strategy"], "threads": records[0]["threads"]}
+
+
+def measure(kind: str, model: dict, setting: Setting, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="stratkit-bench-scaling-") as tmp:
+        try:
+            if kind == "two_workers":
+                return run_two_workers(model, setting, timeout, Path(tmp))
+            return run_independent(model, setting, 2 if kind == "pair" else 1, timeout, Path(tmp))
+        except JobFailed as exc:
+            print(f"[bench_scaling] {setting.name} / {kind}: {str(exc)[:4000]}", file=sys.stderr, flush=True)
+            return {"error": str(exc)[-4000:]}
+
+
+def _median_of(runs: list[dict]) -> float | None:
+    values = [r["examples_per_sec"] for r in runs if "examples_per_sec" in r]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats of the headline configuration "
+                                                                  "(default 2; 1 with --quick)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variant names to run, or 'all' (default: all; with --quick: "
+                             f"{', '.join(QUICK_VARIANTS)})")
+    args = parser.parse_args(argv)
+    model = QUICK if args.quick else FULL
+    repeats = args.repeats or (1 if args.quick else 2)
+    timeout = 180.0 if args.quick else 300.0
+    chosen = args.variants or ("all" if not args.quick else ",".join(QUICK_VARIANTS))
+    variants = VARIANTS if chosen == "all" else [v for v in VARIANTS if v.name in chosen.split(",")]
+    started = time.monotonic()
+
+    # Headline: the 2-worker job, the simultaneous pair and one job alone, in alternating order.
+    runs: dict[str, list[dict]] = {"two_workers": [], "pair": [], "alone": []}
+    for r in range(repeats):
+        order = ["two_workers", "pair", "alone"] if r % 2 == 0 else ["alone", "pair", "two_workers"]
+        for kind in order:
+            runs[kind].append(measure(kind, model, DEFAULT, timeout))
+    default_two, default_pair, alone = (_median_of(runs[k]) for k in ("two_workers", "pair", "alone"))
+    info = next((r for r in runs["two_workers"] if "params" in r), {})
+
+    rows = [{"setting": DEFAULT.name, "2-worker ex/s": default_two, "pair ex/s": default_pair,
+             "alone ex/s": alone, "efficiency": _ratio(default_two, default_pair),
+             "naive": _ratio(default_two, 2 * alone if alone else None), "vs default": 1.0 if default_two else None,
+             "raw": {"setting": asdict(DEFAULT), **runs}}]
+    for setting in variants:
+        two = measure("two_workers", model, setting, timeout)
+        pair = measure("pair", model, setting, timeout) if setting.own_baseline else None
+        two_rate = two.get("examples_per_sec")
+        pair_rate = pair.get("examples_per_sec") if pair else default_pair
+        rows.append({"setting": setting.name, "2-worker ex/s": two_rate, "pair ex/s": pair_rate,
+                     "alone ex/s": None, "efficiency": _ratio(two_rate, pair_rate), "naive": None,
+                     "vs default": _ratio(two_rate, default_two),
+                     "raw": {"setting": asdict(setting), "two_workers": [two], "pair": [pair] if pair else [],
+                             "baseline": "own pair" if pair else "default's pair"}})
+
+    print_table(f"2-worker MultiWorkerMirrored vs two simultaneous single-worker jobs (goal efficiency >= {GOAL})",
+                [{k: ("-" if v is None else v) for k, v in row.items() if k != "raw"} for row in rows])
+    failed = [row["setting"] for row in rows if row["efficiency"] is None]
+    if failed:
+        print(f"no figure (a job failed; see stderr and the JSON): {', '.join(failed)}")
+    payload = {"quick": args.quick, "model": {**model, "params": info.get("params"),
+                                              "gradient_bytes": info.get("gradient_bytes"),
+                                              "gradient_tensors": info.get("gradient_tensors")},
+               "repeats": repeats, "goal_efficiency": GOAL, "workers": 2,
+               "definition": {"efficiency": "2-worker examples/s / sum of 2 simultaneous single jobs' examples/s",
+                              "naive": "2-worker examples/s / (2 x one single job alone)",
+                              "rate": "median over epochs 1.. (epoch 0 = warm-up) of steps x global batch / epoch "
+                                      "seconds; median over repeats"},
+               "wall_seconds": time.monotonic() - started, "rows": rows}
+    print(f"wrote {write_result('scaling' + ('-quick' if args.quick else ''), payload)}")
+    headline_failed = rows[0]["efficiency"] is None
+    if headline_failed:
+        raise SystemExit("the headline configuration failed: no scaling figure")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Turn benchmarks/results/<name>.json into PNGs next to them (matplotlib, Agg backend).
+
+    python benchmarks/plot.py            # the full results -> <name>.png
+    python benchmarks/plot.py --quick    # the smoke-test results -> <name>-quick.png
+
+A missing (or unreadable) JSON is skipped with a note, never an error: run_all
+calls this after whatever benchmarks ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+BLUE, ORANGE, GREY, GREEN, RED = "#1f77b4", "#ff7f0e", "#9a9a9a", "#2ca02c", "#d62728"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "axes.spines.top": False,
+                         "axes.spines.right": False})
+    return plt
+
+
+def _subtitle(data: dict) -> str:
+    m = data.get("machine", {})
+    quick = "  QUICK (smoke-test sizes: not a result)" if data.get("quick") else ""
+    return (f"{m.get('cores')} cores, TF {m.get('tensorflow')}, Keras {m.get('keras')}, "
+            f"stratkit {m.get('stratkit')}, {m.get('date')}{quick}")
+
+
+def _finish(plt, fig, data: dict, title: str, path: Path) -> Path:
+    fig.suptitle(title, fontsize=11, fontweight="bold")
+    fig.text(0.5, 0.005, _subtitle(data), ha="center", va="bottom", fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.03, 1, 0.95))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def _wrap(text: str, width: int = 34) -> str:
+    words, lines, line = text.split(), [], ""
+    for word in words:
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}".strip()
+    return "\n".join(lines + [line])
+
+
+# -- scaling ------------------------------------------------------------------------------------
+def plot_scaling(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    names = [_wrap(r["setting"]) for r in rows]
+    y = list(range(len(rows)))[::-1]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.0 + 0.75 * len(rows)), sharey=True)
+
+    h = 0.38
+    two = [r["2-worker ex/s"] or 0 for r in rows]
+    pair = [r["pair ex/s"] or 0 for r in rows]
+    left.barh([v + h / 2 for v in y], two, h, color=BLUE, label="2-worker MWMS job")
+    left.barh([v - h / 2 for v in y], pair, h, color=GREY, label="2 independent jobs at once (sum)")
+    alone = rows[0].get("alone ex/s")
+    if alone:
+        left.axvline(alone, color=ORANGE, ls=":", lw=1.2, label="1 job alone")
+        left.axvline(2 * alone, color=ORANGE, ls="--", lw=1.2, label="2 x 1 job alone (naive)")
+    left.set_yticks(y, names)
+    left.set_xlabel("examples / second (steady state, median)")
+    left.set_title("Throughput")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
+
+    eff = [r["efficiency"] or 0 for r in rows]
+    colors = [GREEN if e >= data.get("goal_efficiency", 0.97) else RED for e in eff]
+    right.barh(y, eff, 0.6, color=colors)
+    for yi, e, r in zip(y, eff, rows):
+        if not r["efficiency"]:
+            right.text(0.01, yi, "failed (see JSON)", va="center", fontsize=8, color=RED)
+        elif e > 0.2:
+            right.text(e - 0.015, yi, f"{e:.3f}", va="center", ha="right", fontsize=8, color="white",
+                       fontweight="bold")
+        else:
+            right.text(e + 0.015, yi, f"{e:.3f}", va="center", fontsize=8)
+    naive = rows[0].get("naive")
+    if naive:
+        right.plot([naive], [y[0] + 0.38], marker="v", markersize=8, color=ORANGE, ls="none",
+                   label=f"naive, 2-worker / (2 x 1 job alone): {naive:.3f}")
+    goal = data.get("goal_efficiency", 0.97)
+    right.axvline(goal, color="black", ls="--", lw=1, label=f"goal {goal}")
+    right.axvline(1.0, color=GREY, lw=0.8)
+    right.set_xlim(0, max(1.1, max(eff) + 0.1))
+    right.set_xlabel("efficiency = 2-worker / (2 simultaneous single jobs)")
+    right.set_title("Scaling efficiency (fair baseline)")
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
+    model = data.get("model", {})
+    title = (f"2-worker MultiWorkerMirrored on loopback: ResNet-style, {model.get('params') or '?'} params, "
+             f"batch {model.get('per_replica_batch')}/worker")
+    return _finish(plt, fig, data, title, path)
+
+
+# -- overhead -----------------------------------------------------------------------------------
+def plot_overhead(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    names = [f"{r['strategy']}\n({r['replicas']} replica{'s' if r['replicas'] != 1 else ''})" for r in rows]
+    x = range(len(rows))
+    w = 0.38
+    left.bar([i - w / 2 for i in x], [r["stratkit steps/s"] for r in rows], w, color=BLUE, label="trainer.fit")
+    left.bar([i + w / 2 for i in x], [r["hand steps/s"] for r in rows], w, color=GREY,
+             label="strategy.scope() + model.fit")
+    left.set_xticks(list(x), names)
+    left.set_ylabel("steps / second (median)")
+    left.set_title("Throughput")
+    left.legend(fontsize=7, frameon=False)
+    ratios = [r["ratio"] for r in rows]
+    goal = data.get("goal_ratio", 0.97)
+    right.bar(list(x), ratios, 0.5, color=[GREEN if v >= goal else RED for v in ratios])
+    for i, v in zip(x, ratios):
+        right.text(i, v - 0.012, f"{v:.3f}", ha="center", va="top", fontsize=8, color="white", fontweight="bold")
+    right.axhline(goal, color="black", ls="--", lw=1, label=f"goal {goal}")
+    right.set_ylim(min(0.8, min(ratios) - 0.05), max(1.1, max(ratios) + 0.05))
+    right.set_xticks(list(x), names)
+    right.set_ylabel("stratkit / hand-written")
+    right.set_title("Ratio")
+    right.legend(fontsize=7, frameon=False, loc="upper right")
+    return _finish(plt, fig, data, "stratkit Trainer overhead vs hand-written tf.distribute + Keras", path)
+
+
+# -- all-reduce ---------------------------------------------------------------------------------
+def plot_allreduce(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    sizes = [r["bytes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.plot(sizes, [r["busbw_MBps"] for r in rows], marker="o", color=BLUE, lw=2,
+            label=f"MWMS all-reduce busbw ({data['workers']} workers, {data.get('strategy')})")
+    ax.plot(sizes, [r["tcp_same_size_MBps"] for r in rows], marker=".", color=GREY, ls="--",
+            label="loopback TCP, one-way transfer of the same size")
+    tcp = data["tcp_bandwidth_Bps"] / 1e6
+    ax.axhline(tcp, color=ORANGE, lw=1.5,
+               label=f"loopback TCP B = {tcp:,.0f} MB/s  (bound: busbw <= B, i.e. t >= S/B * 2(n-1)/n)")
+    peak = max(rows, key=lambda r: r["busbw_MBps"])
+    ax.annotate(f"peak {peak['busbw_MBps']:,.0f} MB/s = {peak['busbw/TCP']:.2f} x B", (peak["bytes"],
+                peak["busbw_MBps"]), textcoords="offset points", xytext=(-10, -28), fontsize=8, ha="right",
+                arrowprops={"arrowstyle": "->", "color": "#555555"})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [f"{s // (1 << 20)} MiB" if s >= 1 << 20 else f"{s // 1024} KiB" for s in sizes],
+                  rotation=35, ha="right")
+    ax.minorticks_off()
+    ax.set_xlabel("message size S (float32 tensor)")
+    ax.set_ylabel("MB / second")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1)
+    return _finish(plt, fig, data, "All-reduce bus bandwidth vs loopback TCP", path)
+
+
+# -- spark --------------------------------------------------------------------------------------
+def plot_spark(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    bars = []  # (label, breakdown or None, row)
+    for row in rows:
+        name = f"{row['way']}" + (f"\n{row['master']}" if row["master"] != "-" else "")
+        runs = row.get("breakdown") or []
+        if not runs:
+            bars.append((name, None, row))
+            continue
+        chosen = [runs[0]] + ([runs[-1]] if len(runs) > 1 else [])
+        for run in chosen:
+            bars.append((f"{name}\n{'cold' if run['run'] == 'cold' else 'warm'} run", run, row))
+    fig, ax = plt.subplots(figsize=(9.5, 2.0 + 0.62 * len(bars)))
+    y = list(range(len(bars)))[::-1]
+    seen = set()
+
+    def label(text):
+        if text in seen:
+            return None
+        seen.add(text)
+        return text
+
+    for yi, (_, run, row) in zip(y, bars):
+        if run is None:
+            ax.text(0.2, yi, _wrap(row.get("status", "no data"), 90), va="center", fontsize=7, color=RED)
+            continue
+        alpha = 0.55 if run["run"] == "cold" else 1.0
+        first, train, rest = run["to_first_step_begin"], run["training"], max(0.0, run["after_training"])
+        ax.barh(yi, first, 0.6, color=ORANGE, alpha=alpha, label=label("call -> first step begins"))
+        ax.barh(yi, train, 0.6, left=first, color=BLUE, alpha=alpha,
+                label=label("training (first step's tracing included)"))
+        ax.barh(yi, rest, 0.6, left=first + train, color=GREY, alpha=alpha, label=label("end of training -> return"))
+        note = f"{run['wall']:.1f}s"
+        if run["run"] == "cold" and row.get("session s"):
+            note += f"  (+ SparkSession start {row['session s']:.1f}s, once per application)"
+        ax.text(run["wall"] + 0.3, yi, note, va="center", fontsize=7)
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
+    ax.set_xlabel("seconds from the run() / launch() call (cold: first run in the session; warm: a later one)")
+    if seen:
+        ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.3 / len(bars)),
+                  ncol=3)
+    xmax = max([b[1]["wall"] for b in bars if b[1]] + [1])
+    ax.set_xlim(0, xmax * 1.75)
+    job = data.get("job", {})
+    title = (f"Same 2-worker training ({job.get('epochs')} x {job.get('steps')} steps, MLP): "
+             "Spark runners vs stratkit launch")
+    return _finish(plt, fig, data, title, path)
+
+
+# -- input --------------------------------------------------------------------------------------
+def plot_input(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    models = []
+    for r in rows:
+        if r["model"] not in models:
+            models.append(r["model"])
+    w = 0.26
+    for i, model in enumerate(models):
+        mine = [r for r in rows if r["model"] == model]
+        for j, r in enumerate(mine):
+            ax.bar(i + (j - 1) * w, r["reader rows/s"], w, color=[BLUE, GREY][j % 2],
+                   label=r["reader"] if i == 0 else None)
+            ax.text(i + (j - 1) * w, r["reader rows/s"] * 1.08, f"{r['ratio']:.1f}x", ha="center", fontsize=8)
+        ax.bar(i + (len(mine) - 1) * w, mine[0]["model ex/s"], w, color=ORANGE,
+               label="model consumption (examples/s)" if i == 0 else None)
+        ax.plot([i - 1.5 * w, i + 1.5 * w], [mine[0]["model ex/s"] * data["goal_ratio"]] * 2, color="black",
+                ls="--", lw=1, label=f"goal: {data['goal_ratio']:g} x consumption" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(models)), [{"mlp": "MLP (64 features)", "conv": "ResNet-style (32x32x3)"}.get(m, m)
+                                       for m in models])
+    ax.set_ylabel("rows (examples) / second, one worker")
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)
+    return _finish(plt, fig, data, "Parquet -> tf.data reader vs model consumption (labels: reader / model)", path)
+
+
+# -- ps (written by bench_ps.py) ----------------------------------------------------------------
+def plot_ps(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    runs = data["runs"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for workers, color in ((1, GREY), (2, BLUE)):
+        values = [r["examples_per_sec"] for r in runs if r["workers"] == workers]
+        ax.scatter([workers] * len(values), values, color=color, alpha=0.6, zorder=3)
+        ax.bar(workers, data["median_examples_per_sec"][str(workers)], 0.5, color=color, alpha=0.5)
+    ax.set_xticks([1, 2], ["1 worker", "2 workers"])
+    ax.set_ylabel("chief's examples / second")
+    ratio = data.get("ratio_2_vs_1")
+    ax.set_title(f"2 / 1 workers: {ratio:.2f}x (goal {data.get('goal_ratio')}x)" if ratio else "")
+    return _finish(plt, fig, data, "Parameter-server training, 1 ps", path)
+
+
+PLOTS = {"scaling": plot_scaling, "overhead": plot_overhead, "allreduce": plot_allreduce, "spark": plot_spark,
+         "input": plot_input, "ps": plot_ps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="plot the -quick JSONs (smoke-test sizes)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="directory of the JSONs (and the PNGs)")
+    parser.add_argument("names", nargs="*", help=f"only these ({', '.join(PLOTS)})")
+    args = parser.parse_args(argv)
+    suffix = "-quick" if args.quick else ""
+    results = args.results
+    failed = 0
+    for name, plot in PLOTS.items():
+        if args.names and name not in args.names:
+            continue
+        source = results / f"{name}{suffix}.json"
+        if not source.exists():
+            print(f"plot: skip {name}: no {source.name}")
+            continue
+        try:
+            data = json.loads(source.read_text())
+            print(f"plot: wrote {plot(data, results / f'{name}{suffix}.png')}")
+        except Exception:  # noqa: BLE001 - one unreadable result must not stop the other plots
+            failed += 1
+            print(f"plot: could not plot {source.name}:\n{traceback.format_exc(limit=3)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Smoke test: every benchmark script runs with --quick, exits 0 and writes its JSON with the expected keys.
+
+No timing assertion anywhere: --quick sizes are far too small to mean
+anything, and the machine running the tests is shared. This only proves that
+`make bench` will get through each script and produce the fields the plots
+and the README read. Budget: about 4 minutes for the whole file on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULTS = BENCH / "results"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# name -> (top-level keys, keys of each row (None: no rows list), extra markers)
+EXPECTED = {
+    "overhead": ({"benchmark", "machine", "quick", "rows", "goal_ratio"},
+                 {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),
+    "ps": ({"benchmark", "machine", "quick", "runs", "median_examples_per_sec", "ratio_2_vs_1"}, None,
+           (pytest.mark.multiworker,)),
+    "scaling": ({"benchmark", "machine", "quick", "model", "goal_efficiency", "rows", "definition"},
+                {"setting", "2-worker ex/s", "pair ex/s", "alone ex/s", "efficiency", "naive", "vs default", "raw"},
+                (pytest.mark.multiworker,)),
+    "allreduce": ({"benchmark", "machine", "quick", "workers", "bus_factor", "tcp_bandwidth_Bps", "rows",
+                   "tcp_before", "tcp_after", "peak_busbw_over_tcp"},
+                  {"size", "bytes", "time_ms", "algbw_MBps", "busbw_MBps", "tcp_same_size_MBps", "busbw/TCP",
+                   "bound_ms", "correct"}, (pytest.mark.multiworker,)),
+    "spark": ({"benchmark", "machine", "quick", "job", "master", "rows", "raw"},
+              {"way", "master", "session s", "cold wall s", "warm wall s", "to first step s", "training s",
+               "status"}, (pytest.mark.spark, pytest.mark.multiworker)),
+    "input": ({"benchmark", "machine", "quick", "goal_ratio", "rows"},
+              {"model", "reader", "reader rows/s", "model ex/s", "ratio", "goal met"}, ()),
+}
+
+
+def run_quick(name: str) -> dict:
+    script = BENCH / f"bench_{name}.py"
+    if not script.exists():
+        pytest.skip(f"{script.name} does not exist (yet)")
+    started = time.time()
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env.pop("TF_CONFIG", None)
+    out = subprocess.run([sys.executable, str(script), "--quick"], check=False, capture_output=True, text=True,
+                         env=env, timeout=540)
+    assert out.returncode == 0, f"{script.name} --quick exited {out.returncode}:\n{out.stdout[-3000:]}\n" \
+                                f"{out.stderr[-5000:]}"
+    path = RESULTS / f"{name}-quick.json"
+    assert path.exists(), f"{script.name} --quick wrote no {path.name}"
+    assert path.stat().st_mtime >= started - 1, f"{path.name} was not rewritten by this run"
+    assert not (RESULTS / f"{name}.json").exists() or (RESULTS / f"{name}.json").stat().st_mtime < started, \
+        f"--quick overwrote the full result {name}.json"
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=list(EXPECTED[n][2]), id=n) for n in EXPECTED])
+def test_quick_run_writes_expected_json(name):
+    data = run_quick(name)
+    top, row_keys, _ = EXPECTED[name]
+    assert top <= set(data), f"missing keys: {sorted(top - set(data))}"
+    assert data["quick"] is True
+    assert data["benchmark"] == f"{name}-quick"
+    assert {"cores", "tensorflow", "keras"} <= set(data["machine"])
+    if row_keys is not None:
+        assert data["rows"], "no rows"
+        for row in data["rows"]:
+            assert row_keys <= set(row), f"row missing keys: {sorted(row_keys - set(row))}"
+    if name == "scaling":
+        assert data["rows"][0]["efficiency"] is not None  # the headline configuration ran
+    if name == "allreduce":
+        assert all(row["correct"] for row in data["rows"])  # the collective summed correctly
+    if name == "spark":
+        assert data["rows"][0]["status"] == "ok"  # stratkit launch, no Spark
+        for row in data["rows"][1:]:  # a runner is either measured or says why not
+            assert row["status"] == "ok" or row["status"].startswith(("not available", "failed", "some runs"))
+
+
+def test_plot_makes_a_png_per_quick_json(tmp_path):
+    sources = [p for p in RESULTS.glob("*-quick.json") if p.stem.removesuffix("-quick") in EXPECTED]
+    if not sources:
+        pytest.skip("no -quick results to plot (run the benchmark smoke tests first)")
+    for source in sources:
+        shutil.copy(source, tmp_path / source.name)
+    out = subprocess.run([sys.executable, str(BENCH / "plot.py"), "--quick", "--results", str(tmp_path)],
+                         check=False, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for source in sources:
+        png = tmp_path / f"{source.stem}.png"
+        assert png.exists() and png.stat().st_size > 10_000, f"no plot for {source.name}:\n{out.stdout}{out.stderr}"
+
+
+def test_plot_skips_missing_results(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "plot.py"), "--results", str(tmp_path)], check=False,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "skip scaling" in out.stdout
+    assert not list(tmp_path.glob("*.png"))
