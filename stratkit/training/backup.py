@@ -152,8 +152,15 @@ class Backup(keras.callbacks.Callback):
         self.model._initial_epoch = None
         # Training finished: the backup has served its purpose (Keras semantics). Each
         # worker removes its own copy; only the chief removes the shared directory's files.
+        # Two barriers (the same collective that agrees on the resume epoch): cleaning
+        # must not start before every worker's last save has landed (measured: a slow
+        # worker re-created backup_dir/workers after the chief had removed it), and the
+        # chief removes the shared directory only after the workers removed their copies.
+        self.agree_on_epoch(0)
         if not self.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
+        self.agree_on_epoch(0)
+        if not self.is_chief:
             return
         for epoch in available_epochs(self.backup_dir):
             _remove(weights_path(self.backup_dir, epoch))
