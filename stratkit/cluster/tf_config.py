@@ -107,7 +107,7 @@ def _parse_cluster(raw: dict) -> tuple[dict[str, list[str]], bool]:
                         'keep either "master" or "chief", not both: a cluster has one chief')
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise _fail(f'cluster["{raw_role}"] must be a list of "host:port" strings', addresses,
-                        f'write it as ["host1:2222", "host2:2222"]')
+                        'write it as ["host1:2222", "host2:2222"]')
         if not addresses:
             raise _fail(f'cluster["{raw_role}"] is an empty list', addresses,
                         f'give at least one "host:port" for "{raw_role}" or remove the role')

@@ -48,8 +48,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from stratkit.cluster import detect
 from stratkit.cluster.detect import LAUNCHER_VAR
+from stratkit.cluster.layout import detect_task, group_by_role
 from stratkit.errors import ConfigError
 
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
@@ -147,10 +147,7 @@ def build_cluster(tasks: Sequence[Task], addresses: Sequence[str]) -> dict[str, 
     serving = [t for t in tasks if t.serves]
     if len(serving) != len(addresses):
         raise ValueError(f"{len(serving)} serving tasks but {len(addresses)} addresses")
-    cluster: dict[str, list[str]] = {}
-    for task, address in zip(serving, addresses):
-        cluster.setdefault(task.role, []).append(address)
-    return cluster
+    return group_by_role((t.role for t in serving), addresses)
 
 
 def task_tf_config(cluster: Mapping[str, Sequence[str]], task: Task, environ: Mapping[str, str] | None = None) -> str:
@@ -163,11 +160,7 @@ def task_tf_config(cluster: Mapping[str, Sequence[str]], task: Task, environ: Ma
     Raises:
         ConfigError: when detection rejects the layout or would not see a cluster.
     """
-    raw = json.dumps({"cluster": {r: list(a) for r, a in cluster.items()},
-                      "task": {"type": task.role, "index": task.index}})
-    env = dict(environ or {})
-    env.update({"TF_CONFIG": raw, LAUNCHER_VAR: "launch"})
-    spec = detect(env)
+    spec = detect_task(cluster, task.role, task.index, launcher="launch", environ=environ)
     if spec.task_type != task.role or spec.task_index != task.index or dict(spec.cluster) != dict(cluster):
         raise ConfigError(f"the launched {task.name} would not see its cluster: detection chose source "
                           f"{spec.source!r} ({'; '.join(spec.reasons)}). Fix: unset STRATKIT_CLUSTER_ENV "

@@ -15,13 +15,12 @@ Rank 0 is always the chief, and its return value is the one `run()` returns.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stratkit.cluster import ClusterSpec, detect
-from stratkit.cluster.detect import LAUNCHER_VAR
+from stratkit.cluster import ClusterSpec
+from stratkit.cluster.layout import detect_task, group_by_role, tf_config_json
 from stratkit.errors import ConfigError
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "spark".
@@ -73,17 +72,13 @@ def cluster_of(roles: Sequence[TaskRole], addresses: Sequence[str]) -> dict[str,
     if len(addresses) != len(roles):
         raise ConfigError(f"got {len(addresses)} task address(es) for {len(roles)} task(s). "
                           "Fix: every barrier task must report exactly one address")
-    cluster: dict[str, list[str]] = {}
-    for role in roles:
-        cluster.setdefault(role.task_type, []).append(addresses[role.rank])
-    return cluster
+    return group_by_role((r.task_type for r in roles), [addresses[r.rank] for r in roles])
 
 
 def tf_config(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int) -> str:
     """The TF_CONFIG JSON of the task with `rank`."""
     role = roles[rank]
-    return json.dumps({"cluster": cluster_of(roles, addresses),
-                       "task": {"type": role.task_type, "index": role.task_index}}, sort_keys=True)
+    return tf_config_json(cluster_of(roles, addresses), role.task_type, role.task_index)
 
 
 def validate(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int,
@@ -94,11 +89,9 @@ def validate(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int,
     when detection disagrees with the layout (e.g. a preset STRATKIT_STRATEGY
     that contradicts the cluster), so the task fails before TensorFlow starts.
     """
-    env = dict(environ or {})
-    env["TF_CONFIG"] = tf_config(roles, addresses, rank)
-    env[LAUNCHER_VAR] = LAUNCHER
-    spec = detect(env)
     role = roles[rank]
+    spec = detect_task(cluster_of(roles, addresses), role.task_type, role.task_index, launcher=LAUNCHER,
+                       environ=environ)
     expected = "parameter_server" if any(r.task_type == "ps" for r in roles) else "multi_worker_mirrored"
     if (spec.task_type, spec.task_index) != (role.task_type, role.task_index) or spec.source != LAUNCHER \
             or spec.strategy != expected:

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
@@ -131,7 +132,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         env["CUDA_VISIBLE_DEVICES"] = _visible_devices(plan, role, context)
         spec = layout.validate(plan.roles, addresses, rank, env)
         env["TF_CONFIG"] = layout.tf_config(plan.roles, addresses, rank)
-        env[layout.LAUNCHER_VAR] = layout.LAUNCHER
+        env[LAUNCHER_VAR] = layout.LAUNCHER
         env.update(_run_env(plan, role))
         if role.trains:
             workers = [r for r in plan.roles if r.trains]
