@@ -51,6 +51,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import detect_task, group_by_role
 from stratkit.errors import ConfigError
+from stratkit.launch.tracebacks import ExceptionScanner, last_exception
 
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
 RESTART_VAR = "STRATKIT_RESTART_COUNT"
@@ -364,6 +365,8 @@ class TaskFailure:
         attempt: 0 for the first attempt, 1 after the first restart, ...
         log_file: the task's full log, when one was written.
         timed_out_after: the timeout in seconds, when the attempt ran out of time.
+        exception: the last exception the task printed -- its "module.Type: message" line and
+            the lines after it -- found in its whole output, not only in `last_lines`.
     """
 
     task: str
@@ -374,6 +377,7 @@ class TaskFailure:
     attempt: int = 0
     log_file: str | None = None
     timed_out_after: float | None = None
+    exception: tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
@@ -402,6 +406,11 @@ def format_failure_report(failure: TaskFailure, other_tasks: Sequence[str] = (),
              f"failure: {failure.reason}"]
     if failure.log_file:
         lines.append(f"log:     {failure.log_file}")
+    # Always shown, even when it is in the tail: a long message (TensorFlow's) pushes it out.
+    exception = failure.exception or last_exception(failure.last_lines)
+    if exception:
+        lines.append(f"exception: {exception[0]}")
+        lines.extend(f"  | {line}" for line in exception[1:])
     if failure.last_lines:
         lines.append(f"last {len(failure.last_lines)} line(s) of {failure.task}:")
         lines.extend(f"  | {line}" for line in failure.last_lines)
@@ -589,6 +598,7 @@ class _Child:
         self.log: IO[bytes] | None = None
         self.log_path: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.scanner = ExceptionScanner()
         self.pumps: list[threading.Thread] = []
         self.returncode: int | None = None
         self.stopped: str | None = None
@@ -804,7 +814,7 @@ class _Supervisor:
         if culprit is not None:
             failure = TaskFailure(culprit.task.name, culprit.returncode if outcome == "failed" else None,
                                   tuple(culprit.tail), culprit.pid, culprit.address, number, culprit.log_path,
-                                  self.s.timeout if outcome == "timed_out" else None)
+                                  self.s.timeout if outcome == "timed_out" else None, culprit.scanner.exception)
         exits = tuple(c.exit_record() for c in children if c.proc is not None)
         self.event("attempt_end", attempt=number, outcome=outcome, seconds=round(seconds, 2),
                    tasks=[asdict(e) for e in exits])
@@ -857,21 +867,22 @@ class _Supervisor:
                     if not data:  # EOF: the task (and everything in its group) closed the stream
                         selector.unregister(fd)
                         if partial[fd]:
-                            self._emit(child, partial[fd], consoles[fd])
+                            self._emit(child, partial[fd], consoles[fd], fd)
                         continue
                     *lines, rest = (partial[fd] + data).split(b"\n")
                     for line in lines:
-                        self._emit(child, line, consoles[fd])
+                        self._emit(child, line, consoles[fd], fd)
                     if len(rest) > _MAX_LINE:  # a progress bar without newlines: do not hoard it
-                        self._emit(child, rest, consoles[fd])
+                        self._emit(child, rest, consoles[fd], fd)
                         rest = b""
                     partial[fd] = rest
         child.proc.stdout.close()
         child.proc.stderr.close()
 
-    def _emit(self, child: _Child, line: bytes, console: IO[str]) -> None:
+    def _emit(self, child: _Child, line: bytes, console: IO[str], stream: int) -> None:
         text = line.decode("utf-8", "replace").rstrip("\r")
         child.tail.append(text)
+        child.scanner.feed(text, str(stream))
         with self.lock:
             if child.log is not None:
                 try:

@@ -519,7 +519,7 @@ def test_seconds_that_are_not_finite_or_are_negative_exit_2_naming_flag_value_an
     code = main(["launch", flag, value, "--", sys.executable, "-c", "pass"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert re.search(rf"{flag} must be a finite number of seconds.*got {value}\b.*Fix: e\.g\. {flag} \d", err), err
+    assert re.search(rf"{flag} must be a \w+ number of seconds.*got {value}\b.*Fix: e\.g\. {flag} \d", err), err
     assert "started" not in err
 
 
@@ -592,7 +592,30 @@ def test_the_report_shows_the_exception_type_and_message_of_a_traceback_longer_t
     tail = report[report.index("last 50 line(s)"):]
     assert "InvalidArgumentError" not in tail            # the case at hand: the tail alone loses the type
     exception = report[report.index("exception:"):report.index("last 50 line(s)")]
-    assert "__main__.InvalidArgumentError: Graph execution error:" in exception
+    assert "exception: InvalidArgumentError: Graph execution error:" in exception
     assert "Detected at node 'loss/Log'" in exception    # the message's first lines, as context
     assert "logits and labels must have the same first dimension" in tail
     _assert_all_gone([p for pids in _pids(result.stderr).values() for p in pids])
+
+
+def test_the_exception_scanner_keeps_the_last_exception_of_a_chain_despite_interleaved_stdout():
+    from stratkit.launch.tracebacks import ExceptionScanner
+
+    scanner = ExceptionScanner(context_lines=2)
+    stderr = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "    f()",
+              "KeyError: 'x'", "", "During handling of the above exception, another exception occurred:", "",
+              "Traceback (most recent call last):", '  File "a.py", line 3, in <module>', "    g()", "    ^^^",
+              "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: ...",
+              "", "The error could be from a previous operation.", "Additional GRPC error information:",
+              "  more detail that is past the context"]
+    for i, line in enumerate(stderr):
+        scanner.feed(line, "stderr")
+        if i in (2, 9):
+            scanner.feed("step 3/10 - loss 0.4", "stdout")   # stdout between traceback lines
+    assert scanner.exception == (
+        "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: ...",
+        "The error could be from a previous operation.", "Additional GRPC error information:")
+    plain = ExceptionScanner()
+    plain.feed("RuntimeError: my peer is gone")                 # what sys.exit("...") prints: no traceback
+    plain.feed("2026-11-23 11:00:00 W tensorflow/core/x.cc:1] NotFoundError: a log line, not an exception")
+    assert plain.exception[0] == "RuntimeError: my peer is gone"
