@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -57,9 +58,13 @@ def _int_value(text: str, name: str) -> int:
 
 def _float_value(text: str, name: str) -> float:
     try:
-        return float(text.strip())
+        value = float(text.strip())
     except ValueError:
         raise ConfigError(f"{name}={text!r} is not a number of seconds. Fix: e.g. {name}=600, or unset it") from None
+    if not math.isfinite(value) or value < 0:  # named here: launch() would name the flag, not the variable
+        raise ConfigError(f"{name}={text!r} is not a finite number of seconds >= 0. Fix: e.g. {name}=600, "
+                          "or unset it")
+    return value
 
 
 def _bool_value(text: str, name: str) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import selectors
 import shutil
@@ -1053,13 +1054,12 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         ConfigError: on a bad layout, command, host or port, naming the flag and the fix.
     """
     tasks = plan_tasks(workers, chief, ps, evaluator)
+    _check_task_limit(tasks, workers, ps, base_port, log_dir is not None)
     _check_count(max_restarts, "--max-restarts", 0, "3")
-    for value, flag in ((timeout, "--timeout"), (exit_grace, "--exit-grace"), (stop_grace, "--stop-grace")):
-        if value is None and flag == "--timeout":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
-                (flag == "--timeout" and value == 0):
-            raise ConfigError(f"{flag} must be a positive number of seconds: got {value!r}. Fix: e.g. {flag} 600")
+    if timeout is not None:
+        _check_seconds(timeout, "--timeout", 600, positive=True)
+    _check_seconds(exit_grace, "--exit-grace", DEFAULT_EXIT_GRACE)
+    _check_seconds(stop_grace, "--stop-grace", DEFAULT_STOP_GRACE)
     serving = sum(t.serves for t in tasks)
     if base_port is not None:
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not 1 <= base_port <= 65536 - serving:
@@ -1081,6 +1081,65 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
         extra_env=extra)
     return _Supervisor(settings).run()
+
+
+def _check_seconds(value: Any, flag: str, example: float, positive: bool = False) -> None:
+    """A duration must be a real number of seconds: nan compares false with everything and inf never ends."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        if positive:
+            raise ConfigError(f"{flag} must be a positive number of seconds: got {value!r} (a finite number > 0; "
+                              f"omit {flag} for no limit). Fix: e.g. {flag} {example:g}")
+        raise ConfigError(f"{flag} must be a finite number of seconds >= 0: got {value!r}. Fix: e.g. {flag} "
+                          f"{example:g}")
+
+
+#: Open files the launcher needs whatever the layout (its own streams, events.jsonl, the reaper's pipe, ...).
+_BASE_FILES = 32
+
+
+def _check_task_limit(tasks: Sequence[Task], workers: int, ps: int, base_port: int | None, logs: bool) -> None:
+    """Refuse, before anything is bound or started, more tasks than this machine lets the launcher supervise.
+
+    Two limits apply to a one-machine cluster: the launcher's open files (per task: its stdout
+    and stderr pipes, its held port, its log file) under `ulimit -n`; and one port per serving
+    task, from the kernel's range of free ports (`base_port` has its own check).
+    """
+    serving = sum(t.serves for t in tasks)
+    # (tasks that count, at most, why, how to raise it)
+    limits: list[tuple[int, int, str, str]] = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # not POSIX: no such limit to check
+        soft = -1
+    if soft > 0:  # RLIM_INFINITY is -1
+        per_task = 3 + logs
+        what = "its output pipes, its port until it listens" + (", its log file" if logs else "")
+        limits.append((len(tasks), (soft - _BASE_FILES) // per_task,
+                       f"the launcher holds {per_task} open files per task ({what}) and its open-file limit "
+                       f"(ulimit -n) is {soft}", "raise the limit (ulimit -n), or "))
+    if base_port is None:
+        low, high = _local_port_range()
+        limits.append((serving, high - low + 1, f"each task's gRPC server needs its own port, and the kernel "
+                       f"hands out {high - low + 1} free ports (net.ipv4.ip_local_port_range {low} {high})", ""))
+    for count, limit, why, raise_it in sorted(limits, key=lambda x: x[1]):
+        if count > limit:
+            flag, value = ("--ps", ps) if ps > workers else ("--workers", workers)
+            raise ConfigError(f"{flag} {value}: {len(tasks)} tasks on this machine are more than it can run: {why}, "
+                              f"so at most {max(limit, 0)} tasks. Fix: {raise_it}run fewer tasks per machine, or "
+                              "spread the cluster over several machines (--hosts h1,h2,... --print-tf-config)")
+
+
+def _local_port_range() -> tuple[int, int]:
+    """The kernel's range of ports handed out by bind(port 0); Linux's default when unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _check_not_in_slurm_step(env: Mapping[str, str]) -> None:
