@@ -52,6 +52,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import detect_task, group_by_role
 from stratkit.errors import ConfigError
+from stratkit.launch.isolation import PrivateNetwork, PrivateNetworkUnavailable, is_loopback
 from stratkit.launch.tracebacks import ExceptionScanner, last_exception
 
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
@@ -67,6 +68,9 @@ _POLL = 0.1
 #: After the first failure, how long other tasks' own failures are still weighed for the root cause.
 _SETTLE = 1.0
 _TAG = "[stratkit launch]"
+#: What a script prints when it needs a network the private namespace does not have.
+_NETWORK_ERRORS = ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+                   "No route to host", "Could not resolve host", "nodename nor servname", "No address associated")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,16 +504,20 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
+def _die_with(parent_pid: int, enter: Callable[[], None] | None = None) -> Callable[[], None]:
     """preexec_fn: SIGKILL this child when the launcher's thread that forked it dies.
 
     PDEATHSIG follows the forking *thread*, so the supervisor forks from the
     thread that lives for the whole launch. If the launcher died before prctl
-    took effect, the child kills itself instead of running orphaned.
+    took effect, the child kills itself instead of running orphaned. `enter`
+    (joining the private network) runs first: it changes the child's
+    credentials, and PDEATHSIG is set after any such change.
     """
     sigkill = int(signal.SIGKILL)
 
     def setup() -> None:
+        if enter is not None:
+            enter()
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, sigkill)
         if os.getppid() != parent_pid:
@@ -644,6 +652,7 @@ class _Settings:
     stderr: IO[str]
     handle_signals: bool
     extra_env: dict[str, str] = field(default_factory=dict)
+    private_network: bool | None = None
 
 
 class _Supervisor:
@@ -655,6 +664,7 @@ class _Supervisor:
         self.reaper: _Reaper | None = None
         self.events: IO[str] | None = None
         self.started = time.monotonic()
+        self.network: PrivateNetwork | None = None
 
     # -- messages -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -699,6 +709,7 @@ class _Supervisor:
             except OSError as exc:
                 raise ConfigError(f"--log-dir {self.s.log_dir!r} cannot be written: {exc.strerror}. Fix: choose a "
                                   "directory you can write to, or omit --log-dir") from None
+        self.network = self._open_network()
         previous = self._install_signals()
         attempts: list[Attempt] = []
         self.reaper = _Reaper()
@@ -721,10 +732,61 @@ class _Supervisor:
             return self._result(attempts)
         finally:
             self.reaper.close()
+            if self.network is not None:
+                self.network.close()
             if self.events is not None:
                 self.events.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    # -- the network ------------------------------------------------------------------------------
+    def _open_network(self) -> PrivateNetwork | None:
+        """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
+        wanted, host = self.s.private_network, self.s.host
+        if wanted is False:
+            self._warn_exposed("you asked for the machine's network (--no-private-network). Fix: drop "
+                               "--no-private-network (the tasks then share a private, loopback-only network), or "
+                               "block the task ports from other machines with a firewall")
+            return None
+        if not is_loopback(host):  # launch() refused this combination with private_network=True
+            self._warn_exposed(f"--host {host} is not a loopback address, so the tasks use the machine's network. "
+                               f"Fix: --host {DEFAULT_HOST} (the default), which runs them in a private, loopback-only "
+                               "network; or block the task ports from other machines with a firewall")
+            return None
+        try:
+            network = PrivateNetwork.start()
+        except PrivateNetworkUnavailable as exc:
+            if wanted:
+                raise
+            self._warn_exposed(f"stratkit could not give the tasks a private network: {exc.why}. Fix: allow user "
+                               "namespaces to this user (then every launch is isolated: see the README's Security "
+                               "section), or block the task ports from other machines with a firewall; "
+                               "--private-network turns this warning into an error")
+            return None
+        kind = "in a user namespace of its own" if network.user_namespace else "as root"
+        self.say(f"tasks run in a private network namespace, loopback only ({kind}, held by pid {network.pid}): "
+                 "their TensorFlow servers cannot be reached from other machines, and the tasks cannot reach the "
+                 "network either (--no-private-network gives it back, and exposes the servers)")
+        self.event("private_network", pid=network.pid, namespaces=network.namespaces)
+        return network
+
+    def _warn_exposed(self, why_and_fix: str) -> None:
+        self.say("WARNING: every task's TensorFlow gRPC server listens on all interfaces (0.0.0.0), not only on "
+                 f"{self.s.host}: TensorFlow has no setting to bind it to one address. It has no authentication or "
+                 "TLS and runs any graph a client sends, so anyone who can reach this machine can run code as you "
+                 f"while the cluster runs. Here {why_and_fix}.")
+        self.event("exposed", host=self.s.host)
+
+    def _network_hint(self, failure: TaskFailure) -> str:
+        """A note for a failure that looks like the private network's price (no DNS, no route)."""
+        text = "\n".join(failure.exception + failure.last_lines)
+        if self.network is None or not any(p in text for p in _NETWORK_ERRORS):
+            return ""
+        return ("\nnote: the tasks ran in a private network with loopback only (stratkit launch's default), and "
+                "this failure looks like a network error. If the script needs the network (downloads, remote "
+                "storage, an experiment tracker, a service on this machine), fetch what it needs before "
+                "launching, or rerun with --no-private-network behind a firewall that blocks the task ports "
+                "from other machines.")
 
     def _result(self, attempts: list[Attempt]) -> LaunchResult:
         seconds = time.monotonic() - self.started
@@ -742,7 +804,7 @@ class _Supervisor:
         failure = last.failure
         assert failure is not None
         others = [self._describe_other(t, failure.task) for t in last.tasks if t.task != failure.task]
-        report = format_failure_report(failure, others, attempts=total)
+        report = format_failure_report(failure, others, attempts=total) + self._network_hint(failure)
         if last.after_success:
             report += f"\n{self.primary.name} had finished training: not restarted (a restart would train again)."
         if len(attempts) > 1:
@@ -786,7 +848,11 @@ class _Supervisor:
     def _attempt(self, number: int) -> Attempt:
         tasks = self.s.tasks
         serving = [t for t in tasks if t.serves]
-        holds = reserve_ports(self.s.host, len(serving), self.s.base_port)
+        if self.network is not None:
+            holds = self.network.reserve_ports(self.s.host.strip("[]"), _family(self.s.host), len(serving),
+                                               self.s.base_port)
+        else:
+            holds = reserve_ports(self.s.host, len(serving), self.s.base_port)
         addresses = [format_address(self.s.host, h.getsockname()[1]) for h in holds]
         cluster = build_cluster(tasks, addresses)
         by_task = dict(zip(serving, zip(addresses, holds)))
@@ -829,7 +895,8 @@ class _Supervisor:
             child.proc = subprocess.Popen(
                 self.s.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                 start_new_session=True,  # its own process group: killed as a group, deaf to our terminal's ^C
-                preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - one preloaded C call, no locks
+                # noqa: PLW1509 - preloaded C calls only, no locks
+                preexec_fn=_die_with(os.getpid(), self.network.enter if self.network is not None else None),
             )
         except OSError as exc:
             raise ConfigError(f"could not start {child.task.name} with {self.s.command[0]!r}: {exc}. Fix: check "
@@ -963,7 +1030,7 @@ class _Supervisor:
         return not crashed, not ps_chief, child.failed_order
 
     def _release_listening(self, children: list[_Child]) -> None:
-        table = listening_ports()
+        table = listening_ports() if self.network is None else self.network.listening_ports()
         for child in children:
             if child.hold is not None:
                 port = child.hold.getsockname()[1]
@@ -1025,7 +1092,8 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
            max_restarts: int = 0, log_dir: str | os.PathLike[str] | None = None, host: str = DEFAULT_HOST,
            base_port: int | None = None, timeout: float | None = None, exit_grace: float = DEFAULT_EXIT_GRACE,
            stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None,
-           stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True) -> LaunchResult:
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
+           private_network: bool | None = None) -> LaunchResult:
     """Run `command` as every task of a local TF_CONFIG cluster and supervise it.
 
     Args:
@@ -1044,6 +1112,10 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         env: the tasks' base environment (default `os.environ`).
         stdout, stderr: where the prefixed output goes (default `sys.stdout`, `sys.stderr`).
         handle_signals: stop the cluster on SIGINT/SIGTERM/SIGHUP (main thread only).
+        private_network: run the tasks in a private network namespace with loopback only, so
+            their TensorFlow servers (which listen on all interfaces) cannot be reached from
+            other machines. None (default): where the machine allows it and `host` is loopback,
+            else warn at start; True: always, else ConfigError; False: never (with the warning).
 
     Returns:
         A `LaunchResult`: `returncode` 0 only when every task succeeded; else the failed task's
@@ -1060,6 +1132,9 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         _check_seconds(timeout, "--timeout", 600, positive=True)
     _check_seconds(exit_grace, "--exit-grace", DEFAULT_EXIT_GRACE)
     _check_seconds(stop_grace, "--stop-grace", DEFAULT_STOP_GRACE)
+    if private_network and not is_loopback(host):
+        raise ConfigError(f"--private-network gives the tasks a network with loopback only, where --host {host} does "
+                          f"not exist. Fix: drop --host (the default is {DEFAULT_HOST}), or drop --private-network")
     serving = sum(t.serves for t in tasks)
     if base_port is not None:
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not 1 <= base_port <= 65536 - serving:
@@ -1079,7 +1154,7 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
-        extra_env=extra)
+        extra_env=extra, private_network=private_network)
     return _Supervisor(settings).run()
 
 
