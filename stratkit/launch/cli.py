@@ -263,9 +263,10 @@ def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str,
              "# Run each block on its host, in any order (the tasks wait for each other); the ports must be",
              "# reachable between the hosts. For restarts, start every task again (resume: Trainer.fit(backup_dir=...)",
              "# on storage every host shares).",
-             "# Security: each task's TensorFlow gRPC server listens on all interfaces of its host, with no authentication",
-             "# or TLS, and runs any graph a client sends: the network between the hosts must be private to the cluster",
-             "# (a firewall that admits only the cluster's hosts to these ports)."]
+             "# Security: each task's TensorFlow gRPC server listens on all interfaces of its host, with",
+             "# no authentication or TLS, and runs any graph a client sends:",
+             "# the network between the hosts must be private to the cluster (a firewall that admits only the",
+             "# cluster's hosts to these ports)."]
     run = shlex.join(command)
     for task, host, address in placed:
         tf_config = task_tf_config(cluster, task, env)

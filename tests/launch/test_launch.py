@@ -553,7 +553,8 @@ def test_the_task_limit_follows_the_open_file_limit(tmp_path):
                             env=child_env(None, None), capture_output=True, text=True, timeout=60,
                             preexec_fn=low_fd_limit)
     assert result.returncode == 2, result.stderr
-    assert re.search(r"--workers 100: .*open files.*ulimit -n\) is 200.*at most \d+ tasks", result.stderr), result.stderr
+    assert re.search(r"--workers 100: .*open files.*ulimit -n\) is 200.*at most \d+ tasks", result.stderr), \
+        result.stderr
     assert "started" not in result.stderr
 
 
@@ -569,7 +570,8 @@ LONG_TRACEBACK = """
         time.sleep(300)
     print("epoch 1/3 ... loss 0.53")
     def fit():
-        frames = "\\n".join(f"  File \\"/site-packages/keras/src/layer_{i}.py\\", line {i}, in call" for i in range(120))
+        frames = "\\n".join(f"  File \\"/site-packages/keras/src/layer_{i}.py\\", line {i}, in call"
+                           for i in range(120))
         raise InvalidArgumentError("Graph execution error:\\n\\nDetected at node 'loss/Log' defined at "
                                    "(most recent call last):\\n" + frames + "\\nlogits and labels must have "
                                    "the same first dimension, got 32 and 31\\n\\t [[{{node loss/Log}}]]")

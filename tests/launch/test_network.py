@@ -112,7 +112,7 @@ NO_NAMESPACES = ["unshare", "--user"]
 def test_the_multi_host_plan_says_the_cluster_network_must_be_private(capsys):
     assert main(["launch", "--hosts", "h1,h2", "--print-tf-config", "--", "python", "train.py"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"no authentication.*\n.*runs any graph", out), out
+    assert re.search(r"no authentication.*runs any graph", out, re.S), out
     assert "network between the hosts must be private to the cluster" in out
 
 
