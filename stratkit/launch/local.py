@@ -709,7 +709,12 @@ class _Supervisor:
             except OSError as exc:
                 raise ConfigError(f"--log-dir {self.s.log_dir!r} cannot be written: {exc.strerror}. Fix: choose a "
                                   "directory you can write to, or omit --log-dir") from None
-        self.network = self._open_network()
+        try:
+            self.network = self._open_network()
+        except BaseException:
+            if self.events is not None:
+                self.events.close()
+            raise
         previous = self._install_signals()
         attempts: list[Attempt] = []
         self.reaper = _Reaper()
@@ -744,8 +749,9 @@ class _Supervisor:
         """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
         wanted, host = self.s.private_network, self.s.host
         if wanted is False:
-            self._warn_exposed("you asked for the machine's network (--no-private-network). Fix: drop "
-                               "--no-private-network (the tasks then share a private, loopback-only network), or "
+            self._warn_exposed("you asked for the machine's network (--no-private-network, or "
+                               "STRATKIT_PRIVATE_NETWORK=0). Fix: drop --no-private-network (and the variable): the "
+                               "tasks then share a private, loopback-only network; or "
                                "block the task ports from other machines with a firewall")
             return None
         if not is_loopback(host):  # launch() refused this combination with private_network=True

@@ -107,8 +107,8 @@ SLEEPER = """
 class _Launcher:
     """A launcher running in the background, its output collected line by line."""
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(_launch_argv(*args), env=child_env(None, env), stdout=subprocess.PIPE,
+    def __init__(self, args: list[str], env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen([*prefix, *_launch_argv(*args)], env=child_env(None, env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []

@@ -262,9 +262,13 @@ def test_private_network_where_namespaces_are_refused_fails_saying_why_and_what_
 
 
 @pytest.mark.slow
-def test_opting_out_of_the_private_network_warns_with_the_way_to_close_it(tmp_path):
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_opting_out_of_the_private_network_warns_with_the_way_to_close_it(tmp_path, how, monkeypatch):
     task = _script(tmp_path, 'import os; print({"netns": os.stat("/proc/self/ns/net").st_ino})\n')
-    result = _run_as([], ["--workers", "2", "--no-private-network", "--", sys.executable, task])
+    if how == "env":
+        monkeypatch.setenv("STRATKIT_PRIVATE_NETWORK", "0")
+    opt_out = ["--no-private-network"] if how == "flag" else []
+    result = _run_as([], ["--workers", "2", *opt_out, "--", sys.executable, task])
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(WARNING) == 1
     warning = result.stderr[result.stderr.index(WARNING):result.stderr.index("started: pid")]
@@ -293,12 +297,13 @@ SLEEPER = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
-@pytest.mark.skipif(not _can_unshare("--user", "--map-root-user", "--net"), reason="no user+network namespaces")
-def test_stopping_an_isolated_launcher_leaves_no_process_behind(tmp_path, how):
+@pytest.mark.parametrize("how, user", [("SIGINT", "as is"), ("SIGKILL", "as is"), ("SIGKILL", "unprivileged")])
+@pytest.mark.skipif(not _can_unshare(*UNPRIVILEGED), reason="no user namespaces")
+def test_stopping_an_isolated_launcher_leaves_no_process_behind(tmp_path, how, user):
     import signal
 
-    launcher = _Launcher(["--workers", "2", "--", sys.executable, _script(tmp_path, SLEEPER)])
+    launcher = _Launcher(["--workers", "2", "--", sys.executable, _script(tmp_path, SLEEPER)],
+                         prefix=tuple(UNPRIVILEGED) if user == "unprivileged" else ())
     try:
         grandchildren = [int(m.group(1)) for m in launcher.wait_for(r"ready \w+:\d+ grandchild=(\d+)", 2)]
         tasks = [p for ps in _pids(launcher.stderr).values() for p in ps]
