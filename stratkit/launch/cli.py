@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -57,9 +58,13 @@ def _int_value(text: str, name: str) -> int:
 
 def _float_value(text: str, name: str) -> float:
     try:
-        return float(text.strip())
+        value = float(text.strip())
     except ValueError:
         raise ConfigError(f"{name}={text!r} is not a number of seconds. Fix: e.g. {name}=600, or unset it") from None
+    if not math.isfinite(value) or value < 0:  # named here: launch() would name the flag, not the variable
+        raise ConfigError(f"{name}={text!r} is not a finite number of seconds >= 0. Fix: e.g. {name}=600, "
+                          "or unset it")
+    return value
 
 
 def _bool_value(text: str, name: str) -> bool:
@@ -88,6 +93,7 @@ _FLAGS = (
     _Flag("exit_grace", "STRATKIT_EXIT_GRACE", _float_value),
     _Flag("stop_grace", "STRATKIT_STOP_GRACE", _float_value),
     _Flag("hosts", "STRATKIT_HOSTS", _str_value),
+    _Flag("private_network", "STRATKIT_PRIVATE_NETWORK", _bool_value),
 )
 
 
@@ -142,6 +148,12 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--base-port", type=count, default=None, metavar="P",
                      help="consecutive ports from P instead of free ones picked (and held) by the launcher "
                           f"(with --print-tf-config: default {DEFAULT_PLAN_PORT}) [STRATKIT_BASE_PORT]")
+    net.add_argument("--private-network", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the tasks in a private network namespace with loopback only, so their TensorFlow "
+                          "servers (which listen on all interfaces, unauthenticated) cannot be reached from other "
+                          "machines; the tasks cannot reach the network either. Default: on where Linux user "
+                          "namespaces allow it (else a warning); --no-private-network: off "
+                          "[STRATKIT_PRIVATE_NETWORK]")
     net.add_argument("--hosts", default=None, metavar="H1,H2,...",
                      help="several machines: with --print-tf-config, print what to run on each [STRATKIT_HOSTS]")
     net.add_argument("--print-tf-config", action="store_true",
@@ -185,7 +197,8 @@ def run_launch(args: argparse.Namespace) -> int:
         log_dir=options["log_dir"] or None, host=options["host"] or DEFAULT_HOST, base_port=options["base_port"],
         timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
-        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"])
+        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
+        private_network=options["private_network"])
     return result.returncode
 
 
@@ -249,7 +262,11 @@ def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str,
     lines = [f"# stratkit launch plan: {roles} on {len(set(hosts))} host(s), ports from {base_port}.",
              "# Run each block on its host, in any order (the tasks wait for each other); the ports must be",
              "# reachable between the hosts. For restarts, start every task again (resume: Trainer.fit(backup_dir=...)",
-             "# on storage every host shares)."]
+             "# on storage every host shares).",
+             "# Security: each task's TensorFlow gRPC server listens on all interfaces of its host, with",
+             "# no authentication or TLS, and runs any graph a client sends:",
+             "# the network between the hosts must be private to the cluster (a firewall that admits only the",
+             "# cluster's hosts to these ports)."]
     run = shlex.join(command)
     for task, host, address in placed:
         tf_config = task_tf_config(cluster, task, env)

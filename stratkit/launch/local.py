@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import selectors
 import shutil
@@ -51,6 +52,8 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import detect_task, group_by_role
 from stratkit.errors import ConfigError
+from stratkit.launch.isolation import PrivateNetwork, PrivateNetworkUnavailable, is_loopback
+from stratkit.launch.tracebacks import ExceptionScanner, last_exception
 
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
 RESTART_VAR = "STRATKIT_RESTART_COUNT"
@@ -65,6 +68,9 @@ _POLL = 0.1
 #: After the first failure, how long other tasks' own failures are still weighed for the root cause.
 _SETTLE = 1.0
 _TAG = "[stratkit launch]"
+#: What a script prints when it needs a network the private namespace does not have.
+_NETWORK_ERRORS = ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
+                   "No route to host", "Could not resolve host", "nodename nor servname", "No address associated")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +370,8 @@ class TaskFailure:
         attempt: 0 for the first attempt, 1 after the first restart, ...
         log_file: the task's full log, when one was written.
         timed_out_after: the timeout in seconds, when the attempt ran out of time.
+        exception: the last exception the task printed -- its "module.Type: message" line and
+            the lines after it -- found in its whole output, not only in `last_lines`.
     """
 
     task: str
@@ -374,6 +382,7 @@ class TaskFailure:
     attempt: int = 0
     log_file: str | None = None
     timed_out_after: float | None = None
+    exception: tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
@@ -402,6 +411,11 @@ def format_failure_report(failure: TaskFailure, other_tasks: Sequence[str] = (),
              f"failure: {failure.reason}"]
     if failure.log_file:
         lines.append(f"log:     {failure.log_file}")
+    # Always shown, even when it is in the tail: a long message (TensorFlow's) pushes it out.
+    exception = failure.exception or last_exception(failure.last_lines)
+    if exception:
+        lines.append(f"exception: {exception[0]}")
+        lines.extend(f"  | {line}" for line in exception[1:])
     if failure.last_lines:
         lines.append(f"last {len(failure.last_lines)} line(s) of {failure.task}:")
         lines.extend(f"  | {line}" for line in failure.last_lines)
@@ -490,16 +504,20 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
+def _die_with(parent_pid: int, enter: Callable[[], None] | None = None) -> Callable[[], None]:
     """preexec_fn: SIGKILL this child when the launcher's thread that forked it dies.
 
     PDEATHSIG follows the forking *thread*, so the supervisor forks from the
     thread that lives for the whole launch. If the launcher died before prctl
-    took effect, the child kills itself instead of running orphaned.
+    took effect, the child kills itself instead of running orphaned. `enter`
+    (joining the private network) runs first: it changes the child's
+    credentials, and PDEATHSIG is set after any such change.
     """
     sigkill = int(signal.SIGKILL)
 
     def setup() -> None:
+        if enter is not None:
+            enter()
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, sigkill)
         if os.getppid() != parent_pid:
@@ -589,6 +607,7 @@ class _Child:
         self.log: IO[bytes] | None = None
         self.log_path: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.scanner = ExceptionScanner()
         self.pumps: list[threading.Thread] = []
         self.returncode: int | None = None
         self.stopped: str | None = None
@@ -633,6 +652,7 @@ class _Settings:
     stderr: IO[str]
     handle_signals: bool
     extra_env: dict[str, str] = field(default_factory=dict)
+    private_network: bool | None = None
 
 
 class _Supervisor:
@@ -644,6 +664,7 @@ class _Supervisor:
         self.reaper: _Reaper | None = None
         self.events: IO[str] | None = None
         self.started = time.monotonic()
+        self.network: PrivateNetwork | None = None
 
     # -- messages -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -688,6 +709,12 @@ class _Supervisor:
             except OSError as exc:
                 raise ConfigError(f"--log-dir {self.s.log_dir!r} cannot be written: {exc.strerror}. Fix: choose a "
                                   "directory you can write to, or omit --log-dir") from None
+        try:
+            self.network = self._open_network()
+        except BaseException:
+            if self.events is not None:
+                self.events.close()
+            raise
         previous = self._install_signals()
         attempts: list[Attempt] = []
         self.reaper = _Reaper()
@@ -710,10 +737,62 @@ class _Supervisor:
             return self._result(attempts)
         finally:
             self.reaper.close()
+            if self.network is not None:
+                self.network.close()
             if self.events is not None:
                 self.events.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    # -- the network ------------------------------------------------------------------------------
+    def _open_network(self) -> PrivateNetwork | None:
+        """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
+        wanted, host = self.s.private_network, self.s.host
+        if wanted is False:
+            self._warn_exposed("you asked for the machine's network (--no-private-network, or "
+                               "STRATKIT_PRIVATE_NETWORK=0). Fix: drop --no-private-network (and the variable): the "
+                               "tasks then share a private, loopback-only network; or "
+                               "block the task ports from other machines with a firewall")
+            return None
+        if not is_loopback(host):  # launch() refused this combination with private_network=True
+            self._warn_exposed(f"--host {host} is not a loopback address, so the tasks use the machine's network. "
+                               f"Fix: --host {DEFAULT_HOST} (the default), which runs them in a private, loopback-only "
+                               "network; or block the task ports from other machines with a firewall")
+            return None
+        try:
+            network = PrivateNetwork.start()
+        except PrivateNetworkUnavailable as exc:
+            if wanted:
+                raise
+            self._warn_exposed(f"stratkit could not give the tasks a private network: {exc.why}. Fix: allow user "
+                               "namespaces to this user (then every launch is isolated: see the README's Security "
+                               "section), or block the task ports from other machines with a firewall; "
+                               "--private-network turns this warning into an error")
+            return None
+        kind = "in a user namespace of its own" if network.user_namespace else "as root"
+        self.say(f"tasks run in a private network namespace, loopback only ({kind}, held by pid {network.pid}): "
+                 "their TensorFlow servers cannot be reached from other machines, and the tasks cannot reach the "
+                 "network either (--no-private-network gives it back, and exposes the servers)")
+        self.event("private_network", pid=network.pid, namespaces=network.namespaces)
+        return network
+
+    def _warn_exposed(self, why_and_fix: str) -> None:
+        self.say("WARNING: every task's TensorFlow gRPC server listens on all interfaces (0.0.0.0), not only on "
+                 f"{self.s.host}: TensorFlow has no setting to bind it to one address. It has no authentication or "
+                 "TLS and runs any graph a client sends, so anyone who can reach this machine can run code as you "
+                 f"while the cluster runs. Here {why_and_fix}.")
+        self.event("exposed", host=self.s.host)
+
+    def _network_hint(self, failure: TaskFailure) -> str:
+        """A note for a failure that looks like the private network's price (no DNS, no route)."""
+        text = "\n".join(failure.exception + failure.last_lines)
+        if self.network is None or not any(p in text for p in _NETWORK_ERRORS):
+            return ""
+        return ("\nnote: the tasks ran in a private network with loopback only (stratkit launch's default), and "
+                "this failure looks like a network error. If the script needs the network (downloads, remote "
+                "storage, an experiment tracker, a service on this machine), fetch what it needs before "
+                "launching, or rerun with --no-private-network behind a firewall that blocks the task ports "
+                "from other machines.")
 
     def _result(self, attempts: list[Attempt]) -> LaunchResult:
         seconds = time.monotonic() - self.started
@@ -731,7 +810,7 @@ class _Supervisor:
         failure = last.failure
         assert failure is not None
         others = [self._describe_other(t, failure.task) for t in last.tasks if t.task != failure.task]
-        report = format_failure_report(failure, others, attempts=total)
+        report = format_failure_report(failure, others, attempts=total) + self._network_hint(failure)
         if last.after_success:
             report += f"\n{self.primary.name} had finished training: not restarted (a restart would train again)."
         if len(attempts) > 1:
@@ -775,7 +854,11 @@ class _Supervisor:
     def _attempt(self, number: int) -> Attempt:
         tasks = self.s.tasks
         serving = [t for t in tasks if t.serves]
-        holds = reserve_ports(self.s.host, len(serving), self.s.base_port)
+        if self.network is not None:
+            holds = self.network.reserve_ports(self.s.host.strip("[]"), _family(self.s.host), len(serving),
+                                               self.s.base_port)
+        else:
+            holds = reserve_ports(self.s.host, len(serving), self.s.base_port)
         addresses = [format_address(self.s.host, h.getsockname()[1]) for h in holds]
         cluster = build_cluster(tasks, addresses)
         by_task = dict(zip(serving, zip(addresses, holds)))
@@ -804,7 +887,7 @@ class _Supervisor:
         if culprit is not None:
             failure = TaskFailure(culprit.task.name, culprit.returncode if outcome == "failed" else None,
                                   tuple(culprit.tail), culprit.pid, culprit.address, number, culprit.log_path,
-                                  self.s.timeout if outcome == "timed_out" else None)
+                                  self.s.timeout if outcome == "timed_out" else None, culprit.scanner.exception)
         exits = tuple(c.exit_record() for c in children if c.proc is not None)
         self.event("attempt_end", attempt=number, outcome=outcome, seconds=round(seconds, 2),
                    tasks=[asdict(e) for e in exits])
@@ -818,7 +901,8 @@ class _Supervisor:
             child.proc = subprocess.Popen(
                 self.s.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                 start_new_session=True,  # its own process group: killed as a group, deaf to our terminal's ^C
-                preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - one preloaded C call, no locks
+                # noqa: PLW1509 - preloaded C calls only, no locks
+                preexec_fn=_die_with(os.getpid(), self.network.enter if self.network is not None else None),
             )
         except OSError as exc:
             raise ConfigError(f"could not start {child.task.name} with {self.s.command[0]!r}: {exc}. Fix: check "
@@ -857,21 +941,22 @@ class _Supervisor:
                     if not data:  # EOF: the task (and everything in its group) closed the stream
                         selector.unregister(fd)
                         if partial[fd]:
-                            self._emit(child, partial[fd], consoles[fd])
+                            self._emit(child, partial[fd], consoles[fd], fd)
                         continue
                     *lines, rest = (partial[fd] + data).split(b"\n")
                     for line in lines:
-                        self._emit(child, line, consoles[fd])
+                        self._emit(child, line, consoles[fd], fd)
                     if len(rest) > _MAX_LINE:  # a progress bar without newlines: do not hoard it
-                        self._emit(child, rest, consoles[fd])
+                        self._emit(child, rest, consoles[fd], fd)
                         rest = b""
                     partial[fd] = rest
         child.proc.stdout.close()
         child.proc.stderr.close()
 
-    def _emit(self, child: _Child, line: bytes, console: IO[str]) -> None:
+    def _emit(self, child: _Child, line: bytes, console: IO[str], stream: int) -> None:
         text = line.decode("utf-8", "replace").rstrip("\r")
         child.tail.append(text)
+        child.scanner.feed(text, str(stream))
         with self.lock:
             if child.log is not None:
                 try:
@@ -951,7 +1036,7 @@ class _Supervisor:
         return not crashed, not ps_chief, child.failed_order
 
     def _release_listening(self, children: list[_Child]) -> None:
-        table = listening_ports()
+        table = listening_ports() if self.network is None else self.network.listening_ports()
         for child in children:
             if child.hold is not None:
                 port = child.hold.getsockname()[1]
@@ -1013,7 +1098,8 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
            max_restarts: int = 0, log_dir: str | os.PathLike[str] | None = None, host: str = DEFAULT_HOST,
            base_port: int | None = None, timeout: float | None = None, exit_grace: float = DEFAULT_EXIT_GRACE,
            stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None,
-           stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True) -> LaunchResult:
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
+           private_network: bool | None = None) -> LaunchResult:
     """Run `command` as every task of a local TF_CONFIG cluster and supervise it.
 
     Args:
@@ -1032,6 +1118,10 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         env: the tasks' base environment (default `os.environ`).
         stdout, stderr: where the prefixed output goes (default `sys.stdout`, `sys.stderr`).
         handle_signals: stop the cluster on SIGINT/SIGTERM/SIGHUP (main thread only).
+        private_network: run the tasks in a private network namespace with loopback only, so
+            their TensorFlow servers (which listen on all interfaces) cannot be reached from
+            other machines. None (default): where the machine allows it and `host` is loopback,
+            else warn at start; True: always, else ConfigError; False: never (with the warning).
 
     Returns:
         A `LaunchResult`: `returncode` 0 only when every task succeeded; else the failed task's
@@ -1042,13 +1132,15 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         ConfigError: on a bad layout, command, host or port, naming the flag and the fix.
     """
     tasks = plan_tasks(workers, chief, ps, evaluator)
+    _check_task_limit(tasks, workers, ps, base_port, log_dir is not None)
     _check_count(max_restarts, "--max-restarts", 0, "3")
-    for value, flag in ((timeout, "--timeout"), (exit_grace, "--exit-grace"), (stop_grace, "--stop-grace")):
-        if value is None and flag == "--timeout":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
-                (flag == "--timeout" and value == 0):
-            raise ConfigError(f"{flag} must be a positive number of seconds: got {value!r}. Fix: e.g. {flag} 600")
+    if timeout is not None:
+        _check_seconds(timeout, "--timeout", 600, positive=True)
+    _check_seconds(exit_grace, "--exit-grace", DEFAULT_EXIT_GRACE)
+    _check_seconds(stop_grace, "--stop-grace", DEFAULT_STOP_GRACE)
+    if private_network and not is_loopback(host):
+        raise ConfigError(f"--private-network gives the tasks a network with loopback only, where --host {host} does "
+                          f"not exist. Fix: drop --host (the default is {DEFAULT_HOST}), or drop --private-network")
     serving = sum(t.serves for t in tasks)
     if base_port is not None:
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not 1 <= base_port <= 65536 - serving:
@@ -1068,8 +1160,67 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
-        extra_env=extra)
+        extra_env=extra, private_network=private_network)
     return _Supervisor(settings).run()
+
+
+def _check_seconds(value: Any, flag: str, example: float, positive: bool = False) -> None:
+    """A duration must be a real number of seconds: nan compares false with everything and inf never ends."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        if positive:
+            raise ConfigError(f"{flag} must be a positive number of seconds: got {value!r} (a finite number > 0; "
+                              f"omit {flag} for no limit). Fix: e.g. {flag} {example:g}")
+        raise ConfigError(f"{flag} must be a finite number of seconds >= 0: got {value!r}. Fix: e.g. {flag} "
+                          f"{example:g}")
+
+
+#: Open files the launcher needs whatever the layout (its own streams, events.jsonl, the reaper's pipe, ...).
+_BASE_FILES = 32
+
+
+def _check_task_limit(tasks: Sequence[Task], workers: int, ps: int, base_port: int | None, logs: bool) -> None:
+    """Refuse, before anything is bound or started, more tasks than this machine lets the launcher supervise.
+
+    Two limits apply to a one-machine cluster: the launcher's open files (per task: its stdout
+    and stderr pipes, its held port, its log file) under `ulimit -n`; and one port per serving
+    task, from the kernel's range of free ports (`base_port` has its own check).
+    """
+    serving = sum(t.serves for t in tasks)
+    # (tasks that count, at most, why, how to raise it)
+    limits: list[tuple[int, int, str, str]] = []
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # not POSIX: no such limit to check
+        soft = -1
+    if soft > 0:  # RLIM_INFINITY is -1
+        per_task = 3 + logs
+        what = "its output pipes, its port until it listens" + (", its log file" if logs else "")
+        limits.append((len(tasks), (soft - _BASE_FILES) // per_task,
+                       f"the launcher holds {per_task} open files per task ({what}) and its open-file limit "
+                       f"(ulimit -n) is {soft}", "raise the limit (ulimit -n), or "))
+    if base_port is None:
+        low, high = _local_port_range()
+        limits.append((serving, high - low + 1, f"each task's gRPC server needs its own port, and the kernel "
+                       f"hands out {high - low + 1} free ports (net.ipv4.ip_local_port_range {low} {high})", ""))
+    for count, limit, why, raise_it in sorted(limits, key=lambda x: x[1]):
+        if count > limit:
+            flag, value = ("--ps", ps) if ps > workers else ("--workers", workers)
+            raise ConfigError(f"{flag} {value}: {len(tasks)} tasks on this machine are more than it can run: {why}, "
+                              f"so at most {max(limit, 0)} tasks. Fix: {raise_it}run fewer tasks per machine, or "
+                              "spread the cluster over several machines (--hosts h1,h2,... --print-tf-config)")
+
+
+def _local_port_range() -> tuple[int, int]:
+    """The kernel's range of ports handed out by bind(port 0); Linux's default when unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low, high = (int(x) for x in handle.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _check_not_in_slurm_step(env: Mapping[str, str]) -> None:

@@ -107,8 +107,8 @@ SLEEPER = """
 class _Launcher:
     """A launcher running in the background, its output collected line by line."""
 
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
-        self.proc = subprocess.Popen(_launch_argv(*args), env=child_env(None, env), stdout=subprocess.PIPE,
+    def __init__(self, args: list[str], env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen([*prefix, *_launch_argv(*args)], env=child_env(None, env), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -506,3 +506,118 @@ def test_sigkilled_worker_is_restarted_and_training_resumes_at_the_epoch_reached
     pids = _pids(result.stderr)
     assert [len(p) for p in pids.values()] == [2, 2]
     _assert_all_gone([p for ps in pids.values() for p in ps])
+
+
+# ---------------------------------------------------------------------------------------------
+# input limits: seconds that are not numbers, task counts this machine cannot hold
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag, value", [
+    ("--timeout", "nan"), ("--timeout", "inf"), ("--exit-grace", "nan"), ("--exit-grace", "-1"),
+    ("--stop-grace", "inf"), ("--stop-grace", "-2"), ("--stop-grace", "nan"),
+])
+def test_seconds_that_are_not_finite_or_are_negative_exit_2_naming_flag_value_and_fix(flag, value, capsys):
+    code = main(["launch", flag, value, "--", sys.executable, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(rf"{flag} must be a \w+ number of seconds.*got {value}\b.*Fix: e\.g\. {flag} \d", err), err
+    assert "started" not in err
+
+
+@pytest.mark.parametrize("var, value", [
+    ("STRATKIT_TIMEOUT", "nan"), ("STRATKIT_EXIT_GRACE", "inf"), ("STRATKIT_STOP_GRACE", "-3"),
+])
+def test_seconds_from_env_vars_are_checked_too_naming_the_variable(var, value, monkeypatch, capsys):
+    monkeypatch.setenv(var, value)
+    code = main(["launch", "--", sys.executable, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(rf"{var}='{value}' is not a finite number of seconds >= 0\. Fix: e\.g\. {var}=\d", err), err
+
+
+def test_more_workers_than_the_machine_can_hold_is_refused_first_with_the_limit(capsys):
+    code = main(["launch", "--workers", "70000", "--", sys.executable, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(r"--workers 70000: .*at most \d+ tasks", err), err
+    assert "Fix:" in err and "--print-tf-config" in err and "started" not in err
+
+
+def test_the_task_limit_follows_the_open_file_limit(tmp_path):
+    """With `ulimit -n 200` the launcher cannot hold pipes and ports for 100 tasks: it says so, naming the limit."""
+    import resource
+
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    result = subprocess.run(_launch_argv("--workers", "100", "--", sys.executable, "-c", "pass"),
+                            env=child_env(None, None), capture_output=True, text=True, timeout=60,
+                            preexec_fn=low_fd_limit)
+    assert result.returncode == 2, result.stderr
+    assert re.search(r"--workers 100: .*open files.*ulimit -n\) is 200.*at most \d+ tasks", result.stderr), \
+        result.stderr
+    assert "started" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the failure report names the exception even when its traceback is longer than the tail
+# ---------------------------------------------------------------------------------------------
+# What a TensorFlow graph error looks like: the exception's type line, then a message of hundreds of
+# lines ("Detected at node ... defined at (most recent call last):" and one line per frame), so the
+# last 50 lines hold only frames.
+LONG_TRACEBACK = """
+    import json, os, sys, time
+    if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+        time.sleep(300)
+    print("epoch 1/3 ... loss 0.53")
+    def fit():
+        frames = "\\n".join(f"  File \\"/site-packages/keras/src/layer_{i}.py\\", line {i}, in call"
+                           for i in range(120))
+        raise InvalidArgumentError("Graph execution error:\\n\\nDetected at node 'loss/Log' defined at "
+                                   "(most recent call last):\\n" + frames + "\\nlogits and labels must have "
+                                   "the same first dimension, got 32 and 31\\n\\t [[{{node loss/Log}}]]")
+    class InvalidArgumentError(Exception):
+        pass
+    try:
+        fit()
+    except InvalidArgumentError:
+        sys.stdout.flush()
+        raise
+"""
+
+
+@pytest.mark.slow
+def test_the_report_shows_the_exception_type_and_message_of_a_traceback_longer_than_the_tail(tmp_path):
+    result = _run(["--workers", "2", "--stop-grace", "1", "--", sys.executable, _script(tmp_path, LONG_TRACEBACK)],
+                  timeout=60)
+    assert result.returncode == 1, result.stderr
+    report = result.stderr[result.stderr.index("root cause"):]
+    tail = report[report.index("last 50 line(s)"):]
+    assert "InvalidArgumentError" not in tail            # the case at hand: the tail alone loses the type
+    exception = report[report.index("exception:"):report.index("last 50 line(s)")]
+    assert "exception: InvalidArgumentError: Graph execution error:" in exception
+    assert "Detected at node 'loss/Log'" in exception    # the message's first lines, as context
+    assert "logits and labels must have the same first dimension" in tail
+    _assert_all_gone([p for pids in _pids(result.stderr).values() for p in pids])
+
+
+def test_the_exception_scanner_keeps_the_last_exception_of_a_chain_despite_interleaved_stdout():
+    from stratkit.launch.tracebacks import ExceptionScanner
+
+    scanner = ExceptionScanner(context_lines=2)
+    stderr = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "    f()",
+              "KeyError: 'x'", "", "During handling of the above exception, another exception occurred:", "",
+              "Traceback (most recent call last):", '  File "a.py", line 3, in <module>', "    g()", "    ^^^",
+              "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: ...",
+              "", "The error could be from a previous operation.", "Additional GRPC error information:",
+              "  more detail that is past the context"]
+    for i, line in enumerate(stderr):
+        scanner.feed(line, "stderr")
+        if i in (2, 9):
+            scanner.feed("step 3/10 - loss 0.4", "stdout")   # stdout between traceback lines
+    assert scanner.exception == (
+        "tensorflow.python.framework.errors_impl.UnavailableError: Collective ops is aborted by: ...",
+        "The error could be from a previous operation.", "Additional GRPC error information:")
+    plain = ExceptionScanner()
+    plain.feed("RuntimeError: my peer is gone")                 # what sys.exit("...") prints: no traceback
+    plain.feed("2026-11-23 11:00:00 W tensorflow/core/x.cc:1] NotFoundError: a log line, not an exception")
+    assert plain.exception[0] == "RuntimeError: my peer is gone"
