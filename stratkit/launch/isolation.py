@@ -106,8 +106,7 @@ while True:
                 for port in request["ports"]:
                     sock = socket.socket(request["family"], socket.SOCK_STREAM)
                     held.append(sock)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as stratkit.process.ports.hold_port
                     sock.bind((request["host"], port))
                 reply({"ports": [s.getsockname()[1] for s in held]}, [s.fileno() for s in held])
             finally:
@@ -244,9 +243,11 @@ class PrivateNetwork:
     def reserve_ports(self, host: str, family: int, count: int, base_port: int | None = None) -> list[socket.socket]:
         """`count` sockets bound inside the namespace on `host` (consecutive from `base_port`, else free ones).
 
-        Held by the launcher exactly as `reserve_ports` outside holds them: bound, not listening,
-        with SO_REUSEADDR and SO_REUSEPORT, so TF's server can take the port over and nothing
-        else in the namespace (a task's outgoing connection) gets it first.
+        Held by the launcher exactly as `stratkit.process.ports.hold_port` holds them outside
+        (bound, not listening, SO_REUSEADDR only), so TF's server can take the port over and
+        nothing else in the namespace (a task's outgoing connection) gets it first. The holder
+        process binds them (a socket belongs to the namespace it was made in) with the same
+        options, in its own code: it runs as `python -I -S` and cannot import stratkit.
         """
         wanted = [0 if base_port is None else base_port + i for i in range(count)]
         held: list[socket.socket] = []

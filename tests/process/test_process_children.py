@@ -1,0 +1,141 @@
+"""`stratkit.process.children` and `.reaper`: no child outlives its parent, however the parent ends.
+
+Real processes: a "parent" script starts its children with the process layer and
+prints their pids; the test then kills the parent (SIGKILL: no Python cleanup
+runs) and checks, by pid, what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from procs import child_env
+
+from stratkit.process.children import die_with_parent, start_child, stop_groups
+from stratkit.process.reaper import reap
+
+pytestmark = pytest.mark.slow
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+# A task that ignores SIGTERM and starts a grandchild in its own process group, then prints both pids.
+STUBBORN = [sys.executable, "-c", textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(grandchild.pid, flush=True)
+    time.sleep(300)
+""")]
+
+
+def _alive(pid: int) -> bool:
+    """True when `pid` runs (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after `seconds` (then SIGKILLed, so no test leaks them)."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if _alive(p)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def _parent(body: str) -> subprocess.Popen[str]:
+    """A parent process running `body` (with the process layer importable); it prints pids, one per line."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(body)], env=child_env(), stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _read_pids(proc: subprocess.Popen[str], count: int) -> list[int]:
+    assert proc.stdout is not None
+    return [int(proc.stdout.readline()) for _ in range(count)]
+
+
+def test_a_child_dies_with_its_parent_and_the_reaper_takes_its_group_when_the_parent_is_sigkilled():
+    parent = _parent(f"""
+        import subprocess, time
+        from stratkit.process.children import start_child
+        from stratkit.process.reaper import Reaper
+        reaper = Reaper()
+        listed = start_child({STUBBORN!r}, {{"PATH": "/usr/bin:/bin"}}, stdout=subprocess.PIPE, stderr=None)
+        reaper.add(listed.pid)
+        forgotten = start_child({STUBBORN!r}, {{"PATH": "/usr/bin:/bin"}}, stdout=subprocess.PIPE, stderr=None)
+        reaper.add(forgotten.pid)
+        reaper.remove(forgotten.pid)
+        for proc in (listed, forgotten):
+            print(proc.pid, proc.stdout.readline().decode().strip(), sep="\\n", flush=True)
+        print(reaper.pid, flush=True)
+        time.sleep(300)
+    """)
+    pids: list[int] = []
+    try:
+        pids = _read_pids(parent, 5)
+        listed, listed_grandchild, forgotten, forgotten_grandchild, reaper = pids
+        assert all(_alive(p) for p in (listed, listed_grandchild, forgotten, forgotten_grandchild, reaper))
+        parent.kill()
+        parent.wait()
+        # PDEATHSIG ends both children; the reaper ends the grandchild of the group it was told about, then itself.
+        assert _gone_within([listed, forgotten, listed_grandchild, reaper], 10) == []
+        assert _alive(forgotten_grandchild)  # removed from the reaper's list: it was the parent's to stop
+    finally:
+        parent.kill()
+        parent.wait()
+        _gone_within(pids, 0)
+
+
+def test_a_child_whose_parent_is_already_gone_kills_itself():
+    code = f"from stratkit.process.children import die_with_parent; die_with_parent({os.getpid()} + 10**6)"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60)
+    assert result.returncode == -signal.SIGKILL
+    die_with_parent(os.getppid())  # our own parent is alive: nothing happens
+
+
+def test_stop_groups_sends_sigterm_then_sigkill_after_the_grace_to_the_whole_group():
+    polite = start_child(SLEEPER, child_env(), stdout=None, stderr=None)
+    stubborn = start_child(STUBBORN, child_env(), stderr=None)
+    assert stubborn.stdout is not None
+    grandchild = int(stubborn.stdout.readline())
+    started = time.monotonic()
+    stop_groups([polite, stubborn], grace=1.0)
+    assert polite.returncode == -signal.SIGTERM
+    assert stubborn.returncode == -signal.SIGKILL and time.monotonic() - started >= 1.0
+    assert _gone_within([grandchild], 5) == []  # it was in the stubborn task's group
+    stubborn.stdout.close()
+
+
+def test_a_second_signal_cuts_the_grace_short():
+    stubborn = start_child(STUBBORN, child_env(), stderr=None)
+    assert stubborn.stdout is not None
+    stubborn.stdout.readline()
+    started = time.monotonic()
+    stop_groups([stubborn], grace=60.0, hurry=lambda: time.monotonic() - started > 0.5)
+    assert stubborn.returncode == -signal.SIGKILL and time.monotonic() - started < 10
+    stubborn.stdout.close()
+
+
+def test_reap_kills_the_groups_still_listed_at_the_end_of_its_input():
+    kept = subprocess.Popen(SLEEPER, start_new_session=True)
+    dropped = subprocess.Popen(SLEEPER, start_new_session=True)
+    try:
+        assert reap([f"+{kept.pid}\n", f"+{dropped.pid}\n", f"-{dropped.pid}\n"]) == {kept.pid}
+        assert kept.wait(timeout=10) == -signal.SIGKILL
+        assert dropped.poll() is None
+    finally:
+        dropped.kill()
+        kept.kill()
+        dropped.wait()
+        kept.wait()
