@@ -222,7 +222,7 @@ class AttemptRunner:
             return "failed", culprit, chief_done
         if not running:  # 2. every task exited 0
             return "succeeded", None, True
-        if chief_done and now - watch.primary_done > self.plan.exit_grace:  # 3. the rest outstayed --exit-grace
+        if watch.primary_done is not None and now - watch.primary_done > self.plan.exit_grace:  # 3. --exit-grace over
             names = ", ".join(c.task.name for c in running)
             self.console.say(f"{names} still running {self.plan.exit_grace:g} s after {self.primary.name} "
                              "finished: stopping them (not a failure: training is done; raise --exit-grace to "
