@@ -65,9 +65,13 @@ class Reaper:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        here = os.path.abspath(__file__)
+        # Installed as a zip there is no file to run: then the slower way, through our environment.
+        argv = [sys.executable, "-I", "-S", here]
+        if not os.path.isfile(here):
+            argv = [sys.executable, "-m", "stratkit.process.reaper"]
         try:
-            self._proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__)],
-                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError:  # pragma: no cover
             self._proc = None

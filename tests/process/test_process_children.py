@@ -139,3 +139,15 @@ def test_reap_kills_the_groups_still_listed_at_the_end_of_its_input():
         kept.kill()
         dropped.wait()
         kept.wait()
+
+
+def test_the_reaper_runs_as_a_module_and_kills_its_groups_when_its_input_closes():
+    task = subprocess.Popen(SLEEPER, start_new_session=True)
+    try:
+        reaper = subprocess.run([sys.executable, "-m", "stratkit.process.reaper"], input=f"+{task.pid}\n",
+                                text=True, env=child_env(), timeout=60)
+        assert reaper.returncode == 0
+        assert task.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        task.kill()
+        task.wait()
