@@ -99,7 +99,7 @@ def test_a_child_dies_with_its_parent_and_the_reaper_takes_its_group_when_the_pa
 
 def test_a_child_whose_parent_is_already_gone_kills_itself():
     code = f"from stratkit.process.children import die_with_parent; die_with_parent({os.getpid()} + 10**6)"
-    result = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(), timeout=60, check=False)
     assert result.returncode == -signal.SIGKILL
     die_with_parent(os.getppid())  # our own parent is alive: nothing happens
 
@@ -145,9 +145,29 @@ def test_the_reaper_runs_as_a_module_and_kills_its_groups_when_its_input_closes(
     task = subprocess.Popen(SLEEPER, start_new_session=True)
     try:
         reaper = subprocess.run([sys.executable, "-m", "stratkit.process.reaper"], input=f"+{task.pid}\n",
-                                text=True, env=child_env(), timeout=60)
+                                text=True, env=child_env(), timeout=60, check=False)
         assert reaper.returncode == 0
         assert task.wait(timeout=10) == -signal.SIGKILL
     finally:
         task.kill()
         task.wait()
+
+
+def test_the_spark_task_shape_one_merged_stream_pumped_in_the_calling_thread_and_reported():
+    """What a Spark barrier task does: one child, stdout+stderr merged, every line to a log client."""
+    from stratkit.process.pump import OutputPump
+    from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
+
+    script = "import sys\nfor i in range(80): print('step', i)\nraise ValueError('bad shard')\n"
+    child = start_child([sys.executable, "-c", script], child_env(), stderr=subprocess.STDOUT)
+    assert child.stdout is not None
+    sent: list[str] = []
+    pump = OutputPump({"output": child.stdout}, lambda line: sent.append(line.text))
+    pump.run()  # returns when the child (and its group) closed the pipe
+    code = child.wait()
+    assert code == 1 and sent[0] == "step 0" and sent[-1] == "ValueError: bad shard"
+    failure = TaskFailure("worker:1", code, pump.tail.lines(), pid=child.pid, exception=pump.scanner.exception)
+    report = format_failure_report(failure, ["worker:0: stopped"], attempts=2, title="stratkit spark")
+    assert "stratkit spark: root cause (first observed failure)" in report
+    assert f"failure: {describe_returncode(1)}" in report and "exception: ValueError: bad shard" in report
+    assert "last 50 line(s) of worker:1:" in report and "step 29" not in report
