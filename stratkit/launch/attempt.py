@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO
 
 from stratkit.errors import ConfigError
@@ -96,6 +96,7 @@ class _Watch:
     next_port_check: float = 0.0
 
 
+@dataclass
 class AttemptRunner:
     """Runs attempt number `number` (0-based) of `plan`; `run()` returns its `Attempt`.
 
@@ -103,16 +104,17 @@ class AttemptRunner:
     attempt ("interrupted"), and while stopping, a further one skips the grace.
     """
 
-    def __init__(self, plan: LaunchPlan, number: int, console: Console, reaper: Reaper,
-                 network: PrivateNetwork | None, signals: list[int]) -> None:
-        self.plan = plan
-        self.number = number
-        self.console = console
-        self.reaper = reaper
-        self.network = network
-        self.signals = signals
-        self.primary = plan.primary
-        self.failed: list[TaskProcess] = []
+    plan: LaunchPlan
+    number: int
+    console: Console
+    reaper: Reaper
+    network: PrivateNetwork | None
+    signals: list[int]
+    failed: list[TaskProcess] = field(default_factory=list)  # in the order their failures were seen
+
+    @property
+    def primary(self) -> Task:
+        return self.plan.primary
 
     def run(self) -> Attempt:
         children = self._place_tasks()
