@@ -69,14 +69,16 @@ def _before_exec(parent_pid: int, enter: Callable[[], None] | None) -> Callable[
 
 
 def start_child(argv: Sequence[str], env: Mapping[str, str], *, stdout: int | IO[Any] | None = subprocess.PIPE,
-                stderr: int | IO[Any] | None = subprocess.PIPE, cwd: str | None = None,
-                enter: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+                stderr: int | IO[Any] | None = subprocess.PIPE, stdin: int | IO[Any] | None = subprocess.DEVNULL,
+                cwd: str | None = None, enter: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
     """Start `argv` in a new session (its own process group), dying with this process.
 
     Args:
         argv: the program and its arguments.
         env: the child's complete environment.
-        stdout, stderr: as for `subprocess.Popen` (default: pipes, for `stratkit.process.pump`).
+        stdout, stderr: as for `subprocess.Popen` (default: pipes, for `stratkit.process.pump`;
+            `stderr=subprocess.STDOUT` merges them into one stream).
+        stdin: as for `subprocess.Popen` (default: nothing to read; a pipe hands the child work later).
         cwd: the child's working directory (default: ours).
         enter: a step to run in the child between fork and exec, before die-with-parent; it may
             only call C functions loaded beforehand (the forked child of a threaded process must
@@ -86,7 +88,7 @@ def start_child(argv: Sequence[str], env: Mapping[str, str], *, stdout: int | IO
         OSError: when the program cannot be started.
     """
     return subprocess.Popen(
-        list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=dict(env), cwd=cwd,
+        list(argv), stdin=stdin, stdout=stdout, stderr=stderr, env=dict(env), cwd=cwd,
         start_new_session=True,
         # preloaded C calls only, no locks: safe in a threaded parent despite the general warning
         preexec_fn=_before_exec(os.getpid(), enter),  # noqa: PLW1509

@@ -89,12 +89,16 @@ class OutputPump:
         on_line: called for every line, from the pumping thread.
         name: the thread's name.
         tail_lines: lines kept in `tail` (the default is the one policy; see the module docstring).
+        keep: when given, a line it returns False for is dropped before anything sees it (known
+            start-up noise, say); it can change its mind as lines go by.
     """
 
     def __init__(self, streams: Mapping[str, IO[bytes]], on_line: Callable[[Line], None], *,
-                 name: str = "stratkit-pump", tail_lines: int = TAIL_LINES) -> None:
+                 name: str = "stratkit-pump", tail_lines: int = TAIL_LINES,
+                 keep: Callable[[str], bool] | None = None) -> None:
         self._streams = dict(streams)
         self._on_line = on_line
+        self._keep = keep
         self.tail = Tail(tail_lines)
         self.scanner = ExceptionScanner()
         self._thread = threading.Thread(target=self.run, daemon=True, name=name)
@@ -135,6 +139,8 @@ class OutputPump:
 
     def _emit(self, stream: str, raw: bytes) -> None:
         text = raw.decode("utf-8", "replace").rstrip("\r")
+        if self._keep is not None and not self._keep(text):
+            return
         self.tail.add(text)
         self.scanner.feed(text, stream)
         self._on_line(Line(stream, raw, text))

@@ -171,3 +171,10 @@ def test_the_spark_task_shape_one_merged_stream_pumped_in_the_calling_thread_and
     assert "stratkit spark: root cause (first observed failure)" in report
     assert f"failure: {describe_returncode(1)}" in report and "exception: ValueError: bad shard" in report
     assert "last 50 line(s) of worker:1:" in report and "step 29" not in report
+
+
+def test_a_child_can_be_handed_its_work_on_stdin_after_it_started():
+    child = start_child([sys.executable, "-c", "import sys; print(sys.stdin.readline().upper(), end='')"],
+                        child_env(), stdin=subprocess.PIPE, stderr=None)
+    out, _ = child.communicate(b"the run\n", timeout=60)
+    assert out == b"THE RUN\n" and child.returncode == 0

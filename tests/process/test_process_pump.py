@@ -71,3 +71,11 @@ def test_a_started_pump_runs_in_its_own_thread_until_the_pipes_close():
     pump.join(5)
     assert [line.text for line in seen] == ["a", "b"]
     assert prefixed("worker:1", "a") == "[worker:1] a"
+
+
+def test_lines_a_keep_filter_rejects_reach_neither_the_tail_nor_the_consumer():
+    seen: list[Line] = []
+    pump = OutputPump(_pipes(output=b"noise: cuda not found\nstep 1\nnoise: again\n"), seen.append,
+                      keep=lambda text: not text.startswith("noise"))
+    pump.run()
+    assert [line.text for line in seen] == ["step 1"] and pump.tail.lines() == ("step 1",)
