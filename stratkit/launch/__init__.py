@@ -8,25 +8,39 @@ for the first failure, whole-cluster restarts, and no orphaned process.
     result = launch(["python", "train.py"], workers=2, max_restarts=1, log_dir="logs")
     assert result.ok, result.report
 
+Public: `launch`, what it returns (`LaunchResult`, its `Attempt`s, their
+`TaskExit`s and `TaskFailure`) and `RESTART_VAR`, the variable each task
+reads to know its restart. The other names the first version exported
+(`plan_tasks`, `describe_returncode`, ...: see `_MOVED`) still import from
+here, from the modules that own them now.
+
 Imports no TensorFlow.
 """
 
 from __future__ import annotations
 
-from stratkit.launch.local import (
-    RESTART_VAR,
-    Attempt,
-    LaunchResult,
-    Task,
-    TaskExit,
-    TaskFailure,
-    describe_returncode,
-    format_failure_report,
-    launch,
-    plan_tasks,
-    task_tf_config,
-    thread_env,
-)
+import importlib
+from typing import Any
 
-__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "Task", "TaskExit", "TaskFailure", "describe_returncode",
-           "format_failure_report", "launch", "plan_tasks", "task_tf_config", "thread_env"]
+from stratkit.launch.local import launch
+from stratkit.launch.plan import RESTART_VAR
+from stratkit.launch.results import Attempt, LaunchResult, TaskExit
+from stratkit.process.report import TaskFailure
+
+__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "TaskExit", "TaskFailure", "launch"]
+
+_MOVED = {
+    "Task": "stratkit.launch.plan",
+    "plan_tasks": "stratkit.launch.plan",
+    "task_tf_config": "stratkit.launch.plan",
+    "thread_env": "stratkit.launch.plan",
+    "describe_returncode": "stratkit.process.report",
+    "format_failure_report": "stratkit.process.report",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stratkit.launch' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

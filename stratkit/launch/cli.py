@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from stratkit.errors import ConfigError
-from stratkit.launch.local import (
+from stratkit.launch.local import launch
+from stratkit.launch.plan import (
     DEFAULT_EXIT_GRACE,
     DEFAULT_HOST,
     DEFAULT_STOP_GRACE,
     Task,
     build_cluster,
     format_address,
-    launch,
     plan_tasks,
     task_tf_config,
 )

@@ -15,8 +15,8 @@ namespaces over a Unix socket (SCM_RIGHTS). Every task enters them between fork
 and exec (setns), so all tasks share one loopback and no other interface. The
 uid map is the user's own uid onto itself: a script sees the same uid, files
 and permissions as outside. The holder also binds the launcher's held ports
-inside the namespace (a socket belongs to the namespace it was created in) and
-reports which ports listen there. It exits when the launcher's end of the
+inside the namespace (a socket belongs to the namespace it was created in);
+which ports listen there, the launcher reads in /proc/<holder>/net. It exits when the launcher's end of the
 socket closes, however the launcher ended; the namespace goes with the last task.
 
 Price: the tasks cannot reach the network either (no DNS, no remote data, no
@@ -36,6 +36,7 @@ import sys
 from typing import Any, Callable
 
 from stratkit.errors import ConfigError
+from stratkit.process.ports import listening_ports
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
@@ -80,20 +81,6 @@ except OSError as exc:
 names = (["user"] if user else []) + ["net"]
 reply({"ready": True, "namespaces": names}, [os.open(f"/proc/self/ns/{n}", os.O_RDONLY) for n in names])
 
-def listening():
-    found = []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as handle:
-                rows = handle.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
-                found.append(int(fields[1].rsplit(":", 1)[1], 16))
-    return found
-
 while True:
     data = chan.recv(65536)
     if not data:
@@ -106,15 +93,12 @@ while True:
                 for port in request["ports"]:
                     sock = socket.socket(request["family"], socket.SOCK_STREAM)
                     held.append(sock)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as stratkit.process.ports.hold_port
                     sock.bind((request["host"], port))
                 reply({"ports": [s.getsockname()[1] for s in held]}, [s.fileno() for s in held])
             finally:
                 for sock in held:
                     sock.close()
-        elif request["op"] == "listening":
-            reply({"ports": listening()})
     except OSError as exc:
         reply({"error": request["op"], "errno": exc.errno, "strerror": exc.strerror})
 """
@@ -244,9 +228,11 @@ class PrivateNetwork:
     def reserve_ports(self, host: str, family: int, count: int, base_port: int | None = None) -> list[socket.socket]:
         """`count` sockets bound inside the namespace on `host` (consecutive from `base_port`, else free ones).
 
-        Held by the launcher exactly as `reserve_ports` outside holds them: bound, not listening,
-        with SO_REUSEADDR and SO_REUSEPORT, so TF's server can take the port over and nothing
-        else in the namespace (a task's outgoing connection) gets it first.
+        Held by the launcher exactly as `stratkit.process.ports.hold_port` holds them outside
+        (bound, not listening, SO_REUSEADDR only), so TF's server can take the port over and
+        nothing else in the namespace (a task's outgoing connection) gets it first. The holder
+        process binds them (a socket belongs to the namespace it was made in) with the same
+        options, in its own code: it runs as `python -I -S` and cannot import stratkit.
         """
         wanted = [0 if base_port is None else base_port + i for i in range(count)]
         held: list[socket.socket] = []
@@ -267,9 +253,12 @@ class PrivateNetwork:
         return held
 
     def listening_ports(self) -> set[int]:
-        """TCP ports in LISTEN inside the namespace."""
-        reply, _ = self._ask({"op": "listening"}, 0)
-        return set(reply.get("ports", ()))
+        """TCP ports in LISTEN inside the namespace: /proc/<holder>/net shows the holder's network namespace.
+
+        Empty when that cannot be read (a /proc mounted with hidepid): the held ports are then
+        released only as their tasks exit, which TF's servers do not need (see `hold_port`).
+        """
+        return listening_ports(f"/proc/{self.pid}/net") or set()
 
     def _ask(self, request: dict[str, Any], max_fds: int) -> tuple[dict[str, Any], list[int]]:
         self._chan.sendall(json.dumps(request).encode())

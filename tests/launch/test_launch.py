@@ -251,7 +251,7 @@ def test_a_held_port_refuses_plain_binds_but_admits_a_reuse_server():
             ephemeral.bind(("127.0.0.1", 0))
             assert ephemeral.getsockname()[1] != port
         assert port not in (listening_ports() or set())
-        with socket.socket() as server:  # what gRPC does: SO_REUSEPORT (+ SO_REUSEADDR)
+        with socket.socket() as server:  # a SO_REUSEADDR server (TF sets only that; +SO_REUSEPORT is admitted too)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             server.bind(("127.0.0.1", port))

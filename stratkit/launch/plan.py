@@ -1,0 +1,286 @@
+"""What a local launch runs: its tasks, each task's TF_CONFIG and environment, the ports, the checked settings.
+
+`plan_launch` turns `launch()`'s arguments into a `LaunchPlan`, checking
+everything that can be checked before a process starts: the layout, the
+limits of this machine, the command, and every task's TF_CONFIG -- decided by
+`stratkit.detect()` through `stratkit.cluster.layout`, the rule every task
+applies to itself, so a layout the tasks would reject fails here, once.
+
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from stratkit.cluster.detect import LAUNCHER_VAR
+from stratkit.cluster.layout import detect_task, group_by_role
+from stratkit.errors import ConfigError
+from stratkit.launch.checks import (
+    check_command,
+    check_count,
+    check_not_in_slurm_step,
+    check_seconds,
+    check_task_limit,
+)
+from stratkit.launch.isolation import is_loopback
+from stratkit.process.ports import address_family, hold_port
+
+#: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
+RESTART_VAR = "STRATKIT_RESTART_COUNT"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_EXIT_GRACE = 30.0
+DEFAULT_STOP_GRACE = 10.0
+
+
+@dataclass(frozen=True)
+class Task:
+    """One process of the cluster: a TF_CONFIG role and index."""
+
+    role: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        """`worker:1`: how the task is named in prefixes and reports."""
+        return f"{self.role}:{self.index}"
+
+    @property
+    def log_name(self) -> str:
+        """`worker-1.log`: the task's file in `log_dir`."""
+        return f"{self.role}-{self.index}.log"
+
+    @property
+    def serves(self) -> bool:
+        """True when the task runs a gRPC server and so needs a port in the cluster.
+
+        The evaluator is left out of `cluster` (as TensorFlow's estimator rule
+        and Google AI Platform do): it only reads checkpoints, and no training
+        task ever waits for it or dials it.
+        """
+        return self.role != "evaluator"
+
+
+def plan_tasks(workers: int = 1, chief: bool = False, ps: int = 0, evaluator: bool = False) -> list[Task]:
+    """The tasks of a layout, in TF_CONFIG order: chief, workers, ps, evaluator.
+
+    Raises:
+        ConfigError: naming the flag, when the layout cannot train.
+    """
+    check_count(workers, "--workers", 0, "2")
+    check_count(ps, "--ps", 0, "1")
+    if workers == 0 and not chief:
+        raise ConfigError("--workers 0 without --chief leaves no task to train. Fix: --workers 1 or more "
+                          "(or add --chief)")
+    if ps and not chief:
+        raise ConfigError(f"--ps {ps} needs a coordinator: parameter-server training is driven from a chief. "
+                          "Fix: add --chief (e.g. --chief --workers 2 --ps 1), or drop --ps for synchronous "
+                          "multi-worker training")
+    if ps and workers == 0:
+        raise ConfigError(f"--ps {ps} with --workers 0 leaves no worker to run the steps. Fix: --workers 1 or more")
+    tasks = [Task("chief", 0)] if chief else []
+    tasks += [Task("worker", i) for i in range(workers)]
+    tasks += [Task("ps", i) for i in range(ps)]
+    if evaluator:
+        tasks.append(Task("evaluator", 0))
+    return tasks
+
+
+def primary_task(tasks: Sequence[Task]) -> Task:
+    """The task whose success ends training: the chief, else worker 0 (TensorFlow's rule)."""
+    for task in tasks:
+        if task.role == "chief":
+            return task
+    return Task("worker", 0)
+
+
+def format_address(host: str, port: int) -> str:
+    """`host:port`, with IPv6 literals bracketed as TF_CONFIG needs."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def build_cluster(tasks: Sequence[Task], addresses: Sequence[str]) -> dict[str, list[str]]:
+    """The TF_CONFIG `cluster` dict: one address per serving task, in task order."""
+    serving = [t for t in tasks if t.serves]
+    if len(serving) != len(addresses):
+        raise ValueError(f"{len(serving)} serving tasks but {len(addresses)} addresses")
+    return group_by_role((t.role for t in serving), addresses)
+
+
+def task_tf_config(cluster: Mapping[str, Sequence[str]], task: Task, environ: Mapping[str, str] | None = None) -> str:
+    """This task's TF_CONFIG string, decided by `stratkit.detect()` -- not re-derived here.
+
+    `environ` is the task's environment without TF_CONFIG (default: empty), so
+    a contradiction such as `STRATKIT_STRATEGY=mirrored` with 2 workers fails
+    now, in the launcher, instead of in every task.
+
+    Raises:
+        ConfigError: when detection rejects the layout or would not see a cluster.
+    """
+    spec = detect_task(cluster, task.role, task.index, launcher="launch", environ=environ)
+    if spec.task_type != task.role or spec.task_index != task.index or dict(spec.cluster) != dict(cluster):
+        raise ConfigError(f"the launched {task.name} would not see its cluster: detection chose source "
+                          f"{spec.source!r} ({'; '.join(spec.reasons)}). Fix: unset STRATKIT_CLUSTER_ENV "
+                          "(or set it to auto or tf_config) for stratkit launch")
+    return spec.to_tf_config()
+
+
+def thread_env(num_tasks: int, cores: int | None = None) -> dict[str, str]:
+    """Per-task thread settings so N processes on one host do not oversubscribe its cores.
+
+    Sets the compute pools -- TensorFlow's intra-op pool (TF_NUM_INTRAOP_THREADS)
+    and OpenMP/BLAS (OMP_NUM_THREADS, used by numpy and oneDNN) -- to
+    cores // tasks, at least 1: each TF process otherwise starts one compute
+    thread per core, and N of them thrash the caches and the scheduler.
+
+    The inter-op pool is left to TensorFlow on purpose: its threads block while
+    a collective or a parameter-server closure waits for a peer, and too few of
+    them deadlock (measured: a PS loop on 2 cores hung after step 1 until
+    inter-op threads were raised to num_workers + 1; stratkit sizes it itself
+    for PS tasks).
+    """
+    if cores is None:
+        cores = available_cores()
+    per_task = str(max(1, cores // max(1, num_tasks)))
+    return {"TF_NUM_INTRAOP_THREADS": per_task, "OMP_NUM_THREADS": per_task}
+
+
+def available_cores() -> int:
+    """Cores this process may run on (CPU affinity, e.g. taskset/cgroup cpusets), else cpu_count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+
+def family_of(host: str) -> int:
+    """The address family of `--host`; a host that does not resolve is a ConfigError naming the flag."""
+    try:
+        return address_family(host)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} does not resolve ({exc}). Fix: use an address of this machine, "
+                          "e.g. --host 127.0.0.1") from None
+
+
+def reserve_ports(host: str, count: int, base_port: int | None = None) -> list[socket.socket]:
+    """`count` ports on `host`, held by `stratkit.process.ports.hold_port` until each task listens.
+
+    Held, not closed: a port closed before the child binds it can be taken by
+    anyone in between (the race every bind-then-close launcher has). The
+    launcher closes each socket as soon as its task's port is listening, or
+    the task exits. With `base_port`, ports are base_port, base_port + 1, ...
+    (each must be free: nothing listening there).
+
+    Raises:
+        ConfigError: naming --host or --base-port, when a port cannot be held.
+    """
+    family = family_of(host)
+    held: list[socket.socket] = []
+    try:
+        for offset in range(count):
+            port = 0 if base_port is None else base_port + offset
+            try:
+                held.append(hold_port(host, port, family))
+            except OSError as exc:
+                if base_port is not None and exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"--base-port {base_port}: port {port} on {host.strip('[]')} is in use "
+                                      f"({exc.strerror}). Fix: choose another --base-port, or omit it to get free "
+                                      "ports") from None
+                raise ConfigError(f"could not reserve {count} port(s) on --host {host!r}: {exc}. Fix: use an "
+                                  "address of this machine (e.g. --host 127.0.0.1)"
+                                  + (" or another --base-port" if base_port is not None else "")) from None
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
+    return held
+
+
+@dataclass
+class LaunchPlan:
+    """`launch()`'s arguments, checked: what the supervisor runs (see `launch()` for each field)."""
+
+    command: list[str]
+    tasks: list[Task]
+    max_restarts: int
+    log_dir: str | None
+    host: str
+    base_port: int | None
+    timeout: float | None
+    exit_grace: float
+    stop_grace: float
+    env: dict[str, str]
+    stdout: IO[str]
+    stderr: IO[str]
+    handle_signals: bool
+    #: Defaults the tasks get unless `env` sets them (thread shares, unbuffered Python).
+    extra_env: dict[str, str] = field(default_factory=dict)
+    private_network: bool | None = None
+
+    @property
+    def attempts(self) -> int:
+        """How many times the cluster may start: the first attempt plus the restarts."""
+        return self.max_restarts + 1
+
+    @property
+    def primary(self) -> Task:
+        return primary_task(self.tasks)
+
+    @property
+    def serving(self) -> list[Task]:
+        """The tasks that need a port, in task order."""
+        return [t for t in self.tasks if t.serves]
+
+    def task_env(self, cluster: Mapping[str, Sequence[str]], task: Task, attempt: int) -> dict[str, str]:
+        """The complete environment of `task` in attempt number `attempt` (0-based) of `cluster`."""
+        env = dict(self.env)
+        env.pop("TF_CONFIG", None)
+        env["TF_CONFIG"] = task_tf_config(cluster, task, env)
+        env[LAUNCHER_VAR] = "launch"
+        env[RESTART_VAR] = str(attempt)
+        env.update(self.extra_env)
+        return env
+
+
+def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, evaluator: bool, max_restarts: int,
+                log_dir: str | os.PathLike[str] | None, host: str, base_port: int | None, timeout: float | None,
+                exit_grace: float, stop_grace: float, env: Mapping[str, str] | None, stdout: IO[str] | None,
+                stderr: IO[str] | None, handle_signals: bool, private_network: bool | None) -> LaunchPlan:
+    """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag."""
+    tasks = plan_tasks(workers, chief, ps, evaluator)
+    serving = sum(t.serves for t in tasks)
+    check_task_limit(len(tasks), serving, workers, ps, base_port, log_dir is not None)
+    check_count(max_restarts, "--max-restarts", 0, "3")
+    if timeout is not None:
+        check_seconds(timeout, "--timeout", 600, positive=True)
+    check_seconds(exit_grace, "--exit-grace", DEFAULT_EXIT_GRACE)
+    check_seconds(stop_grace, "--stop-grace", DEFAULT_STOP_GRACE)
+    if private_network and not is_loopback(host):
+        raise ConfigError(f"--private-network gives the tasks a network with loopback only, where --host {host} does "
+                          f"not exist. Fix: drop --host (the default is {DEFAULT_HOST}), or drop --private-network")
+    if base_port is not None and (isinstance(base_port, bool) or not isinstance(base_port, int)
+                                  or not 1 <= base_port <= 65536 - serving):
+        raise ConfigError(f"--base-port must leave room for {serving} port(s) within 1..65535: got "
+                          f"{base_port!r}. Fix: e.g. --base-port 2222, or omit it to get free ports")
+    base_env = dict(os.environ if env is None else env)
+    argv = check_command(command, path=base_env.get("PATH"))
+    check_not_in_slurm_step(base_env)
+    # The user's own settings win; unbuffered Python makes the prefixed output live.
+    defaults = {**thread_env(len(tasks)), "PYTHONUNBUFFERED": "1"}
+    extra = {k: v for k, v in defaults.items() if k not in base_env}
+    # Validate every TF_CONFIG before starting anything (ports do not change validity).
+    probe = build_cluster(tasks, [format_address(host, 1 + i) for i in range(serving)])
+    for task in tasks:
+        task_tf_config(probe, task, {k: v for k, v in base_env.items() if k != "TF_CONFIG"})
+    return LaunchPlan(
+        command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
+        host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
+        env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
+        extra_env=extra, private_network=private_network)

@@ -1,0 +1,160 @@
+"""The restart loop of a local launch: attempts until one succeeds, restarts run out, or we are stopped.
+
+Around the attempts (`stratkit.launch.attempt`) it owns what lives for the
+whole launch: the private network the tasks run in (or the warning that their
+servers are exposed), the reaper, our signal handlers (SIGINT/SIGTERM/SIGHUP
+stop the cluster; a second one skips the stop grace), events.jsonl, and the
+final result with its root-cause report.
+
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from stratkit.launch.attempt import AttemptRunner
+from stratkit.launch.console import Console
+from stratkit.launch.isolation import PrivateNetwork, PrivateNetworkUnavailable, is_loopback
+from stratkit.launch.plan import DEFAULT_HOST, LaunchPlan
+from stratkit.launch.results import Attempt, LaunchResult, exit_code, failure_report
+from stratkit.process.reaper import Reaper
+from stratkit.process.report import signal_name
+
+
+class Supervisor:
+    """Runs a `LaunchPlan`: `run()` returns the `LaunchResult`."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self.plan = plan
+        self.console = Console(plan.stdout, plan.stderr)
+        self.signals: list[int] = []
+        self.started = time.monotonic()
+        self.network: PrivateNetwork | None = None
+
+    def run(self) -> LaunchResult:
+        if self.plan.log_dir:
+            self.console.open_events(self.plan.log_dir)
+        try:
+            self.network = self._open_network()
+        except BaseException:
+            self.console.close()
+            raise
+        previous = self._install_signals()
+        reaper = Reaper()
+        try:
+            return self._result(self._attempts(reaper))
+        finally:
+            reaper.close()
+            if self.network is not None:
+                self.network.close()
+            self.console.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _attempts(self, reaper: Reaper) -> list[Attempt]:
+        """Start the cluster, and again after each failure while restarts are left."""
+        attempts: list[Attempt] = []
+        total = self.plan.attempts
+        for number in range(total):
+            if self.signals:  # e.g. Ctrl-C while a failed attempt was being stopped: no restart
+                break
+            attempt = AttemptRunner(self.plan, number, self.console, reaper, self.network, self.signals).run()
+            attempts.append(attempt)
+            if attempt.outcome in ("succeeded", "interrupted") or attempt.after_success or self.signals:
+                break
+            if number + 1 < total:
+                failure = attempt.failure
+                assert failure is not None
+                self.console.say(f"attempt {number + 1} of {total} failed: {failure.task} {failure.reason}")
+                self.console.say(f"restarting the whole cluster (restart {number + 1} of {self.plan.max_restarts}); "
+                                 "a script using Trainer.fit(backup_dir=...) resumes at the epoch reached")
+                time.sleep(0.5)
+        return attempts
+
+    # -- signals ----------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+
+    def _install_signals(self) -> dict[int, Any]:
+        previous: dict[int, Any] = {}
+        if not self.plan.handle_signals or threading.current_thread() is not threading.main_thread():
+            return previous
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            current = signal.getsignal(sig)
+            if current == signal.SIG_IGN:  # e.g. nohup: the user asked us to ignore it
+                continue
+            previous[sig] = current
+            signal.signal(sig, self._on_signal)
+        return previous
+
+    # -- the network ------------------------------------------------------------------------------
+    def _open_network(self) -> PrivateNetwork | None:
+        """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
+        wanted, host = self.plan.private_network, self.plan.host
+        if wanted is False:
+            self._warn_exposed("you asked for the machine's network (--no-private-network, or "
+                               "STRATKIT_PRIVATE_NETWORK=0). Fix: drop --no-private-network (and the variable): the "
+                               "tasks then share a private, loopback-only network; or "
+                               "block the task ports from other machines with a firewall")
+            return None
+        if not is_loopback(host):  # launch() refused this combination with private_network=True
+            self._warn_exposed(f"--host {host} is not a loopback address, so the tasks use the machine's network. "
+                               f"Fix: --host {DEFAULT_HOST} (the default), which runs them in a private, loopback-only "
+                               "network; or block the task ports from other machines with a firewall")
+            return None
+        try:
+            network = PrivateNetwork.start()
+        except PrivateNetworkUnavailable as exc:
+            if wanted:
+                raise
+            self._warn_exposed(f"stratkit could not give the tasks a private network: {exc.why}. Fix: allow user "
+                               "namespaces to this user (then every launch is isolated: see the README's Security "
+                               "section), or block the task ports from other machines with a firewall; "
+                               "--private-network turns this warning into an error")
+            return None
+        kind = "in a user namespace of its own" if network.user_namespace else "as root"
+        self.console.say(f"tasks run in a private network namespace, loopback only ({kind}, held by pid "
+                         f"{network.pid}): their TensorFlow servers cannot be reached from other machines, and the "
+                         "tasks cannot reach the network either (--no-private-network gives it back, and exposes "
+                         "the servers)")
+        self.console.event("private_network", pid=network.pid, namespaces=network.namespaces)
+        return network
+
+    def _warn_exposed(self, why_and_fix: str) -> None:
+        self.console.say("WARNING: every task's TensorFlow gRPC server listens on all interfaces (0.0.0.0), not only "
+                         f"on {self.plan.host}: TensorFlow has no setting to bind it to one address. It has no "
+                         "authentication or TLS and runs any graph a client sends, so anyone who can reach this "
+                         f"machine can run code as you while the cluster runs. Here {why_and_fix}.")
+        self.console.event("exposed", host=self.plan.host)
+
+    # -- the result -------------------------------------------------------------------------------
+    def _result(self, attempts: list[Attempt]) -> LaunchResult:
+        seconds = time.monotonic() - self.started
+        total = self.plan.attempts
+        if attempts and attempts[-1].outcome == "succeeded":
+            self.console.say(f"done: every task succeeded (attempt {attempts[-1].number + 1} of {total}, "
+                             f"{seconds:.1f} s)")
+            self.console.event("done", returncode=0)
+            return LaunchResult(0, tuple(attempts))
+        if self.signals:
+            signum = self.signals[0]
+            self.console.say(f"stopped every task after {signal_name(signum)} ({seconds:.1f} s)")
+            self.console.event("done", returncode=128 + signum, signal=signal_name(signum))
+            return LaunchResult(128 + signum, tuple(attempts), interrupted_by=signum)
+        last = attempts[-1]
+        failure = last.failure
+        assert failure is not None
+        report = failure_report(attempts, total, self.plan.primary.name, self.plan.stop_grace,
+                                private_network=self.network is not None)
+        self.console.report(report)
+        if self.plan.log_dir:
+            with open(os.path.join(self.plan.log_dir, "root-cause.txt"), "w") as handle:
+                handle.write(report + "\n")
+        code = exit_code(last)
+        self.console.event("done", returncode=code, root_cause=failure.task, reason=failure.reason)
+        return LaunchResult(code, tuple(attempts), report=report)

@@ -1,0 +1,124 @@
+"""Start a child process that cannot outlive us, and stop process groups.
+
+Three guarantees, each for a different way the parent can end:
+
+- the child runs in its own session, hence its own process group: it and
+  whatever it starts are stopped as one group, and a Ctrl-C at our terminal
+  does not reach it behind our back (the parent decides);
+- die-with-parent: the kernel sends the child SIGKILL when the parent thread
+  that started it ends (PR_SET_PDEATHSIG, Linux), even when the parent is
+  SIGKILLed; a child whose parent was already gone before that took effect
+  kills itself;
+- the child's own children, which PR_SET_PDEATHSIG does not reach, are left
+  to the reaper (`stratkit.process.reaper`).
+
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved at import so a forked child only calls it (no imports between fork and exec)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - Linux always has it
+        return None
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make the kernel SIGKILL this process when its parent ends; if `parent_pid` is already gone, die now.
+
+    Call it first thing in the child (or let `start_child` run it between fork
+    and exec). The parent is the *thread* that forked us: fork from a thread
+    that lives as long as the child should. The getppid check closes the
+    window in which the parent died before prctl took effect (we would have
+    been re-parented already, and no signal would come).
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _before_exec(parent_pid: int, enter: Callable[[], None] | None) -> Callable[[], None]:
+    def setup() -> None:
+        # `enter` (e.g. joining a private network namespace) may change the child's credentials,
+        # which clears PDEATHSIG: so it runs first.
+        if enter is not None:
+            enter()
+        die_with_parent(parent_pid)
+
+    return setup
+
+
+def start_child(argv: Sequence[str], env: Mapping[str, str], *, stdout: int | IO[Any] | None = subprocess.PIPE,
+                stderr: int | IO[Any] | None = subprocess.PIPE, stdin: int | IO[Any] | None = subprocess.DEVNULL,
+                cwd: str | None = None, enter: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` in a new session (its own process group), dying with this process.
+
+    Args:
+        argv: the program and its arguments.
+        env: the child's complete environment.
+        stdout, stderr: as for `subprocess.Popen` (default: pipes, for `stratkit.process.pump`;
+            `stderr=subprocess.STDOUT` merges them into one stream).
+        stdin: as for `subprocess.Popen` (default: nothing to read; a pipe hands the child work later).
+        cwd: the child's working directory (default: ours).
+        enter: a step to run in the child between fork and exec, before die-with-parent; it may
+            only call C functions loaded beforehand (the forked child of a threaded process must
+            not take locks), and should `os._exit` on failure.
+
+    Raises:
+        OSError: when the program cannot be started.
+    """
+    return subprocess.Popen(
+        list(argv), stdin=stdin, stdout=stdout, stderr=stderr, env=dict(env), cwd=cwd,
+        start_new_session=True,
+        # preloaded C calls only, no locks: safe in a threaded parent despite the general warning
+        preexec_fn=_before_exec(os.getpid(), enter),  # noqa: PLW1509
+    )
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to process group `pgid`; a group that is gone (or no longer ours) is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace: float,
+                hurry: Callable[[], bool] | None = None) -> None:
+    """Stop each process's group: SIGTERM, up to `grace` seconds to exit, then SIGKILL; reap them all.
+
+    SIGTERM first, so a program can save or clean up. `hurry()` returning True
+    (e.g. a second Ctrl-C arrived) ends the wait early. Each process must lead
+    its group (`start_child` does that).
+    """
+    running = [p for p in procs if p.poll() is None]
+    for proc in running:
+        kill_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (any(p.poll() is None for p in running) and time.monotonic() < deadline
+           and not (hurry is not None and hurry())):
+        time.sleep(0.05)
+    for proc in running:
+        if proc.poll() is None:
+            kill_group(proc.pid, signal.SIGKILL)
+        proc.wait()
