@@ -555,3 +555,43 @@ def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
             f"have the same size and shape'). Fix: use a global batch size that is a "
             f"multiple of {num_replicas}, e.g. {choices}."
         )
+
+
+# --------------------------------------------------------------------------
+# Parameter-server steps: the model's extra losses inside a StatelessScope
+# --------------------------------------------------------------------------
+
+
+def model_losses_override(model: Any, losses: list[Any]) -> Any:
+    """A context in which `model.losses` returns `losses`.
+
+    The parameter-server step computes its loss and metric updates inside a
+    `keras.StatelessScope` (so no Keras metric variable is written, see
+    `stratkit.training.ps._Metrics`). Inside one, Keras 3.15 reads the
+    `add_loss` losses from the scope (empty: the forward pass ran outside it)
+    and each regularized weight from the scope's state mapping (absent: it
+    crashes with `'NoneType' object has no attribute 'dtype'`). Keras' own
+    stateless (JAX) trainer hands the forward pass's losses to `compute_loss`
+    through the private `Layer._losses_override`; this does the same with
+    `model.losses` read outside the scope, so the losses and their gradients
+    are exactly those of `model.fit`.
+    """
+    import contextlib
+
+    override = getattr(model, "_losses_override", None)
+    if not isinstance(override, list):
+        raise KerasCompatError(
+            f"Keras {installed_keras_version()} has no Layer._losses_override, which stratkit uses to give "
+            "parameter-server steps the model's add_loss and regularization losses. Fix: install a Keras 3 "
+            f"version stratkit was tested on ({', '.join(sorted(TESTED_KERAS_VERSIONS))})")
+
+    @contextlib.contextmanager
+    def overridden() -> Any:
+        override.clear()
+        override.extend(losses)
+        try:
+            yield
+        finally:
+            override.clear()
+
+    return overridden()

@@ -427,9 +427,14 @@ class _Metrics:
         """(loss for the gradient, per-variable metric deltas) for one batch."""
         import tensorflow as tf
 
+        from stratkit.strategy import keras_compat
+
         model = self.model
         mapping = [(v, tf.constant(value)) for v, value in zip(self.variables, self.initial)]
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        # Read outside the scope: add_loss losses of the forward pass and the weights' regularization.
+        extra_losses = list(model.losses)
+        with keras.StatelessScope(state_mapping=mapping) as scope, \
+                keras_compat.model_losses_override(model, extra_losses):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,  # noqa: SLF001
                                        training=training)
             if model._loss_tracker is not None:  # noqa: SLF001
