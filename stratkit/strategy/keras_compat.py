@@ -595,3 +595,43 @@ def model_losses_override(model: Any, losses: list[Any]) -> Any:
             override.clear()
 
     return overridden()
+
+
+# --------------------------------------------------------------------------
+# tf.data: the batch size of an already-batched dataset
+# --------------------------------------------------------------------------
+
+#: Transformations after which a dataset's elements are still batches if they were before
+#: (TensorFlow 2.21 class names, leading underscores removed).
+_KEEP_BATCHES = frozenset({"PrefetchDataset", "OptionsDataset", "CacheDataset", "RepeatDataset", "TakeDataset",
+                           "SkipDataset", "ShuffleDataset", "FilterDataset", "MapDataset", "ParallelMapDataset",
+                           "ShardDataset", "AssertCardinalityDataset", "IgnoreErrorsDataset"})
+
+
+def dataset_batch_size(dataset: Any) -> int | None:
+    """The batch size of a `tf.data.Dataset` whose elements are batches, else None (-1: batched, size unknown).
+
+    `ds.batch(64).prefetch(...)` is how Keras users write input pipelines, so
+    the batch is looked for upstream through transformations that keep
+    elements whole (`_KEEP_BATCHES`), stopping at `unbatch`. tf.data has no
+    public way to ask this: it walks the private `_input_dataset` links and
+    reads `_batch_size` (`_batch_sizes` for `rebatch`). An unknown class ends
+    the walk: the dataset is then taken as unbatched, as before.
+    """
+    node = dataset
+    for _ in range(64):  # pipelines are short; never loop on a strange graph
+        name = type(node).__name__.lstrip("_")
+        if name == "UnbatchDataset":
+            return None
+        if name.endswith("BatchDataset"):  # Batch, ParallelBatch, PaddedBatch, Rebatch, MapAndBatch
+            size = getattr(node, "_batch_size", getattr(node, "_batch_sizes", None))
+            try:
+                return int(size)
+            except (TypeError, ValueError):
+                return -1
+        if name not in _KEEP_BATCHES:
+            return None
+        node = getattr(node, "_input_dataset", None)
+        if node is None:
+            return None
+    return None
