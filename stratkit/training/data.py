@@ -110,13 +110,6 @@ def check_batched(batched: int, global_batch_size: int | None) -> None:
             f"batches and shards it), or give no batch size to train with its own batch of {batched}")
 
 
-def repeated(dataset: Any) -> Any:
-    """`dataset` repeated forever (an infinite one as it is)."""
-    import tensorflow as tf
-
-    return dataset if int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY) else dataset.repeat()
-
-
 def _repeating_fn(dataset_fn: DatasetFn) -> DatasetFn:
     def repeating(input_context: Any) -> Any:
         dataset = dataset_fn(input_context)
@@ -124,7 +117,7 @@ def _repeating_fn(dataset_fn: DatasetFn) -> DatasetFn:
             raise ConfigError(f"the dataset_fn passed as data returned {type(dataset).__name__}, not a "
                               "tf.data.Dataset. Fix: return a dataset batched with "
                               "input_context.get_per_replica_batch_size(global_batch_size)")
-        return repeated(dataset)
+        return dataset.repeat()  # an infinite dataset stays as it was
 
     return repeating
 
@@ -248,7 +241,7 @@ def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: i
                           f"so its only batch does not split evenly over {num_replicas} replicas. Fix: pass a "
                           f"multiple of {num_replicas} examples (e.g. {num_examples - num_examples % num_replicas})")
     if repeat:
-        dataset = repeated(dataset)  # before batching: batches run on across passes, all full
+        dataset = dataset.repeat()  # before batching: batches run on across passes, all full
     dataset = dataset.batch(global_batch_size, drop_remainder=drop)
     dataset = _shard_by_data(dataset, "DATA" if shard else "OFF")
     dataset = dataset.prefetch(tf.data.AUTOTUNE)
@@ -269,7 +262,7 @@ def _prepare_batched(data: Any, batched: int, *, num_replicas: int, global_batch
     if tpu:
         _check_static_shapes(data.element_spec)  # a batched dataset needs drop_remainder=True for this
     cardinality = int(data.cardinality())
-    dataset = repeated(data) if repeat else data
+    dataset = data.repeat() if repeat else data
     dataset = _shard_by_data(dataset, "DATA" if shard else "OFF")
     steps = steps_per_epoch if steps_per_epoch is not None else (cardinality if cardinality >= 0 else None)
     return PreparedData(dataset, global_batch_size, steps, None, "batched_dataset")
