@@ -184,7 +184,8 @@ def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: i
     """Build the dataset for one of fit/evaluate/predict.
 
     Args:
-        data: numpy tuple, unbatched tf.data.Dataset or dataset_fn(input_context).
+        data: numpy tuple, tf.data.Dataset (unbatched, or batched with the global batch) or
+            dataset_fn(input_context).
         strategy: the tf.distribute strategy (used for dataset_fn).
         num_replicas: replicas in sync (for checks).
         global_batch_size: the global batch (None only for dataset_fn).
