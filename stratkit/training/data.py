@@ -58,8 +58,7 @@ def resolve_global_batch_size(global_batch_size: int | None, per_replica_batch_s
     resolved = _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=False)
     if resolved is None:
         if batched < 1:
-            raise ConfigError("data is a tf.data.Dataset that is already batched, with a batch size stratkit cannot "
-                              "read. Fix: pass global_batch_size=<its batch size>")
+            raise _unreadable_batch()
         return batched
     check_batched(batched, resolved)
     return resolved
@@ -98,6 +97,11 @@ def batch_size_of(data: Any) -> int | None:
     from stratkit.strategy import keras_compat
 
     return keras_compat.dataset_batch_size(data)
+
+
+def _unreadable_batch() -> ConfigError:
+    return ConfigError("data is a tf.data.Dataset that is already batched, with a batch size stratkit cannot read. "
+                       "Fix: pass global_batch_size=<its batch size>")
 
 
 def check_batched(batched: int, global_batch_size: int | None) -> None:
@@ -256,8 +260,7 @@ def _prepare_batched(data: Any, batched: int, *, num_replicas: int, global_batch
                      steps_per_epoch: int | None, repeat: bool, tpu: bool, shard: bool) -> PreparedData:
     """A dataset the user batched with the global batch: repeated if asked, sharded, never re-batched."""
     if global_batch_size is None:
-        raise ConfigError("data is a tf.data.Dataset that is already batched, with a batch size stratkit cannot "
-                          "read. Fix: pass global_batch_size=<its batch size>")
+        raise _unreadable_batch()
     check_batched(batched, global_batch_size)
     _check_divisible(global_batch_size, num_replicas, tpu)
     if tpu:

@@ -262,3 +262,18 @@ def test_parameter_servers_run_every_step_of_every_input_kind(tmp_path):
         "ps": [f"127.0.0.1:{next(ports)}"]}))
     _assert_every_step_ran([json.loads((tmp_path / "report-chief-0.json").read_text())], sync=False)
     assert results[0].stdout.count(f": {CLUSTER_STEPS} steps in ") == CLUSTER_EPOCHS * len(KINDS)
+
+
+# -- parameter servers: every worker needs a step's worth of its shard -------------------------
+def test_parameter_server_data_too_small_for_each_worker_to_fill_a_step_is_refused():
+    from stratkit.training.ps import _check_shards
+
+    x, y = _arrays()  # 384 rows: 3 workers read 128 each
+    _check_shards((x, y), 128, num_workers=3, num_replicas=1)
+    with pytest.raises(ConfigError, match=r"384 examples: each of the 3 workers reads 128, fewer than one step's "
+                                          r"batch of 129.*Fix: use global_batch_size <= 128"):
+        _check_shards((x, y), 129, num_workers=3, num_replicas=1)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)  # 6 batches
+    _check_shards(batched, BATCH, num_workers=6, num_replicas=1)
+    with pytest.raises(ConfigError, match=r"6 batch\(es\), fewer than the 7 workers.*Fix:"):
+        _check_shards(batched, BATCH, num_workers=7, num_replicas=1)
