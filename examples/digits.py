@@ -4,6 +4,7 @@ The same script runs unchanged:
     python examples/digits.py                              # one process
     stratkit launch --workers 2 -- python examples/digits.py   # 2 workers (MultiWorkerMirrored)
     TF_CONFIG='{"cluster": ..., "task": ...}' python examples/digits.py  # any TF_CONFIG cluster
+    stratkit launch --chief --workers 2 --ps 1 -- python examples/digits.py --l2 1e-4  # parameter servers
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ def load_digits_split(test_size: int = 397):
     return x[:-test_size], y[:-test_size], x[-test_size:], y[-test_size:]
 
 
-def build_and_compile():
+def build_and_compile(l2: float = 0.0):
     import keras
 
+    regularizer = keras.regularizers.L2(l2) if l2 else None  # on every Dense layer's kernel
     model = keras.Sequential([
         keras.Input((64,)),
-        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(128, activation="relu", kernel_regularizer=regularizer),
         keras.layers.Dropout(0.1),
-        keras.layers.Dense(10),
+        keras.layers.Dense(10, kernel_regularizer=regularizer),
     ])
     model.compile(optimizer=keras.optimizers.Adam(3e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -47,13 +49,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--per-replica-batch", type=int, default=32)
     parser.add_argument("--backup-dir", default=None, help="back up every epoch; resume here after a failure")
     parser.add_argument("--save", default=None, help="where the chief saves the trained .keras model")
+    parser.add_argument("--l2", type=float, default=0.0, help="L2 weight regularization on every Dense layer")
+    parser.add_argument("--steps-per-epoch", type=int, default=None,
+                        help="default: one pass over the data (parameter servers: examples // global batch)")
     args = parser.parse_args(argv)
 
     trainer = stratkit.Trainer()          # first: the strategy must exist before any TF op
     x, y, x_test, y_test = load_digits_split()
-    model = trainer.build(build_and_compile)
+    model = trainer.build(lambda: build_and_compile(args.l2))
+    steps = args.steps_per_epoch
+    if steps is None and trainer.spec.strategy == "parameter_server":  # PS schedules a fixed number of steps
+        steps = len(x) // (args.per_replica_batch * trainer.num_replicas)
     trainer.fit(model, (x, y), epochs=args.epochs, per_replica_batch_size=args.per_replica_batch,
-                validation_data=(x_test, y_test), backup_dir=args.backup_dir)
+                steps_per_epoch=steps, validation_data=(x_test, y_test), backup_dir=args.backup_dir)
     metrics = trainer.evaluate(model, (x_test, y_test), per_replica_batch_size=args.per_replica_batch)
     if args.save:
         trainer.save(model, args.save)

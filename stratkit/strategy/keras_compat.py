@@ -555,3 +555,83 @@ def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
             f"have the same size and shape'). Fix: use a global batch size that is a "
             f"multiple of {num_replicas}, e.g. {choices}."
         )
+
+
+# --------------------------------------------------------------------------
+# Parameter-server steps: the model's extra losses inside a StatelessScope
+# --------------------------------------------------------------------------
+
+
+def model_losses_override(model: Any, losses: list[Any]) -> Any:
+    """A context in which `model.losses` returns `losses`.
+
+    The parameter-server step computes its loss and metric updates inside a
+    `keras.StatelessScope` (so no Keras metric variable is written, see
+    `stratkit.training.ps._Metrics`). Inside one, Keras 3.15 reads the
+    `add_loss` losses from the scope (empty: the forward pass ran outside it)
+    and each regularized weight from the scope's state mapping (absent: it
+    crashes with `'NoneType' object has no attribute 'dtype'`). Keras' own
+    stateless (JAX) trainer hands the forward pass's losses to `compute_loss`
+    through the private `Layer._losses_override`; this does the same with
+    `model.losses` read outside the scope, so the losses and their gradients
+    are exactly those of `model.fit`.
+    """
+    import contextlib
+
+    override = getattr(model, "_losses_override", None)
+    if not isinstance(override, list):
+        raise KerasCompatError(
+            f"Keras {installed_keras_version()} has no Layer._losses_override, which stratkit uses to give "
+            "parameter-server steps the model's add_loss and regularization losses. Fix: install a Keras 3 "
+            f"version stratkit was tested on ({', '.join(sorted(TESTED_KERAS_VERSIONS))})")
+
+    @contextlib.contextmanager
+    def overridden() -> Any:
+        override.clear()
+        override.extend(losses)
+        try:
+            yield
+        finally:
+            override.clear()
+
+    return overridden()
+
+
+# --------------------------------------------------------------------------
+# tf.data: the batch size of an already-batched dataset
+# --------------------------------------------------------------------------
+
+#: Transformations after which a dataset's elements are still batches if they were before
+#: (TensorFlow 2.21 class names, leading underscores removed).
+_KEEP_BATCHES = frozenset({"PrefetchDataset", "OptionsDataset", "CacheDataset", "RepeatDataset", "TakeDataset",
+                           "SkipDataset", "ShuffleDataset", "FilterDataset", "MapDataset", "ParallelMapDataset",
+                           "ShardDataset", "AssertCardinalityDataset", "IgnoreErrorsDataset"})
+
+
+def dataset_batch_size(dataset: Any) -> int | None:
+    """The batch size of a `tf.data.Dataset` whose elements are batches, else None (-1: batched, size unknown).
+
+    `ds.batch(64).prefetch(...)` is how Keras users write input pipelines, so
+    the batch is looked for upstream through transformations that keep
+    elements whole (`_KEEP_BATCHES`), stopping at `unbatch`. tf.data has no
+    public way to ask this: it walks the private `_input_dataset` links and
+    reads `_batch_size` (`_batch_sizes` for `rebatch`). An unknown class ends
+    the walk: the dataset is then taken as unbatched, as before.
+    """
+    node = dataset
+    for _ in range(64):  # pipelines are short; never loop on a strange graph
+        name = type(node).__name__.lstrip("_")
+        if name == "UnbatchDataset":
+            return None
+        if name.endswith("BatchDataset"):  # Batch, ParallelBatch, PaddedBatch, Rebatch, MapAndBatch
+            size = getattr(node, "_batch_size", getattr(node, "_batch_sizes", None))
+            try:
+                return int(size)
+            except (TypeError, ValueError):
+                return -1
+        if name not in _KEEP_BATCHES:
+            return None
+        node = getattr(node, "_input_dataset", None)
+        if node is None:
+            return None
+    return None

@@ -22,7 +22,11 @@ class Throughput(keras.callbacks.Callback):
     It has no per-batch hook on purpose: any `on_train_batch_end` makes Keras
     synchronise with the device after every step (measured: ~20% fewer
     steps/sec on a small MLP). It times the epoch up to the start of validation
-    and takes the step count from Keras' own `params["steps"]`.
+    and counts the steps that really ran as the change of
+    `optimizer.iterations` over the epoch (read twice per epoch), not the
+    steps asked for: an epoch stopped early (`model.stop_training`) or cut
+    short by data that ran out reports what it did. Without an optimizer it
+    falls back to Keras' `params["steps"]`.
 
     Args:
         global_batch_size: examples per step across the cluster.
@@ -36,8 +40,14 @@ class Throughput(keras.callbacks.Callback):
         self.history: list[float] = []
         self._start = 0.0
         self._train_end: float | None = None
+        self._iterations_at_start: int | None = None
+
+    def _iterations(self) -> int | None:
+        iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
+        return None if iterations is None else int(keras.ops.convert_to_numpy(iterations))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._iterations_at_start = self._iterations()
         self._start = time.perf_counter()
         self._train_end = None
 
@@ -46,10 +56,14 @@ class Throughput(keras.callbacks.Callback):
             self._train_end = time.perf_counter()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        steps = (self.params or {}).get("steps")
-        if not steps:
-            return  # unknown epoch length: nothing honest to report
         seconds = max((self._train_end or time.perf_counter()) - self._start, 1e-9)
+        end = self._iterations()
+        if end is not None and self._iterations_at_start is not None:
+            steps = end - self._iterations_at_start
+        else:
+            steps = (self.params or {}).get("steps")
+        if not steps:
+            return  # unknown epoch length, or nothing ran: nothing honest to report
         rate = steps * self.global_batch_size / seconds
         self.history.append(rate)
         if logs is not None:

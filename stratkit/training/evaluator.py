@@ -11,8 +11,9 @@ every task:
     storage on a real cluster). The chief writes `epoch-N.weights.h5` and
     `checkpoint.json` there after every epoch (atomically; see
     `stratkit.training.backup`).
-  * `validation_data`: what the evaluator evaluates (numpy arrays, an unbatched
-    `tf.data.Dataset` batched with `global_batch_size`, or a dataset_fn).
+  * `validation_data`: what the evaluator evaluates (numpy arrays, a
+    `tf.data.Dataset` unbatched (batched here with `global_batch_size`) or
+    already batched with the global batch, or a dataset_fn).
   * optionally a `keras.callbacks.TensorBoard` in `callbacks`: the summaries go
     to `<its log_dir>/eval`; without one, to `<backup_dir>/eval`.
 

@@ -69,8 +69,9 @@ def fit_parameter_server(trainer: Any, model: Any, data: Any, *, epochs: int, st
     Args:
         trainer: the `stratkit.Trainer` (its `spec` and `strategy`).
         model: from `trainer.build`: compiled, variables created under the strategy.
-        data: `(x, y)` / `(x, y, sample_weight)` numpy arrays, an unbatched
-            `tf.data.Dataset`, or `dataset_fn(input_context)` returning a dataset
+        data: `(x, y)` / `(x, y, sample_weight)` numpy arrays, a `tf.data.Dataset`
+            (unbatched, or batched with the global batch: each worker then reads
+            every N-th batch), or `dataset_fn(input_context)` returning a dataset
             batched with `input_context.get_per_replica_batch_size(global_batch)`.
             Each worker reads its own shard, repeated: `input_context.input_pipeline_id`
             is the worker's index, `num_input_pipelines` the number of workers.
@@ -172,16 +173,6 @@ def _numpy_dataset(data: Any):
     return tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0])
 
 
-def _check_unbatched(dataset: Any, global_batch_size: int | None) -> None:
-    from stratkit.training.data import _looks_batched
-
-    batched = _looks_batched(dataset)
-    if batched is not None:
-        raise ConfigError(f"data is a tf.data.Dataset that is already batched (batch size {batched}). Fix: pass it "
-                          f"unbatched (stratkit batches it with global_batch_size={global_batch_size} on each "
-                          "worker), or pass dataset_fn(input_context) returning a batched dataset")
-
-
 def _need_batch(global_batch_size: int | None, what: str) -> int:
     if global_batch_size is None:
         raise ConfigError(f"{what} needs a batch size. Fix: pass global_batch_size=N (examples per step) or "
@@ -216,22 +207,15 @@ def _worker_dataset_fn(data: Any, global_batch_size: int | None, num_workers: in
         return tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=index,
                                           num_replicas_in_sync=num_replicas)
 
+    from stratkit.training.data import _repeating_fn, batch_size_of
+
     if _is_dataset_fn(data):
-        user_fn = data
-
-        def from_user_fn(_: Any) -> Any:
-            dataset = user_fn(context())
-            if not _is_dataset(dataset):
-                raise ConfigError(f"the dataset_fn passed as data returned {type(dataset).__name__}, not a "
-                                  "tf.data.Dataset. Fix: return a dataset batched with "
-                                  "input_context.get_per_replica_batch_size(global_batch_size)")
-            return dataset.repeat()
-
-        return from_user_fn
+        repeating = _repeating_fn(data)
+        return lambda _: repeating(context())
 
     global_batch = _need_batch(global_batch_size, "data given as arrays or a tf.data.Dataset")
+    batched = batch_size_of(data)
     if _is_dataset(data):
-        _check_unbatched(data, global_batch_size)
         graph, spec = _serialized(data)
         shuffle = False  # the user's dataset decides its own order
     else:
@@ -241,15 +225,47 @@ def _worker_dataset_fn(data: Any, global_batch_size: int | None, num_workers: in
     def from_data(_: Any) -> Any:
         ctx = context()
         dataset = tf.data.experimental.from_variant(tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
-        dataset = dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        dataset = dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)  # whole batches if batched
+        batch = ctx.get_per_replica_batch_size(global_batch)
+        if batched is not None:
+            # Batched by the user with the global batch: one batch is one step; split it only
+            # when a worker has several replicas (rebatch, not unbatch + batch).
+            dataset = dataset.repeat() if batch == global_batch else dataset.repeat().rebatch(batch)
+            return dataset.prefetch(tf.data.AUTOTUNE)
         if shuffle:
             # A different order on every worker (seeded by its index), reshuffled each pass.
             dataset = dataset.shuffle(4096, seed=seed + tf.cast(ctx.input_pipeline_id, tf.int64),
                                       reshuffle_each_iteration=True)
-        batch = ctx.get_per_replica_batch_size(global_batch)
         return dataset.repeat().batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
     return from_data
+
+
+def _check_shards(data: Any, global_batch_size: int | None, num_workers: int, num_replicas: int) -> None:
+    """Every worker's shard must hold at least one step, or its repeated stream is empty."""
+    from stratkit.training.data import _numpy_arrays, batch_size_of
+
+    if _is_dataset_fn(data) or global_batch_size is None or num_workers < 1:
+        return
+    if _is_dataset(data):
+        size = int(data.cardinality())
+        if size < 0:
+            return  # infinite or unknown: nothing to check here
+    else:
+        first = _numpy_arrays(data)[0]
+        size = len(next(iter(first.values())) if isinstance(first, dict) else first)
+    if batch_size_of(data) is not None:
+        if size < num_workers:
+            raise ConfigError(f"data has {size} batch(es), fewer than the {num_workers} workers that each read "
+                              "their own share of the batches: a worker would have none. Fix: pass more data, or "
+                              "pass it unbatched (stratkit then shards examples, not batches)")
+        return
+    per_step = global_batch_size // max(num_replicas, 1)
+    if size // num_workers < per_step:
+        raise ConfigError(f"data has {size} examples: each of the {num_workers} workers reads {size // num_workers}, "
+                          f"fewer than one step's batch of {per_step} (global_batch_size={global_batch_size}). "
+                          f"Fix: use global_batch_size <= {max(size // num_workers, 1) * max(num_replicas, 1)}, "
+                          "or pass more data")
 
 
 def _element_spec_for_build(data: Any, global_batch_size: int | None, num_workers: int, num_replicas: int) -> Any:
@@ -260,8 +276,10 @@ def _element_spec_for_build(data: Any, global_batch_size: int | None, num_worker
         ctx = tf.distribute.InputContext(num_input_pipelines=num_workers, input_pipeline_id=0,
                                          num_replicas_in_sync=num_replicas)
         return _batched_spec(data(ctx).element_spec, batched=True)
+    from stratkit.training.data import batch_size_of
+
     dataset = data if _is_dataset(data) else _numpy_dataset(data)
-    return _batched_spec(dataset.element_spec, batched=False)
+    return _batched_spec(dataset.element_spec, batched=batch_size_of(data) is not None)
 
 
 def _batched_spec(element_spec: Any, *, batched: bool) -> Any:
@@ -278,13 +296,12 @@ def _local_dataset(data: Any, global_batch_size: int | None, steps: int | None) 
     """The validation data as one local, finite, batched dataset (evaluated once)."""
     import tensorflow as tf
 
+    from stratkit.training.data import local_batches
+
     if _is_dataset_fn(data):
         dataset = data(tf.distribute.InputContext())
-    elif _is_dataset(data):
-        _check_unbatched(data, global_batch_size)
-        dataset = data.batch(_need_batch(global_batch_size, "validation_data as a tf.data.Dataset"))
     else:
-        dataset = _numpy_dataset(data).batch(_need_batch(global_batch_size, "validation_data as arrays"))
+        dataset = local_batches(data, global_batch_size, "validation_data as arrays or a tf.data.Dataset")
     if steps is not None:
         dataset = dataset.take(int(steps))
     elif int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
@@ -427,9 +444,14 @@ class _Metrics:
         """(loss for the gradient, per-variable metric deltas) for one batch."""
         import tensorflow as tf
 
+        from stratkit.strategy import keras_compat
+
         model = self.model
         mapping = [(v, tf.constant(value)) for v, value in zip(self.variables, self.initial)]
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        # Read outside the scope: add_loss losses of the forward pass and the weights' regularization.
+        extra_losses = list(model.losses)
+        with keras.StatelessScope(state_mapping=mapping) as scope, \
+                keras_compat.model_losses_override(model, extra_losses):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,  # noqa: SLF001
                                        training=training)
             if model._loss_tracker is not None:  # noqa: SLF001
@@ -558,6 +580,7 @@ class _CoordinatorLoop:
         from stratkit.training.data import DEFAULT_SEED
 
         replicas = int(self.strategy.num_replicas_in_sync)
+        _check_shards(data, global_batch_size, self.num_workers, replicas)
         spec = _element_spec_for_build(data, global_batch_size, self.num_workers, replicas)
         with self.strategy.scope():
             _build(self.model, spec)
@@ -601,7 +624,7 @@ class _CoordinatorLoop:
         for epoch in range(initial_epoch, epochs):
             callback_list.on_epoch_begin(epoch)
             start = time.perf_counter()
-            logs = self._train_epoch(steps_per_epoch)
+            logs, steps_run = self._train_epoch(steps_per_epoch)
             seconds = time.perf_counter() - start
             if validation_data is not None:
                 val = self.metrics.evaluate(val_dataset, _tf())
@@ -612,7 +635,7 @@ class _CoordinatorLoop:
             checkpoints.save(self.model, epoch + 1)
             last_epoch = epoch + 1
             if verbose:
-                _print_epoch(epoch, epochs, steps_per_epoch, seconds, logs)
+                _print_epoch(epoch, epochs, steps_run, seconds, logs)
             callback_list.on_epoch_end(epoch, logs)
             if self.model.stop_training:
                 break
@@ -626,10 +649,12 @@ class _CoordinatorLoop:
         history.initial_epoch = initial_epoch
         return history
 
-    def _train_epoch(self, steps: int) -> dict[str, Any]:
+    def _train_epoch(self, steps: int) -> tuple[dict[str, Any], int]:
+        """Run one epoch: (its logs, the steps that ran, by the atomic counter on the ps)."""
         for total, init in zip(self.sums, self.metrics.initial):
             total.assign(np.zeros_like(init))
         self.examples.assign(0)
+        steps_before = int(self.steps.numpy())
         start = time.perf_counter()
         for _ in range(steps):
             self.coordinator.schedule(self._train_function, args=(self._iterator,))
@@ -637,7 +662,7 @@ class _CoordinatorLoop:
         seconds = time.perf_counter() - start
         logs: dict[str, Any] = self.metrics.results([total.numpy() for total in self.sums])
         logs["examples_per_sec"] = float(self.examples.numpy()) / max(seconds, 1e-9)
-        return logs
+        return logs, int(self.steps.numpy()) - steps_before
 
 
 def _tf() -> Any:

@@ -92,13 +92,17 @@ class Trainer:
 
         Args:
             model: from `trainer.build`.
-            data: `(x, y)` numpy arrays, an unbatched `tf.data.Dataset`, or
-                `dataset_fn(input_context)` returning a per-replica-batched dataset.
+            data: `(x, y)` numpy arrays, a `tf.data.Dataset` (unbatched, or batched
+                with the global batch), or `dataset_fn(input_context)` returning a
+                per-replica-batched dataset.
             epochs: total epochs (a resumed run continues to this number).
-            steps_per_epoch: steps per epoch (required with dataset_fn and on PS).
+            steps_per_epoch: steps per epoch (required with dataset_fn and on PS):
+                exactly this many run every epoch, the data repeated as needed;
+                None: one pass over the data per epoch.
             validation_data: same forms as `data`.
             global_batch_size / per_replica_batch_size: exactly one (global =
-                per_replica x num_replicas).
+                per_replica x num_replicas); neither for a batched dataset (its
+                batch is the global batch).
             backup_dir: back up every epoch and resume there after a failure.
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
@@ -121,7 +125,7 @@ class Trainer:
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
         is_fn = callable(data) and not hasattr(data, "element_spec")
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
-                                                 required=not is_fn)
+                                                 required=not is_fn, data=data)
         if self._ps:
             from stratkit.training.ps import fit_parameter_server
 
@@ -178,7 +182,7 @@ class Trainer:
         from stratkit.training.data import prepare, resolve_global_batch_size
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
-                                                 required=not callable(data))
+                                                 required=not callable(data), data=data)
         if self._ps:
             # Keras' evaluate refuses ParameterServerStrategy datasets: evaluate in this process instead.
             from stratkit.training.ps import evaluate_locally
@@ -192,27 +196,38 @@ class Trainer:
 
     def predict(self, model: Any, x: Any, global_batch_size: int | None = None,
                 per_replica_batch_size: int | None = None, verbose: Any = 0) -> Any:
-        """Predict every row of `x`, in order, on every worker."""
-        from stratkit.training.data import prepare, resolve_global_batch_size
+        """Predict every row of `x`, in order, on every worker.
+
+        `x`: numpy array(s), or a `tf.data.Dataset` of inputs (unbatched, or
+        batched with the global batch; `(x, y)` elements are read as in Keras).
+        """
+        from stratkit.training.data import _is_dataset, prepare, resolve_global_batch_size
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
-                                                 required=True)
+                                                 required=True, data=x)
         if self._ps or (self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1):
             # Keras' distributed predict returns only this worker's shard (padded), and refuses
             # ParameterServerStrategy datasets; inference needs no collective, so run it locally.
             return self._predict_locally(model, x, global_batch)
-        prepared = prepare(x if isinstance(x, tuple) else (x,), strategy=self.strategy,
+        prepared = prepare(x if isinstance(x, tuple) or _is_dataset(x) else (x,), strategy=self.strategy,
                            num_replicas=self.num_replicas, global_batch_size=global_batch, training=False,
                            shuffle=False, shard=False, tpu=self.spec.strategy == "tpu")
         return model.predict(prepared.dataset, verbose=verbose)
 
     @staticmethod
     def _predict_locally(model: Any, x: Any, batch_size: int) -> Any:
+        import keras
         import numpy as np
         import tensorflow as tf
 
-        inputs = x[0] if isinstance(x, tuple) and len(x) == 1 else x
-        dataset = tf.data.Dataset.from_tensor_slices(inputs).batch(batch_size)
+        from stratkit.training.data import _is_dataset, local_batches
+
+        if _is_dataset(x):
+            dataset = local_batches(x, batch_size).map(lambda *element: keras.utils.unpack_x_y_sample_weight(
+                element[0] if len(element) == 1 else element)[0])
+        else:
+            inputs = x[0] if isinstance(x, tuple) and len(x) == 1 else x
+            dataset = tf.data.Dataset.from_tensor_slices(inputs).batch(batch_size)
         forward = tf.function(lambda batch: model(batch, training=False), reduce_retracing=True)
         outputs = [forward(batch) for batch in dataset]
         return tf.nest.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
