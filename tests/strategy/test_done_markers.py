@@ -24,6 +24,7 @@ from stratkit.cluster import ClusterSpec
 from stratkit.strategy import server
 
 NOBODY = 65534
+RUN_DIR_VAR = "STRATKIT_RUN_DIR"  # the launcher and the Spark runner agree on the directory through it
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 
 _SERVE = textwrap.dedent("""
@@ -37,12 +38,15 @@ _SERVE = textwrap.dedent("""
 
 
 @pytest.fixture
-def shared_tmp(tmp_path):
-    """A world-writable sticky directory, like /tmp, used as this test's TMPDIR."""
-    shared = tmp_path / "shared"
-    shared.mkdir()
+def shared_tmp():
+    """A world-writable sticky directory, like /tmp, used as this test's TMPDIR (every user can reach it)."""
+    import shutil
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="stratkit-test-shared-", dir="/tmp")
     os.chmod(shared, 0o1777)
-    return shared
+    yield shared
+    shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture
@@ -74,7 +78,7 @@ def _start_serving(cluster: dict, env: dict) -> subprocess.Popen:
 
 
 def _env(shared_tmp) -> dict:
-    return {"TMPDIR": str(shared_tmp), server.RUN_DIR_VAR: None, server.STARTUP_VAR: "4"}
+    return {"TMPDIR": str(shared_tmp), RUN_DIR_VAR: None, server.STARTUP_VAR: "4"}
 
 
 @pytest.mark.slow
@@ -82,7 +86,7 @@ def _env(shared_tmp) -> dict:
 def test_another_user_cannot_end_a_serving_task_with_a_forged_marker(shared_tmp, chief, monkeypatch):
     cluster = _cluster(chief)
     monkeypatch.setenv("TMPDIR", str(shared_tmp))
-    monkeypatch.delenv(server.RUN_DIR_VAR, raising=False)
+    monkeypatch.delenv(RUN_DIR_VAR, raising=False)
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
@@ -91,8 +95,8 @@ def test_another_user_cannot_end_a_serving_task_with_a_forged_marker(shared_tmp,
     try:
         assert "serving at" in proc.stdout.readline()
         # The other user writes "done" where the chief would.
-        forge = subprocess.run([sys.executable, "-c", f"open({marker!r}, 'w').write('done')"],
-                               user=NOBODY, group=NOBODY, capture_output=True, text=True)
+        forge = subprocess.run(["/bin/sh", "-c", 'echo done > "$0"', marker], user=NOBODY, group=NOBODY,
+                               capture_output=True, text=True)
         assert forge.returncode != 0, "another user could write the marker"
         time.sleep(1.0)
         assert proc.poll() is None, proc.communicate()  # still serving
@@ -103,10 +107,10 @@ def test_another_user_cannot_end_a_serving_task_with_a_forged_marker(shared_tmp,
 
 @pytest.mark.slow
 @needs_root
-def test_a_marker_directory_owned_by_another_user_is_refused(shared_tmp, chief, monkeypatch):
-    cluster = _cluster(chief)
+def test_a_marker_directory_owned_by_another_user_is_refused(shared_tmp, monkeypatch):
+    cluster = _cluster("127.0.0.1:1")  # no chief: without the check, the task would give up after 4 s
     monkeypatch.setenv("TMPDIR", str(shared_tmp))
-    monkeypatch.delenv(server.RUN_DIR_VAR, raising=False)
+    monkeypatch.delenv(RUN_DIR_VAR, raising=False)
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
@@ -124,14 +128,14 @@ def test_the_launcher_gives_every_task_a_private_directory_and_removes_it(tmp_pa
 
     code = textwrap.dedent(f"""
         import os, stat
-        path = os.environ.get({server.RUN_DIR_VAR!r})
+        path = os.environ.get({RUN_DIR_VAR!r})
         info = os.lstat(path)
         print("RUN_DIR", path, stat.S_ISDIR(info.st_mode), oct(stat.S_IMODE(info.st_mode)),
               info.st_uid == os.geteuid(), flush=True)
     """)
     out = io.StringIO()
     result = launch([sys.executable, "-c", code], workers=2, stdout=out, stderr=io.StringIO(),
-                    env=child_env(env={server.RUN_DIR_VAR: None}), handle_signals=False)
+                    env=child_env(env={RUN_DIR_VAR: None}), handle_signals=False)
     assert result.returncode == 0, out.getvalue()
     lines = [line.split("RUN_DIR ", 1)[1].split() for line in out.getvalue().splitlines() if "RUN_DIR " in line]
     assert len(lines) == 2 and lines[0] == lines[1], out.getvalue()  # one directory, agreed by both tasks
@@ -151,17 +155,17 @@ def test_spark_tasks_of_one_attempt_agree_on_a_fresh_private_marker_directory():
                         log_port=1, log_token="t", use_gpu=False, gpu_counts=(None,) * len(roles))
 
     first = plan("stratkit-0123456789ab", 0)
-    dirs = {_run_env(first, role).get(server.RUN_DIR_VAR) for role in roles}
+    dirs = {_run_env(first, role).get(RUN_DIR_VAR) for role in roles}
     assert len(dirs) == 1 and None not in dirs  # every task of the attempt: the same directory
     (path,) = dirs
     assert os.path.isabs(path) and not os.path.exists(path)  # each task's server creates it (0700) itself
-    assert _run_env(plan("stratkit-0123456789ab", 1), roles[0])[server.RUN_DIR_VAR] != path
-    assert _run_env(plan("stratkit-ba9876543210", 0), roles[0])[server.RUN_DIR_VAR] != path
+    assert _run_env(plan("stratkit-0123456789ab", 1), roles[0])[RUN_DIR_VAR] != path
+    assert _run_env(plan("stratkit-ba9876543210", 0), roles[0])[RUN_DIR_VAR] != path
 
 
 def test_the_private_marker_directory_is_created_0700_and_checked(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    monkeypatch.setenv(server.RUN_DIR_VAR, str(run_dir))
+    monkeypatch.setenv(RUN_DIR_VAR, str(run_dir))
     marker = server.done_marker(_spec(_cluster("127.0.0.1:1")), "ps", 0)
     assert os.path.dirname(marker) == str(run_dir)
     assert server.prepare_marker_dir() == str(run_dir)
