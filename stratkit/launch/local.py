@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,7 @@ from typing import IO, Any, Callable, Mapping, Sequence
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import detect_task, group_by_role
 from stratkit.errors import ConfigError
+from stratkit.strategy.server import RUN_DIR_VAR
 
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
 RESTART_VAR = "STRATKIT_RESTART_COUNT"
@@ -1064,12 +1066,17 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
     probe = build_cluster(tasks, [format_address(host, 1 + i) for i in range(serving)])
     for task in tasks:
         task_tf_config(probe, task, {k: v for k, v in base_env.items() if k != "TF_CONFIG"})
+    # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks.
+    extra[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
     settings = _Settings(
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
         extra_env=extra)
-    return _Supervisor(settings).run()
+    try:
+        return _Supervisor(settings).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _check_not_in_slurm_step(env: Mapping[str, str]) -> None:
