@@ -237,7 +237,7 @@ def find_resume_point(directory: str) -> ResumePoint:
         skipped.append(f"{os.path.basename(path)} {problem}")
     else:
         point = ResumePoint()
-        if candidates:
+        if any(os.path.lexists(weights_path(directory, epoch)) for epoch, _ in candidates):
             head = (f"{metadata} {meta.problem}, and " if meta.state == "corrupt" else "")
             raise ConfigError(f"{head}no backup in {directory} can be used: {'; '.join(skipped)}. Nothing was "
                               f"deleted. Fix: move {directory} away (or pass another backup_dir) to start over, or "
@@ -247,7 +247,9 @@ def find_resume_point(directory: str) -> ResumePoint:
                  f"({os.path.basename(point.path)})" if point.epoch else "and there is no weights file: "
                  "starting from epoch 0")
         point.note = f"{metadata} {meta.problem}; {found}" + (f" ({'; '.join(skipped)})" if skipped else "")
-    elif skipped and point.epoch:
+    elif skipped and not point.epoch:  # checkpoint.json names files that are all gone: nothing to resume
+        point.note = f"{metadata} names {', '.join(skipped)}: starting from epoch 0"
+    elif skipped:
         point.note = (f"{weights_path(directory, candidates[0][0])} {skipped[0].split(' ', 1)[1]}; resuming from "
                       f"epoch {point.epoch} ({os.path.basename(point.path)}) instead"
                       + (f" (also skipped: {'; '.join(skipped[1:])})" if len(skipped) > 1 else ""))
