@@ -246,7 +246,7 @@ def find_resume_point(directory: str) -> ResumePoint:
         found = (f"rebuilt from the weights files: resuming at epoch {point.epoch} "
                  f"({os.path.basename(point.path)})" if point.epoch else "and there is no weights file: "
                  "starting from epoch 0")
-        point.note = f"{metadata} {meta.problem}; {found}" + (f" ({'; '.join(skipped)})" if skipped else "")
+        point.note = f"{metadata} {meta.problem}; {found}" + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
     elif skipped and not point.epoch:  # checkpoint.json names files that are all gone: nothing to resume
         point.note = f"{metadata} names {', '.join(skipped)}: starting from epoch 0"
     elif skipped:
