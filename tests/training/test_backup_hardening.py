@@ -324,3 +324,44 @@ def test_two_worker_backups_print_no_eager_collective_warning(tmp_path):
         assert "epochs [0, 1, 2]" in result.stdout
         assert "eagerly has significant overhead" not in result.stderr, describe(results)
     assert not backup.exists()
+
+
+# -- the parameter-server chief's checkpoints follow the same rules -----------------------------------
+
+def _saved_epochs(backup, epochs=(1, 2, 3)):
+    from stratkit.training import backup as backup_lib
+
+    model = _mlp()
+    model.fit(*_data(), epochs=1, verbose=0)
+    for epoch in epochs:
+        backup_lib.save_epoch(model, str(backup), epoch)
+    return model
+
+
+def test_the_ps_chief_falls_back_from_a_corrupt_latest_epoch_and_keeps_a_backup_past_epochs(tmp_path, capsys):
+    from stratkit.training.ps import DONE_FILE, _ChiefCheckpoints
+
+    backup = tmp_path / "backup"
+    _saved_epochs(backup)
+    latest = backup / "epoch-00003.weights.h5"
+    latest.write_bytes(latest.read_bytes()[:-64])
+    checkpoints = _ChiefCheckpoints(str(backup), has_evaluator=True, epochs=1)
+    assert checkpoints.resume(_mlp()) == 2
+    err = capsys.readouterr().err
+    assert "epoch-00003.weights.h5 is corrupt" in err and "resuming from epoch 2" in err, err
+    assert "past epochs=1" in err
+    checkpoints.finish(2)  # nothing trained: everything stays, and the evaluator is told which file is final
+    assert {"epoch-00002.weights.h5", "epoch-00003.weights.h5", "checkpoint.json"} <= set(os.listdir(backup))
+    assert json.loads((backup / DONE_FILE).read_text())["file"] == "epoch-00002.weights.h5"
+
+
+def test_a_done_marker_naming_a_path_outside_the_backup_never_deletes_it(tmp_path):
+    from stratkit.training.ps import DONE_FILE, _ChiefCheckpoints
+
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file")
+    (backup / DONE_FILE).write_text(json.dumps({"epoch": 9, "file": "../victim.txt"}))
+    assert _ChiefCheckpoints(str(backup), has_evaluator=False).resume(_mlp()) == 0
+    assert victim.read_text() == "the user's file"
