@@ -41,6 +41,8 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import IO
 
@@ -48,6 +50,7 @@ from stratkit.launch.plan import DEFAULT_EXIT_GRACE, DEFAULT_HOST, DEFAULT_STOP_
 from stratkit.launch.results import LaunchResult
 from stratkit.launch.supervisor import Supervisor
 from stratkit.process.ports import listening_ports
+from stratkit.strategy.server import RUN_DIR_VAR
 
 # Kept importable from here, where they used to live.
 __all__ = ["launch", "listening_ports", "reserve_ports"]
@@ -94,4 +97,9 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
                        log_dir=log_dir, host=host, base_port=base_port, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=env, stdout=stdout, stderr=stderr, handle_signals=handle_signals,
                        private_network=private_network)
-    return Supervisor(plan).run()
+    # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks.
+    plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
+    try:
+        return Supervisor(plan).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

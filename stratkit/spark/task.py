@@ -39,6 +39,7 @@ from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logserver import SETUP_FAILED, LogClient
+from stratkit.strategy.server import RUN_DIR_VAR
 
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).
 CHUNK_BYTES = 1 << 20
@@ -171,6 +172,10 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             holder.close()
         client.close()
         shutil.rmtree(workdir, ignore_errors=True)
+        try:  # once every marker was read (a task still waiting for its marker keeps it)
+            os.rmdir(_run_env(plan, role)[RUN_DIR_VAR])
+        except OSError:
+            pass
 
 
 def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:
@@ -184,6 +189,9 @@ def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:
     }
     if plan.wrap:
         env[child_module.WRAP_VAR] = plan.wrap
+    # The done markers' private directory: one fresh name per attempt, the same on every task (the chief
+    # writes into it on each task's host); each ps/worker task creates it, 0700, before serving.
+    env[RUN_DIR_VAR] = os.path.join(tempfile.gettempdir(), f"{plan.run_id}-attempt{plan.attempt}-markers")
     return env
 
 

@@ -8,6 +8,15 @@ task's device* that writes a marker file on that task's host
 disappears without signalling (crashed), `serve` exits non-zero after a grace
 period instead of hanging forever.
 
+Where: in a private directory (mode 0700, this user's, not a symlink), never
+under a predictable name in the shared temp directory, where another user could
+end the tasks with a forged marker or, with a symlink, make the chief's write
+land on one of the user's files. `stratkit launch` creates it (`mkdtemp`) and
+passes it to every task in `STRATKIT_RUN_DIR`; the Spark runner names a fresh one
+per attempt there; for tasks started by hand it is `<tempdir>/stratkit-<uid>`.
+Each ps/worker task creates it if missing and refuses it if it is someone
+else's, a symlink, or readable by others.
+
 When: the chief signals once, at interpreter exit (`end_training_at_exit`,
 registered when the chief's strategy is built), because the ps tasks hold the
 model's variables: a script that calls `fit` twice, or saves or predicts after
@@ -31,6 +40,8 @@ from stratkit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+#: The private directory of the done markers, agreed by every task of a run (see the module docstring).
+RUN_DIR_VAR = "STRATKIT_RUN_DIR"
 GRACE_VAR = "STRATKIT_CHIEF_GRACE_SECONDS"
 DEFAULT_GRACE = 120.0
 #: How long a ps/worker task waits for a chief it has never seen (crashed before it started serving).
@@ -52,11 +63,30 @@ def inter_op_threads(spec: ClusterSpec) -> int:
     return max(spec.num_workers + 1, os.cpu_count() or 1)
 
 
+def marker_dir() -> str:
+    """The private directory of this run's done markers (the same path on every task of the run)."""
+    explicit = os.environ.get(RUN_DIR_VAR)
+    if explicit:
+        return os.path.abspath(explicit)
+    return os.path.join(tempfile.gettempdir(), f"stratkit-{os.geteuid()}")
+
+
+def prepare_marker_dir() -> str:
+    """Create the done-marker directory (0700) if missing; refuse one that is not private to this user.
+
+    Raises:
+        ConfigError: the directory is a symlink, someone else's, or readable by others.
+    """
+    from stratkit.training.files import check_dir
+
+    return check_dir(marker_dir(), RUN_DIR_VAR, private=True)
+
+
 def done_marker(spec: ClusterSpec, task_type: str, task_index: int) -> str:
-    """Path (on that task's host) of the file the chief writes to end the task."""
+    """Path (on that task's host, in `marker_dir()`) of the file the chief writes to end the task."""
     address = spec.cluster[task_type][task_index]
     safe = address.replace(":", "_").replace("[", "").replace("]", "").replace("/", "_")
-    return os.path.join(tempfile.gettempdir(), f"stratkit-done-{task_type}-{task_index}-{safe}")
+    return os.path.join(marker_dir(), f"done-{task_type}-{task_index}-{safe}")
 
 
 def _server_config(spec: ClusterSpec):
@@ -103,9 +133,9 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     grace = float(os.environ.get(GRACE_VAR, DEFAULT_GRACE))
     startup = float(os.environ.get(STARTUP_VAR, DEFAULT_STARTUP))
     started = time.monotonic()
+    prepare_marker_dir()
     marker = done_marker(spec, spec.task_type, spec.task_index)
-    if os.path.exists(marker):
-        os.remove(marker)  # a previous run's marker must not end this one
+    _remove_quietly(marker)  # a previous run's marker must not end this one
     server = tf.distribute.Server(tf.train.ClusterSpec(spec.cluster), job_name=spec.task_type,
                                   task_index=spec.task_index, protocol="grpc", config=_server_config(spec),
                                   start=True)
@@ -114,7 +144,7 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     chief = spec.cluster["chief"][0]
     seen_chief, gone_since = False, None
     while True:
-        if os.path.exists(marker):
+        if os.path.lexists(marker):
             status = _read_quietly(marker)
             _remove_quietly(marker)
             if status == _FAILED:
@@ -148,10 +178,11 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
 
 
 def _read_quietly(path: str) -> str:
+    from stratkit.training.files import read_bytes
+
     try:
-        with open(path) as handle:
-            return handle.read().strip()
-    except OSError:
+        return read_bytes(path, RUN_DIR_VAR, limit=64).decode("utf-8", "replace").strip()
+    except (OSError, ConfigError):
         return _DONE
 
 

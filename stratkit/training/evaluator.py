@@ -158,10 +158,15 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
 
 
 def _touch(path: str) -> int:
-    """Write `path` now and return its mtime on that filesystem's clock (ns)."""
-    with open(path, "w") as handle:
-        handle.write(str(os.getpid()))
-    return os.stat(path).st_mtime_ns
+    """Write `path` now (atomically, never through someone else's file) and return its mtime (ns).
+
+    The mtime is on the shared directory's own clock, as the chief's marker's is.
+    """
+    from stratkit.training import files
+
+    files.check_dir(os.path.dirname(path) or ".", "backup_dir")
+    files.write_bytes(path, str(os.getpid()).encode())
+    return os.lstat(path).st_mtime_ns
 
 
 def _current_done_marker(directory: str, started_ns: int) -> dict | None:
@@ -170,7 +175,7 @@ def _current_done_marker(directory: str, started_ns: int) -> dict | None:
     if marker is None:
         return None
     try:
-        written = os.stat(os.path.join(directory, ps.DONE_FILE)).st_mtime_ns
+        written = os.lstat(os.path.join(directory, ps.DONE_FILE)).st_mtime_ns
     except OSError:
         return None
     return marker if written >= started_ns else None

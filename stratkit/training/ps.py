@@ -607,7 +607,7 @@ class _CoordinatorLoop:
         if validation_data is not None:
             val_dataset = _local_dataset(validation_data, global_batch_size, validation_steps)
 
-        checkpoints = _ChiefCheckpoints(backup_dir, has_evaluator="evaluator" in self.spec.cluster)
+        checkpoints = _ChiefCheckpoints(backup_dir, has_evaluator="evaluator" in self.spec.cluster, epochs=epochs)
         initial_epoch = checkpoints.resume(self.model)
         # Count on from optimizer.iterations, exact at every epoch end (set below): 0 for a new model,
         # the previous fit's total, or the restored checkpoint's.
@@ -685,33 +685,43 @@ def _print_epoch(epoch: int, epochs: int, steps: int, seconds: float, logs: dict
 class _ChiefCheckpoints:
     """The chief's epoch checkpoints: atomic save, resume after a restart, the evaluator's last file.
 
-    A finished run removes its checkpoints (a rerun starts over, as Keras'
-    BackupAndRestore); with an evaluator in the cluster it keeps the last
-    epoch's file and names it in `training-done.json`, the evaluator's signal.
+    The same files and rules as the `Trainer` backup (`stratkit.training.backup`):
+    someone else's directory or symlink is refused, a dead writer's temporaries
+    are removed, a corrupt latest epoch falls back to the one before, an
+    unreadable checkpoint.json is rebuilt from the files, nothing unreadable is
+    deleted. A finished run removes its checkpoints (a rerun starts over, as
+    Keras' BackupAndRestore); with an evaluator in the cluster it keeps the last
+    epoch's file and names it in `training-done.json`, the evaluator's signal. A
+    backup already past `epochs` trains nothing and is kept.
     """
 
-    def __init__(self, backup_dir: str | None, has_evaluator: bool) -> None:
+    def __init__(self, backup_dir: str | None, has_evaluator: bool, epochs: int | None = None) -> None:
         self.directory = backup_dir
         self.has_evaluator = has_evaluator
+        self.epochs = epochs
+        self.past_end = False
 
     def resume(self, model: Any) -> int:
         if self.directory is None:
             return 0
-        epoch = backup_lib.latest_epoch(self.directory)
+        backup_lib.prepare_dir(self.directory)
         done = read_done_marker(self.directory)
         if done is not None:
-            # A previous run's end: not this run's (the evaluator ignores markers older than itself).
+            # A previous run's end: not this run's (the evaluator ignores markers older than itself). The
+            # file it kept for the evaluator goes too, unless it is also this run's resume point.
             _remove(os.path.join(self.directory, DONE_FILE))
-            if done.get("epoch") != epoch:
-                _remove(os.path.join(self.directory, str(done.get("file", ""))))
-        if epoch == 0:
-            for stale in backup_lib.available_epochs(self.directory):  # left by a run that lost its metadata
-                _remove(backup_lib.weights_path(self.directory, stale))
+            kept = str(done.get("file", ""))
+            if backup_lib.is_epoch_file(kept) and done.get("epoch") != backup_lib.latest_epoch(self.directory):
+                _remove(os.path.join(self.directory, kept))
+        point = backup_lib.find_resume_point(self.directory)
+        if point.note:
+            backup_lib.warn(point.note)
+        if point.epoch == 0:
             return 0
-        path = backup_lib.weights_path(self.directory, epoch)
-        model.load_weights(path)
-        print(f"[stratkit] resumed from {path} at epoch {epoch}", flush=True)
-        return epoch
+        backup_lib.load(model, point)
+        print(f"[stratkit] resumed from {point.path} at epoch {point.epoch}", flush=True)
+        self.past_end = backup_lib.past_end(point.epoch, self.epochs, self.directory)
+        return point.epoch
 
     def save(self, model: Any, epoch: int) -> None:
         if self.directory is not None:
@@ -724,11 +734,9 @@ class _ChiefCheckpoints:
         if keep is not None and os.path.exists(keep):
             _atomic_json(os.path.join(self.directory, DONE_FILE),
                          {"epoch": epoch, "file": os.path.basename(keep), "time": time.time()})
-        for old in backup_lib.available_epochs(self.directory):
-            path = backup_lib.weights_path(self.directory, old)
-            if path != keep:
-                _remove(path)
-        _remove(os.path.join(self.directory, backup_lib.METADATA))
+        if self.past_end:
+            return  # nothing was trained: the backup stays
+        backup_lib.remove_backup(self.directory, keep=keep)
         try:
             os.rmdir(self.directory)  # only if nothing of the user's (or the evaluator's) is left in it
         except OSError:
@@ -736,26 +744,23 @@ class _ChiefCheckpoints:
 
 
 def read_done_marker(directory: str) -> dict | None:
-    """The chief's end-of-training marker in `directory`, or None."""
+    """The chief's end-of-training marker in `directory`, or None (not through a symlink, only ours)."""
+    from stratkit.training import files
+
     try:
-        with open(os.path.join(directory, DONE_FILE)) as handle:
-            marker = json.load(handle)
+        marker = json.loads(files.read_bytes(os.path.join(directory, DONE_FILE), f"backup_dir={directory!r}"))
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) and "epoch" in marker and "file" in marker else None
 
 
 def _atomic_json(path: str, value: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    from stratkit.training import files
+
+    files.write_bytes(path, json.dumps(value).encode())
 
 
 def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    from stratkit.training import files
+
+    files.remove(path)

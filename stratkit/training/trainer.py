@@ -168,11 +168,9 @@ class Trainer:
         """MIN of an int over all workers (a collective); identity on one worker."""
         if self.spec.strategy != "multi_worker_mirrored" or self.spec.num_workers <= 1:
             return value
-        import tensorflow as tf
+        from stratkit.training.backup import min_over_workers
 
-        # ReduceOp has no MIN: gather every worker's value and take the smallest.
-        per_replica = self.strategy.run(lambda: tf.constant([value], tf.int64))
-        return int(tf.reduce_min(self.strategy.gather(per_replica, axis=0)))
+        return min_over_workers(self.strategy, value)
 
     # -- evaluate / predict ----------------------------------------------------------
     def evaluate(self, model: Any, data: Any, global_batch_size: int | None = None,
