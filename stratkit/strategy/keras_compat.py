@@ -45,6 +45,8 @@ from stratkit.errors import ConfigError, KerasCompatError
 
 __all__ = [
     "ENV_VAR",
+    "PS_FIX",
+    "ParameterServerMetricError",
     "TESTED_KERAS_VERSIONS",
     "apply",
     "check_first_batch",
@@ -608,7 +610,7 @@ def is_parameter_server(strategy: Any) -> bool:
 def parameter_server_refusal(what: str) -> ConfigError:
     """The error for Keras's own training code under a ParameterServerStrategy."""
     return ConfigError(
-        f"{what} cannot train under ParameterServerStrategy in Keras 3: Keras has no "
+        f"{what} does not work under ParameterServerStrategy in Keras 3: Keras has no "
         f"parameter-server path (it fails deep inside Keras, and Keras metrics updated by "
         f"asynchronous workers are not atomic, so they report wrong values). Fix: {PS_FIX}."
     )
@@ -664,6 +666,17 @@ def _guarded(name: str, original: Any) -> Any:
     return method
 
 
+class ParameterServerMetricError(ConfigError):
+    """A Keras metric updated inside a parameter-server step (raised while TF traces it).
+
+    Its ``__init__`` is ``Exception.__init__`` on purpose: autograph re-raises
+    such an exception with its own type (adding the user's code location), where
+    any other type would reach the user as a bare ``StagingError``.
+    """
+
+    __init__ = Exception.__init__
+
+
 def _in_parameter_server_step() -> bool:
     """True while tracing code that ParameterServerStrategy workers will run.
 
@@ -707,7 +720,7 @@ def _install_ps_metric_guard() -> None:
         def guarded_direct_assign(self: Any, value: Any) -> Any:
             owner = getattr(self, _PS_METRIC_MARK, None)
             if owner is not None and _in_parameter_server_step():
-                raise ConfigError(
+                raise ParameterServerMetricError(
                     f"the Keras metric {owner} (variable {self.path!r}) is updated inside a "
                     f"parameter-server step. Keras 3 metric updates are not atomic across "
                     f"asynchronous workers (assign_add is a read and a write), so its value would be "
