@@ -56,6 +56,7 @@ __all__ = [
     "is_parameter_server",
     "parameter_server_refusal",
     "revert",
+    "resume_epoch",
     "revert_fit_guards",
     "upstream_bugs_present",
 ]
@@ -648,7 +649,8 @@ def _guarded(name: str, original: Any) -> Any:
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments.get("callbacks")
             if isinstance(given, (list, tuple)):
-                bound.arguments["callbacks"], temps = cb.route_side_effects(given, is_chief=is_chief)
+                bound.arguments["callbacks"], temps = cb.route_side_effects(given, is_chief=is_chief,
+                                                                            multi_worker=True)
             if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
                 bound.arguments["verbose"] = cb.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
@@ -786,3 +788,12 @@ def revert_fit_guards() -> None:
             from keras.src.backend.tensorflow import core
 
             core.Variable._direct_assign = _guard_originals.pop("Variable._direct_assign")
+
+
+def resume_epoch(model: Any) -> int:
+    """The epoch a `fit` about to start resumes at (set by Keras's BackupAndRestore; 0 for none).
+
+    Private Keras use: ``BackupAndRestore`` hands the epoch to ``fit`` through
+    the model's ``_initial_epoch``.
+    """
+    return int(getattr(model, "_initial_epoch", None) or 0)

@@ -173,7 +173,41 @@ def _refuse_unroutable(callback: Any) -> None:
                           "them), or stratkit.Trainer(...).fit(backup_dir=...)")
 
 
-def route_side_effects(callbacks: Iterable[Any], is_chief: bool) -> tuple[list[Any], list[str]]:
+def _gather_ints(strategy: Any, value: int) -> list[int]:
+    """Every worker's `value` (a collective: every worker must call it)."""
+    import tensorflow as tf
+
+    per_replica = strategy.run(lambda: tf.constant([value], tf.int64))
+    return [int(v) for v in strategy.gather(per_replica, axis=0).numpy()]
+
+
+class AgreeOnResume(keras.callbacks.Callback):
+    """Stop every worker before training if they would resume at different epochs.
+
+    Runs right after a `BackupAndRestore` on every worker of a multi-worker run.
+    A worker that cannot read the chief's backup (not on shared storage, or
+    removed by the end of a previous `fit`) would start from other weights and
+    another epoch: training would be wrong, then hang. One small collective per
+    `fit` turns that into a clear error on every worker.
+    """
+
+    def __init__(self, backup_dir: str) -> None:
+        super().__init__()
+        self.backup_dir = backup_dir
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from stratkit.strategy.keras_compat import resume_epoch
+
+        epochs = _gather_ints(self.model.distribute_strategy, resume_epoch(self.model))
+        if min(epochs) != max(epochs):
+            raise ConfigError(f"BackupAndRestore(backup_dir={self.backup_dir!r}): the workers would resume at "
+                              f"different epochs {epochs} (one per worker, chief first): some worker cannot read "
+                              "the chief's backup. Fix: keep backup_dir on storage every worker can read, and use "
+                              "a new backup_dir for each model.fit call (or delete it to start over)")
+
+
+def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
+                       multi_worker: bool = False) -> tuple[list[Any], list[str]]:
     """The callbacks to train with: on non-chief workers, file writers write to private temp dirs.
 
     Every worker still runs every callback (reading synchronised variables may
@@ -184,19 +218,29 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool) -> tuple[list[A
     resume at the same epoch); `RemoteMonitor` is left to the chief; a Keras
     callback whose files cannot be moved is refused with a `ConfigError`.
 
+    With `multi_worker=True`, every worker (the chief too) checks after each
+    `BackupAndRestore` that all workers resume at the same epoch (`AgreeOnResume`).
+
     Returns:
         (callbacks, temporary directories to remove after training).
     """
     callbacks = list(callbacks or ())
     for callback in callbacks:  # on every worker, so that all of them stop before training
         _refuse_unroutable(callback)
+    if multi_worker:
+        agreed: list[Any] = []
+        for callback in callbacks:
+            agreed.append(callback)
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                agreed.append(AgreeOnResume(os.fspath(callback.backup_dir)))
+        callbacks = agreed
     if is_chief:
         return callbacks, []
     routed: list[Any] = []
     temps: list[str] = []
     try:
         for callback in callbacks:
-            if callback in _PRIVATE_COPIES:
+            if callback in _PRIVATE_COPIES or isinstance(callback, AgreeOnResume):
                 routed.append(callback)
             elif isinstance(callback, keras.callbacks.TensorBoard):
                 routed.append(_private_copy(callback, temps, "stratkit-tb-worker-", "log_dir", lambda d: d))

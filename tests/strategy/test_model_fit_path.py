@@ -58,7 +58,8 @@ USER_FIT = textwrap.dedent('''
                 os.kill(os.getpid(), signal.SIGKILL)
 
     # Every one of these writes to the SAME path on every worker, as in Keras's tutorials.
-    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(OUT, "backup")),
+    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(OUT, "backup"),
+                                                  delete_checkpoint=not os.environ.get("KEEP_BACKUP")),
                  keras.callbacks.ModelCheckpoint(os.path.join(OUT, "ckpt", "model.keras")),
                  keras.callbacks.ModelCheckpoint(os.path.join(OUT, "ckpt", "last.weights.h5"),
                                                  save_weights_only=True),
@@ -138,6 +139,26 @@ def test_users_own_backup_and_checkpoint_callbacks_survive_a_kill_and_resume_on_
     # One progress bar by default: the chief prints epoch lines, worker 1 prints none.
     assert "Epoch 3/3" in second[0].stdout, describe(second)
     assert "Epoch 3/3" not in second[1].stdout and "loss:" not in second[1].stdout, describe(second)
+
+
+@pytest.mark.multiworker
+def test_workers_that_would_resume_at_different_epochs_stop_with_a_clear_error(tmp_path):
+    # The chief's backup holds epoch 1; worker 1 cannot see it (as on a host without shared storage).
+    script = tmp_path / "user_fit.py"
+    script.write_text(USER_FIT)
+    chief_out, worker_out = tmp_path / "chief", tmp_path / "worker"
+    made = run_process(str(script), env={**CLEAN_ENV, "OUT": str(chief_out), "EPOCHS": "1", "KEEP_BACKUP": "1"},
+                       timeout=120)
+    assert made.ok and (chief_out / "backup").is_dir(), describe([made])
+
+    results = run_cluster(str(script), worker_tf_configs(free_ports(2)), env={**CLEAN_ENV, "EPOCHS": "3"},
+                          per_process_env=[{"OUT": str(chief_out)}, {"OUT": str(worker_out)}],
+                          timeout=150, grace_after_failure=20)
+    assert [r.returncode for r in results] == [1, 1], describe(results)
+    for r in results:
+        assert "ConfigError" in r.stderr and "would resume at different epochs [1, 0]" in r.stderr, describe(results)
+        assert "Fix: keep backup_dir on storage every worker can read" in r.stderr
+        assert "Epoch 2/3" not in r.stdout   # stopped before any training step
 
 
 # --------------------------------------------------------------------------
