@@ -575,15 +575,19 @@ def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
 # place every such call passes: the Keras 3 TensorFlow trainer's ``fit``,
 # ``evaluate`` and ``predict``. The wrappers read only the public surface of
 # those calls (their ``callbacks`` and ``verbose`` arguments, the model's
-# ``distribute_strategy``) and change nothing for a single worker or a chief:
+# ``distribute_strategy``). Installed by :func:`apply` (and by ``make_strategy``
+# for parameter-server strategies):
 #
 # * ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
 #   instead of failing deep inside Keras.
 # * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
 #   (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
-# * On a non-chief MWMS worker: file-writing Keras callbacks write to private
-#   temporary directories (:func:`stratkit.training.callbacks.route_side_effects`)
-#   and the progress bar is off unless the call passes ``verbose=``.
+# * Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
+#   on non-chief workers, file-writing Keras callbacks write to private
+#   temporary directories and the progress bar is off unless the call passes
+#   ``verbose=``; on every worker, callbacks whose files cannot be moved are
+#   refused, and the workers check they resume a ``BackupAndRestore`` at the
+#   same epoch. One process, or one worker, is left exactly as Keras does it.
 #
 # A second guard catches Keras metrics updated in a parameter-server step
 # (``Variable.assign_add`` is ``assign(self + v)`` in Keras 3: not atomic under
