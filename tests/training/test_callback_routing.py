@@ -71,7 +71,7 @@ def test_on_a_multi_worker_run_every_worker_checks_the_resume_epoch_after_a_back
 
 
 def test_a_callback_whose_files_cannot_be_moved_is_refused_on_every_worker():
-    class FakeOrbax(keras.callbacks.Callback):
+    class Harmless(keras.callbacks.Callback):
         pass
 
     orbax = getattr(keras.callbacks, "OrbaxCheckpoint", None)
@@ -81,4 +81,4 @@ def test_a_callback_whose_files_cannot_be_moved_is_refused_on_every_worker():
     callback = orbax.__new__(orbax)
     for is_chief in (True, False):
         with pytest.raises(ConfigError, match=r"OrbaxCheckpoint.*Fix: use keras.callbacks.ModelCheckpoint"):
-            route_side_effects([FakeOrbax(), callback], is_chief=is_chief)
+            route_side_effects([Harmless(), callback], is_chief=is_chief)
