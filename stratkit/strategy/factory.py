@@ -46,7 +46,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
 
     Raises:
         ConfigError: on a bad spec/option, or when TensorFlow was already
-            initialised so a multi-worker strategy can no longer be created.
+            initialised where TensorFlow itself would fail: a multi-worker
+            strategy with a cluster, or `logical_cpus` that differ from the
+            devices TensorFlow started with.
     """
     if spec is None:
         spec = detect(strategy=strategy)
@@ -65,7 +67,12 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
     if spec.strategy in ("mirrored", "multi_worker_mirrored"):
         from stratkit.strategy import keras_compat
 
-        keras_compat.apply(result)
+        keras_compat.apply(result)  # also guards the user's own model.fit (callbacks, verbose, ...)
+    elif spec.strategy == "parameter_server":
+        from stratkit.strategy import keras_compat
+
+        # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
+        keras_compat.install_fit_guards()
     return result
 
 
@@ -149,7 +156,9 @@ def _build_multi_worker(spec: ClusterSpec, implementation: str = "auto", timeout
         return _build_mirrored(spec) if spec.num_gpus > 1 else _build_one_device(spec)
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=impls[implementation], timeout_seconds=timeout_seconds, bytes_per_pack=bytes_per_pack)
-    if runtime_initialized():
+    # Measured (TF 2.21): after an eager op, MWMS with a cluster (even of one worker) fails with
+    # 'Collective ops must be configured at program startup'; with no cluster it works.
+    if spec.cluster and runtime_initialized():
         raise ConfigError("MultiWorkerMirroredStrategy must be created before TensorFlow runs any op "
                           f"(TensorFlow raises 'Collective ops must be configured at program startup'). Fix: {_STARTUP_FIX}")
     resolver = cluster_resolver(spec) if spec.cluster else None

@@ -45,12 +45,19 @@ from stratkit.errors import ConfigError, KerasCompatError
 
 __all__ = [
     "ENV_VAR",
+    "PS_FIX",
+    "ParameterServerMetricError",
     "TESTED_KERAS_VERSIONS",
     "apply",
     "check_first_batch",
     "check_steps_per_execution",
+    "install_fit_guards",
     "installed_keras_version",
+    "is_parameter_server",
+    "parameter_server_refusal",
     "revert",
+    "resume_epoch",
+    "revert_fit_guards",
     "upstream_bugs_present",
 ]
 
@@ -249,6 +256,7 @@ def revert() -> None:
     For tests and for callers who need upstream behaviour back in this process.
     """
     global _status
+    revert_fit_guards()
     with _lock:
         if _originals:
             m = _trainer_module()
@@ -480,6 +488,7 @@ def apply(strategy: Any = None) -> str:
                 _status = "forced"
             else:
                 raise _refusal(version, bugs)
+        install_fit_guards()
         log.debug(
             "keras_compat.apply: %s (Keras %s, strategy %s)",
             _status,
@@ -635,3 +644,240 @@ def dataset_batch_size(dataset: Any) -> int | None:
         if node is None:
             return None
     return None
+
+
+# --------------------------------------------------------------------------
+# Guards for the user's own model.fit / evaluate / predict
+# --------------------------------------------------------------------------
+#
+# Users who take only the strategy from stratkit (``make_strategy()``) and keep
+# calling Keras's ``model.fit`` get the checks ``Trainer`` makes, at the one
+# place every such call passes: the Keras 3 TensorFlow trainer's ``fit``,
+# ``evaluate`` and ``predict``. The wrappers read only the public surface of
+# those calls (their ``callbacks`` and ``verbose`` arguments, the model's
+# ``distribute_strategy``). Installed by :func:`apply` (and by ``make_strategy``
+# for parameter-server strategies):
+#
+# * ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
+#   instead of failing deep inside Keras.
+# * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
+#   (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
+# * Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
+#   on non-chief workers, file-writing Keras callbacks write to private
+#   temporary directories and the progress bar is off unless the call passes
+#   ``verbose=``; on every worker, callbacks whose files cannot be moved are
+#   refused, and the workers check they resume a ``BackupAndRestore`` at the
+#   same epoch. One process, or one worker, is left exactly as Keras does it.
+#
+# A second guard catches Keras metrics updated in a parameter-server step
+# (``Variable.assign_add`` is ``assign(self + v)`` in Keras 3: not atomic under
+# asynchronous workers, measured: accuracy 1.156).
+
+#: What to use instead of Keras's own loops for parameter-server training.
+PS_FIX = ("use stratkit.Trainer(...).fit (or the coordinator API: ClusterCoordinator.schedule with raw "
+          "tf.Variable counters, see the README section 'Using make_strategy() with your own model.fit') "
+          "for parameter-server training")
+
+_FIT_METHODS = ("fit", "evaluate", "predict")
+_PS_METRIC_MARK = "_stratkit_parameter_server_metric"
+_guards_lock = threading.Lock()
+_guard_originals: dict[str, Any] = {}
+_inside_guarded_call = threading.local()
+
+
+def is_parameter_server(strategy: Any) -> bool:
+    """True for a ``tf.distribute`` ParameterServerStrategy (V2, what ``make_strategy`` builds)."""
+    import tensorflow as tf
+
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
+def parameter_server_refusal(what: str) -> ConfigError:
+    """The error for Keras's own training code under a ParameterServerStrategy."""
+    return ConfigError(
+        f"{what} does not work under ParameterServerStrategy in Keras 3: Keras has no "
+        f"parameter-server path (it fails deep inside Keras, and Keras metrics updated by "
+        f"asynchronous workers are not atomic, so they report wrong values). Fix: {PS_FIX}."
+    )
+
+
+def _is_chief(strategy: Any) -> bool:
+    """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
+    try:
+        return bool(strategy.extended.should_checkpoint)
+    except Exception:  # noqa: BLE001 - an exotic strategy: behave as the single-process default
+        return True
+
+
+def _guarded(name: str, original: Any) -> Any:
+    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside_guarded_call, "active", False):
+            # fit's own evaluate() for validation data: the outer call already decided.
+            return original(self, *args, **kwargs)
+        strategy = self.distribute_strategy
+        if is_parameter_server(strategy):
+            raise parameter_server_refusal(f"model.{name}")
+        check_steps_per_execution(self, strategy)
+        temps: list[str] = []
+        if _is_multi_worker_collective(strategy):
+            from stratkit.training import callbacks as cb
+
+            is_chief = _is_chief(strategy)
+            bound = signature.bind(self, *args, **kwargs)
+            given = bound.arguments.get("callbacks")
+            if isinstance(given, (list, tuple)):
+                bound.arguments["callbacks"], temps = cb.route_side_effects(given, is_chief=is_chief,
+                                                                            multi_worker=True)
+            if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
+                bound.arguments["verbose"] = cb.default_verbose(is_chief=False)
+            args, kwargs = bound.args[1:], bound.kwargs
+        _inside_guarded_call.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _inside_guarded_call.active = False
+            if temps:
+                from stratkit.training.callbacks import remove_dirs
+
+                remove_dirs(temps)
+
+    setattr(method, _PATCH_MARK, True)
+    return method
+
+
+class ParameterServerMetricError(ConfigError):
+    """A Keras metric updated inside a parameter-server step (raised while TF traces it).
+
+    Its ``__init__`` is ``Exception.__init__`` on purpose: autograph re-raises
+    such an exception with its own type (adding the user's code location), where
+    any other type would reach the user as a bare ``StagingError``.
+    """
+
+    __init__ = Exception.__init__
+
+
+def _in_parameter_server_step() -> bool:
+    """True while tracing code that ParameterServerStrategy workers will run.
+
+    That is a ``strategy.run`` replica function, or any ``tf.function`` (what
+    ``ClusterCoordinator.schedule`` runs on the workers). Eager code on the
+    coordinator runs in one thread and is exact.
+    """
+    import tensorflow as tf
+
+    if not tf.executing_eagerly():
+        return True
+    return (tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+            and is_parameter_server(tf.distribute.get_strategy()))
+
+
+def _install_ps_metric_guard() -> None:
+    """Mark metric variables created under a PS scope; refuse their in-step updates.
+
+    Private Keras use (``Variable._direct_assign``, reached only outside a
+    ``StatelessScope``): stratkit's own PS loop updates metrics statelessly and
+    accumulates deltas in raw atomic ``tf.Variable`` counters, so it never gets here.
+    """
+    import tensorflow as tf
+    from keras.src.backend.tensorflow import core
+    from keras.src.metrics import metric
+
+    add_variable = metric.Metric.__dict__["add_variable"]
+    if not getattr(add_variable, _PATCH_MARK, False):
+        def guarded_add_variable(self: Any, *args: Any, **kwargs: Any) -> Any:
+            variable = add_variable(self, *args, **kwargs)
+            if tf.distribute.has_strategy() and is_parameter_server(tf.distribute.get_strategy()):
+                setattr(variable, _PS_METRIC_MARK, type(self).__name__)
+            return variable
+
+        setattr(guarded_add_variable, _PATCH_MARK, True)
+        _guard_originals["Metric.add_variable"] = add_variable
+        metric.Metric.add_variable = guarded_add_variable
+
+    direct_assign = core.Variable.__dict__["_direct_assign"]
+    if not getattr(direct_assign, _PATCH_MARK, False):
+        def guarded_direct_assign(self: Any, value: Any) -> Any:
+            owner = getattr(self, _PS_METRIC_MARK, None)
+            if owner is not None and _in_parameter_server_step():
+                raise ParameterServerMetricError(
+                    f"the Keras metric {owner} (variable {self.path!r}) is updated inside a "
+                    f"parameter-server step. Keras 3 metric updates are not atomic across "
+                    f"asynchronous workers (assign_add is a read and a write), so its value would be "
+                    f"wrong. Fix: {PS_FIX}: count with raw tf.Variable.assign_add, which is atomic "
+                    f"on the ps."
+                )
+            return direct_assign(self, value)
+
+        setattr(guarded_direct_assign, _PATCH_MARK, True)
+        _guard_originals["Variable._direct_assign"] = direct_assign
+        core.Variable._direct_assign = guarded_direct_assign
+
+
+def install_fit_guards() -> bool:
+    """Install the guards on Keras's ``fit``/``evaluate``/``predict`` (idempotent).
+
+    Called by :func:`apply` and by ``make_strategy`` for parameter-server
+    strategies. Nothing is installed with ``STRATKIT_KERAS_COMPAT=off``, on
+    Keras 2 (tf-keras) or on a non-TensorFlow Keras backend. The metric guard
+    touches private Keras code, so it is installed only on tested Keras
+    versions (or with ``STRATKIT_KERAS_COMPAT=force``).
+
+    Returns:
+        True when the guards are in place.
+    """
+    with _guards_lock:
+        mode = _mode()
+        version = installed_keras_version()
+        if mode == "off" or _major(version) < 3:
+            return False
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            return False
+        cls = _trainer_module().TensorFlowTrainer
+        for name in _FIT_METHODS:
+            current = cls.__dict__[name]
+            if not getattr(current, _PATCH_MARK, False):
+                _guard_originals[name] = current
+                setattr(cls, name, _guarded(name, current))
+        if version in TESTED_KERAS_VERSIONS or mode == "force":
+            _install_ps_metric_guard()
+        else:
+            log.warning("Keras %s is untested: Keras metrics updated in parameter-server steps are not "
+                        "checked (their updates are not atomic); %s.", version, PS_FIX)
+        return True
+
+
+def revert_fit_guards() -> None:
+    """Remove what :func:`install_fit_guards` installed (for tests)."""
+    with _guards_lock:
+        if not _guard_originals:
+            return
+        cls = _trainer_module().TensorFlowTrainer
+        for name in _FIT_METHODS:
+            if name in _guard_originals:
+                setattr(cls, name, _guard_originals.pop(name))
+        if "Metric.add_variable" in _guard_originals:
+            from keras.src.metrics import metric
+
+            metric.Metric.add_variable = _guard_originals.pop("Metric.add_variable")
+        if "Variable._direct_assign" in _guard_originals:
+            from keras.src.backend.tensorflow import core
+
+            core.Variable._direct_assign = _guard_originals.pop("Variable._direct_assign")
+
+
+def resume_epoch(model: Any) -> int:
+    """The epoch a `fit` about to start resumes at (set by Keras's BackupAndRestore; 0 for none).
+
+    Private Keras use: ``BackupAndRestore`` hands the epoch to ``fit`` through
+    the model's ``_initial_epoch``.
+    """
+    return int(getattr(model, "_initial_epoch", None) or 0)

