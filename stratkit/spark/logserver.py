@@ -58,7 +58,6 @@ MAX_LINE_BYTES = 4 * MAX_LINE
 MAX_HELLO = 512
 #: Seconds a connection has to deliver its whole HELLO (not per byte: a trickle cannot extend it).
 HELLO_TIMEOUT = 10.0
-_HELLO_TIMEOUT = HELLO_TIMEOUT  # the client's connect timeout uses the same budget
 #: Unauthenticated connections held at once.
 MAX_PENDING = 64
 #: Authenticated connections at once when the number of tasks is not known.
