@@ -334,8 +334,8 @@ class SparkRunner:
                 task=failure.label, rank=failure.rank, exit_code=failure.exit_code, lines=lines,
                 attempt=plan.attempt)
         if state.server_failure is not None:
-            return SparkTrainingError(f"{state.server_failure} ({attempts}); every task was stopped and the Spark "
-                                      "job cancelled", attempt=plan.attempt)
+            return SparkTrainingError(f"{attempts} was stopped (every task killed, the Spark job cancelled) because "
+                                      f"{state.server_failure}", attempt=plan.attempt)
         text = str(error)
         hint = ""
         if "ModuleNotFoundError" in text or "No module named" in text:
