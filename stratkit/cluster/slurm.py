@@ -9,12 +9,18 @@ all tasks of the first node, then the next node, and so on.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Any, Mapping
 
 from stratkit.errors import ConfigError
 
 DEFAULT_PORT = 8888
 PORT_VAR = "STRATKIT_SLURM_PORT"
+#: Upper bounds checked before any list is built: a host list is a compact notation
+#: (`n[0-999999999]` names a billion hosts). The largest Slurm machines have ~10,000 nodes.
+MAX_HOSTS = 65_536
+MAX_TASKS = 8 * MAX_HOSTS
+_MAX_DIGITS = 18
+_SATURATED = 10**18
 
 
 def is_slurm_step(env: Mapping[str, str]) -> bool:
@@ -30,10 +36,19 @@ def _num_tasks(env: Mapping[str, str]) -> int:
     raw = env.get("SLURM_STEP_NUM_TASKS")
     if raw is None:
         return 0
-    return _int(raw, "SLURM_STEP_NUM_TASKS")
+    count = _int(raw, "SLURM_STEP_NUM_TASKS")
+    if count > MAX_TASKS:
+        raise ConfigError(f"SLURM_STEP_NUM_TASKS={count} is more than the {MAX_TASKS} tasks a TensorFlow cluster "
+                          "from Slurm may have here. Fix: run under srun, which sets it to the step's task count, "
+                          "or set STRATKIT_CLUSTER_ENV=none to ignore Slurm")
+    return count
 
 
 def _int(raw: str, var: str) -> int:
+    # Python refuses to convert more than 4300 digits (ValueError); no count or port needs more than 18.
+    if len(raw.strip()) > _MAX_DIGITS:
+        raise ConfigError(f"{var} must be a small integer: got {_shown(raw)}. Fix: run under srun, which sets "
+                          "it, or set STRATKIT_CLUSTER_ENV=none to ignore Slurm")
     try:
         return int(raw)
     except ValueError:
@@ -41,17 +56,69 @@ def _int(raw: str, var: str) -> int:
                           f"or set STRATKIT_CLUSTER_ENV=none to ignore Slurm") from None
 
 
-def expand_hostlist(hostlist: str) -> list[str]:
+def _shown(value: str) -> str:
+    """repr() of a variable's value, cut short: a hostile value may be megabytes long."""
+    return repr(value) if len(value) <= 200 else repr(value[:200]) + f"... ({len(value)} characters)"
+
+
+# A host-list item ("gpu[01-03,07]x[1-2]") parsed once: literal text and bracket groups alternate.
+# Each group is a list of (low, high, width) ranges; counting multiplies sizes, expanding takes the product.
+_Range = tuple[int, int, int]
+_Item = list[str | list[_Range]]
+
+
+def count_hostlist(hostlist: str, var: str = "SLURM_STEP_NODELIST") -> int:
+    """How many hosts `hostlist` names, computed without expanding it (`n[0-999999999]` -> 10**9)."""
+    return _count(_parse_hostlist(hostlist, var))
+
+
+def _count(items: list[_Item]) -> int:
+    total = 0
+    for item in items:
+        size = 1
+        for part in item:
+            if not isinstance(part, str):  # saturate: many groups multiply into numbers too long to handle
+                size = min(size * sum(high - low + 1 for low, high, _ in part), _SATURATED)
+        total = min(total + size, _SATURATED)
+    return total
+
+
+def expand_hostlist(hostlist: str, max_hosts: int = MAX_HOSTS, var: str = "SLURM_STEP_NODELIST",
+                    limit: str = "") -> list[str]:
     """Expand a Slurm host list: "gpu[01-03,07],cpu-a[1-2]x,login" -> individual hosts.
 
     Handles zero padding, several bracket groups per name (a cartesian
-    product, as Slurm does) and commas inside brackets.
+    product, as Slurm does) and commas inside brackets. The count is checked
+    against `max_hosts` before a single name is built, so `n[0-999999999]`
+    is a ConfigError at once rather than a MemoryError later.
+
+    Args:
+        var: the variable the list came from, named in errors.
+        limit: where `max_hosts` comes from, for the error (default: stratkit's maximum).
     """
+    items = _parse_hostlist(hostlist, var)
+    count = _count(items)
+    if count > max_hosts:
+        amount = f"more than {_SATURATED:.0e}" if count >= _SATURATED else str(count)
+        raise ConfigError(f"{var}={_shown(hostlist.strip())} names {amount} hosts, more than "
+                          f"{limit or f'the {MAX_HOSTS} hosts a Slurm cluster may have here'}. Fix: run under "
+                          "srun, which sets it to the step's nodes (e.g. node[01-04]), or set "
+                          "STRATKIT_CLUSTER_ENV=none to ignore Slurm")
     hosts: list[str] = []
-    for item in _split_top_level(hostlist.strip()):
-        if item:
-            hosts.extend(_expand_one(item, hostlist))
+    for item in items:
+        names = [""]
+        for part in item:
+            if isinstance(part, str):
+                names = [name + part for name in names]
+            else:
+                values = [str(n).zfill(width) for low, high, width in part for n in range(low, high + 1)]
+                names = [name + value for name in names for value in values]
+        hosts.extend(names)
     return hosts
+
+
+def _parse_hostlist(hostlist: str, var: str) -> list[_Item]:
+    return [_parse_item(item, hostlist, var) for item in _split_top_level(hostlist.strip()) if item]
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -70,46 +137,74 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def _expand_one(item: str, whole: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", item)
+def _parse_item(item: str, whole: str, var: str) -> _Item:
+    parts: _Item = []
+    position = 0
+    for match in re.finditer(r"\[([^\[\]]*)\]", item):
+        parts.append(item[position:match.start()])
+        parts.append([_parse_range(chunk, whole, var) for chunk in match.group(1).split(",")])
+        position = match.end()
+    parts.append(item[position:])
+    if any(isinstance(part, str) and ("[" in part or "]" in part) for part in parts):
+        raise _bad_hostlist(whole, var)
+    return parts
+
+
+def _parse_range(chunk: str, whole: str, var: str) -> _Range:
+    digits = "[0-9]{1,%d}" % _MAX_DIGITS  # ASCII digits only; longer numbers name no real host
+    match = re.fullmatch(f"({digits})(?:-({digits}))?", chunk)
     if match is None:
-        if "[" in item or "]" in item:
-            raise _bad_hostlist(whole)
-        return [item]
-    prefix, suffix = item[: match.start()], item[match.end():]
-    expanded = []
-    for chunk in match.group(1).split(","):
-        if re.fullmatch(r"\d+", chunk):
-            values = [chunk]
-        elif re.fullmatch(r"\d+-\d+", chunk):
-            low, high = chunk.split("-")
-            if int(high) < int(low):
-                raise _bad_hostlist(whole)
-            width = len(low)
-            values = [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
-        else:
-            raise _bad_hostlist(whole)
-        for value in values:
-            expanded.extend(_expand_one(prefix + value + suffix, whole))
-    return expanded
+        raise _bad_hostlist(whole, var)
+    low, high = match.group(1), match.group(2) or match.group(1)
+    if int(high) < int(low):
+        raise _bad_hostlist(whole, var)
+    return int(low), int(high), len(low)
 
 
-def _bad_hostlist(value: str) -> ConfigError:
-    return ConfigError(f"SLURM_STEP_NODELIST is not a Slurm host list: got {value!r}. "
+def _bad_hostlist(value: str, var: str = "SLURM_STEP_NODELIST") -> ConfigError:
+    return ConfigError(f"{var} is not a Slurm host list: got {_shown(value)}. "
                        "Fix: run under srun, which sets it (e.g. node[01-04]), "
                        "or set STRATKIT_CLUSTER_ENV=none to ignore Slurm")
 
 
-def expand_tasks_per_node(value: str) -> list[int]:
-    """Expand "2(x3),1" -> [2, 2, 2, 1]."""
-    counts: list[int] = []
+def expand_tasks_per_node(value: str, max_nodes: int = MAX_HOSTS,
+                          var: str = "SLURM_STEP_TASKS_PER_NODE") -> list[int]:
+    """Expand "2(x3),1" -> [2, 2, 2, 1]; more than `max_nodes` entries is a ConfigError (checked first)."""
+    number = "([0-9]{1,%d})" % _MAX_DIGITS
+    runs: list[tuple[int, int]] = []
     for chunk in value.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", chunk)
+        match = re.fullmatch(rf"\s*{number}(?:\(x{number}\))?\s*", chunk)
         if match is None:
-            raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE is not in Slurm's format: got {value!r}. "
+            raise ConfigError(f"{var} is not in Slurm's format: got {_shown(value)}. "
                               "Fix: run under srun, which sets it (e.g. 2(x3),1)")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
+        runs.append((int(match.group(1)), int(match.group(2) or 1)))
+    nodes = sum(repeat for _, repeat in runs)
+    if nodes > max_nodes:
+        raise ConfigError(f"{var}={_shown(value)} describes {nodes} nodes, more than the {max_nodes} a Slurm "
+                          "cluster may have here. Fix: run under srun, which sets it (e.g. 2(x3),1), or set "
+                          "STRATKIT_CLUSTER_ENV=none to ignore Slurm")
+    return [count for count, repeat in runs for _ in range(repeat)]
+
+
+# Where the hosts come from, in order; and the node counts that bound each list (a step runs on a
+# subset of the job's nodes, so the job's count bounds every list).
+_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_NODE_COUNT_VARS = {
+    "SLURM_STEP_NODELIST": ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "SLURM_JOB_NODELIST": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+    "SLURM_NODELIST": ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"),
+}
+
+
+def _node_limit(env: Mapping[str, str], nodelist_var: str) -> dict[str, Any]:
+    """expand_hostlist's `max_hosts` and `limit`: the first node count Slurm set, never above MAX_HOSTS."""
+    for count_var in _NODE_COUNT_VARS[nodelist_var]:
+        if env.get(count_var, "").strip():
+            nodes = _int(env[count_var], count_var)
+            if nodes < MAX_HOSTS:
+                return {"max_hosts": nodes, "limit": f"{count_var}={nodes}"}
+            break
+    return {"max_hosts": MAX_HOSTS, "limit": ""}
 
 
 def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
@@ -120,20 +215,24 @@ def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
     """
     num_tasks = _num_tasks(env)
     rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
+    var = next((v for v in _NODELIST_VARS if env.get(v)), None)
+    if var is None:
         raise ConfigError("SLURM_STEP_NODELIST is not set in a Slurm step with "
                           f"SLURM_STEP_NUM_TASKS={num_tasks}. Fix: launch with srun, or set "
                           "STRATKIT_CLUSTER_ENV=none to ignore Slurm")
-    hosts = expand_hostlist(nodelist)
-    per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if per_node_raw:
-        per_node = expand_tasks_per_node(per_node_raw)
+    nodelist = env[var]
+    hosts = expand_hostlist(nodelist, var=var, **_node_limit(env, var))
+    if not hosts:
+        raise _bad_hostlist(nodelist, var)
+    per_node_var = next((v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if env.get(v)), None)
+    per_node_raw = env[per_node_var] if per_node_var else None
+    if per_node_var:
+        per_node = expand_tasks_per_node(env[per_node_var], var=per_node_var)
     else:  # even block distribution
         per_node = [num_tasks // len(hosts) + (1 if i < num_tasks % len(hosts) else 0) for i in range(len(hosts))]
     if len(per_node) != len(hosts) or sum(per_node) != num_tasks:
-        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={per_node_raw!r} does not match "
-                          f"SLURM_STEP_NODELIST={nodelist!r} ({len(hosts)} hosts) and "
+        raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={_shown(per_node_raw or '')} does not match "
+                          f"{var}={_shown(nodelist)} ({len(hosts)} hosts) and "
                           f"SLURM_STEP_NUM_TASKS={num_tasks}. Fix: launch with srun so Slurm sets all three")
     base_port = _int(env.get(PORT_VAR, str(DEFAULT_PORT)), PORT_VAR)
     if not 1 <= base_port <= 65536 - max(per_node):  # ports base .. base + max - 1 must be <= 65535

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import reprlib
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,9 @@ def parse_tf_config(text: str) -> ParsedTFConfig | None:
     except RecursionError:
         raise _fail("is nested too deeply to be a cluster description", text,
                     f"set {VAR} to a JSON object such as {EXAMPLE}") from None
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits())
+        raise _fail(f"has an integer with more than the {sys.get_int_max_str_digits()} digits Python reads", text,
+                    f"write indices and ports as ordinary integers, e.g. {EXAMPLE}") from None
     if not isinstance(config, dict):
         raise _fail("must be a JSON object", config, f"set {VAR} to a JSON object such as {EXAMPLE}")
 
@@ -140,9 +144,19 @@ def _check_address(address: str, role: str) -> None:
                     'write every address as "host:port", e.g. "10.0.0.2:2222"')
     port = match.group("port")
     # isascii(): str.isdigit() also accepts "²" (int() then fails) and non-ASCII digits such as "١٢".
-    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-        raise _fail(f'cluster["{role}"] has port "{port}" outside 1..65535', address,
+    if not (port.isascii() and port.isdigit()) or not 1 <= _port_number(port) <= 65535:
+        shown = port if len(port) <= 12 else f"{port[:12]}...({len(port)} characters)"
+        raise _fail(f'cluster["{role}"] has port "{shown}" outside 1..65535', address,
                     'use a TCP port between 1 and 65535, e.g. "10.0.0.2:2222"')
+
+
+def _port_number(digits: str) -> int:
+    """The port of a digit string; 0 (invalid) for more than 5 digits, zeros included ("02222" is 2222).
+
+    The length test comes before int(): Python refuses to convert more than 4300 digits, and every
+    consumer of the address (TensorFlow, our reachability checks) gets a port it can parse.
+    """
+    return int(digits) if len(digits) <= 5 else 0
 
 
 def _check_unique(cluster: dict[str, list[str]]) -> None:
@@ -151,7 +165,7 @@ def _check_unique(cluster: dict[str, list[str]]) -> None:
         for index, address in enumerate(addresses):
             where = f"{role}[{index}]"
             host, _, port = address.rpartition(":")
-            key = (host.lower(), int(port))  # "H:02222" and "h:2222" are the same endpoint
+            key = (host.lower(), _port_number(port))  # "H:02222" and "h:2222" are the same endpoint
             if key in seen:
                 raise _fail(f"uses address {address} for both {seen[key]} and {where}", cluster,
                             "give every task its own host:port (a second task on a host needs another port)")

@@ -12,23 +12,39 @@ Protocol (UTF-8 text lines):
     task -> driver   HELLO <token> <rank> <label>   first line; anything else closes the connection
                      L <text>                       one output line
                      X <exit code>                  the training process ended (SETUP_FAILED: never started)
-    driver -> task   ABORT <reason>                 kill the training process now
+    driver -> task   OK                             the HELLO was accepted
+                     BUSY                           dropped before authentication (server full): retry
+                     ABORT <reason>                 kill the training process now
 
 Only connections that present the run's random token are accepted: the server
 listens on the driver's address, and without the token anything else on the
-network could inject lines or fake an exit code.
+network could inject lines or fake an exit code. Nothing a client sends is
+trusted, decoded as more than bytes, or kept beyond a small bound before it has
+authenticated, and one client cannot stop the server or starve the run:
+
+  * unauthenticated connections are served by one selector thread, never a
+    thread each; the HELLO must arrive whole within `HELLO_TIMEOUT` seconds
+    and `MAX_HELLO` bytes, at most `MAX_PENDING` wait at once (the oldest is
+    dropped with BUSY for a new one, so a flood cannot lock tasks out);
+  * authenticated connections (one thread each, dropped when it ends) are
+    capped per run, and a line longer than `MAX_LINE` characters is cut;
+  * accept() errors such as "too many open files" are retried with backoff;
+    an error the server cannot recover from calls `on_fatal`, so the run
+    fails with a clear message instead of waiting for logs that never come.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import hmac
 import secrets
+import selectors
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -36,9 +52,27 @@ from typing import TextIO
 TAIL_LINES = 100
 #: Longer lines are cut: a progress bar without newlines must not become one 100 MB "line".
 MAX_LINE = 8000
-_HELLO_TIMEOUT = 10.0
+#: The same bound in bytes, as read from a socket (a UTF-8 character is at most 4 bytes).
+MAX_LINE_BYTES = 4 * MAX_LINE
+#: Longest HELLO line ("HELLO <32 hex digits> <rank> <label>" is under 100 bytes).
+MAX_HELLO = 512
+#: Seconds a connection has to deliver its whole HELLO (not per byte: a trickle cannot extend it).
+HELLO_TIMEOUT = 10.0
+#: Unauthenticated connections held at once.
+MAX_PENDING = 64
+#: Authenticated connections at once when the number of tasks is not known.
+MAX_CONNECTIONS = 256
+#: Seconds accept() may keep failing (e.g. EMFILE) before the server gives up and reports it fatal.
+ACCEPT_GIVE_UP = 60.0
 #: The exit code a task reports when it failed before its training process started.
 SETUP_FAILED = -1000
+
+# accept() errors that concern one connection, or resources that come back: retry (see accept(2)).
+_RETRY_NOW = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT, errno.EHOSTDOWN,
+              errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH, errno.ETIMEDOUT,
+              getattr(errno, "ENONET", errno.ENETDOWN)}
+_RETRY_LATER = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_BUSY = b"BUSY\n"
 
 
 def _truncate(text: str) -> str:
@@ -57,6 +91,15 @@ class TaskLog:
     first_line_at: float | None = None
 
 
+@dataclass
+class _Pending:
+    """An accepted connection that has not authenticated yet."""
+
+    conn: socket.socket
+    deadline: float
+    buffer: bytearray = field(default_factory=bytearray)
+
+
 class LogServer:
     """The driver's end: accepts authenticated task connections, prints their lines, tracks exit codes.
 
@@ -66,74 +109,227 @@ class LogServer:
             reports its exit code (the runner uses it to abort the others on failure).
         stream: where lines are printed (default: `sys.stdout` at print time,
             so notebook/pytest capture works).
+        on_fatal: called once, from the server thread, with a message when the
+            server cannot accept connections any more (`self.failure` holds it too).
+        max_tasks: the run's number of tasks: a HELLO with a rank outside
+            0..max_tasks-1 is rejected, and at most 2 * max_tasks authenticated
+            connections are kept (room for a reconnecting task); default: no
+            rank check, `MAX_CONNECTIONS`.
+        accept_give_up: seconds of failing accept() before the failure is fatal.
     """
 
     def __init__(self, host: str = "127.0.0.1", on_exit: Callable[[TaskLog], None] | None = None,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, *, on_fatal: Callable[[str], None] | None = None,
+                 max_tasks: int | None = None, accept_give_up: float = ACCEPT_GIVE_UP) -> None:
         self.token = secrets.token_hex(16)
+        self._token = self.token.encode("ascii")
         self.host = host
         self._on_exit = on_exit
+        self._on_fatal = on_fatal
         self._stream = stream
+        self._max_tasks = max_tasks
+        self._max_connections = MAX_CONNECTIONS if max_tasks is None else 2 * max_tasks
+        self._accept_give_up = accept_give_up
         self._lock = threading.Lock()
         self._print_lock = threading.Lock()
         self.tasks: dict[int, TaskLog] = {}
         self._connections: dict[int, socket.socket] = {}
-        self._threads: list[threading.Thread] = []
+        self._threads: set[threading.Thread] = set()
         self.rejected = 0
+        #: accept() calls that failed and were retried (e.g. out of file descriptors).
+        self.accept_errors = 0
+        #: Why the server stopped accepting (None while it serves); see `on_fatal`.
+        self.failure: str | None = None
         self._closing = False
-        self._sock = socket.create_server((host, 0))
+        self._pending: dict[socket.socket, _Pending] = {}  # insertion order = age
+        self._accept_failing_since: float | None = None
+        self._accept_backoff = 0.0
+        self._accept_resume_at: float | None = None
+        self._sock = socket.create_server((host, 0), backlog=128)
+        self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
-        self._sock.settimeout(0.2)
-        self._acceptor = threading.Thread(target=self._accept_loop, name="stratkit-log-server", daemon=True)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._acceptor = threading.Thread(target=self._serve, name="stratkit-log-server", daemon=True)
         self._acceptor.start()
 
-    # -- serving --------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closing:
+    @property
+    def threads(self) -> int:
+        """Live connection threads (one per authenticated task connection)."""
+        with self._lock:
+            return len(self._threads)
+
+    @property
+    def pending(self) -> int:
+        """Connections accepted but not yet authenticated."""
+        return len(self._pending)
+
+    # -- accepting and authenticating (one thread, a selector) ------------------------------------
+    def _serve(self) -> None:
+        try:
+            while not self._closing:
+                if self._sock.fileno() == -1:
+                    raise OSError(errno.EBADF, "its listening socket was closed")
+                now = time.monotonic()
+                if self._accept_resume_at is not None and now >= self._accept_resume_at:
+                    self._accept_resume_at = None
+                    self._selector.register(self._sock, selectors.EVENT_READ)
+                timeout = 0.2 if self._accept_resume_at is None else min(0.2, self._accept_resume_at - now)
+                for key, _ in self._selector.select(max(0.0, timeout)):
+                    if key.fileobj is self._sock:
+                        self._accept_some()
+                    elif key.fileobj in self._pending:
+                        self._read_hello(self._pending[key.fileobj])
+                self._expire_pending(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - whatever stops this loop stops the server: report it
+            if not self._closing:
+                self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            for pending in list(self._pending.values()):
+                self._drop(pending)
+            self._selector.close()
+
+    def _accept_some(self) -> None:
+        for _ in range(MAX_PENDING):  # then serve the HELLOs that arrived: accepting must not starve them
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except BlockingIOError:
                 return
-            thread = threading.Thread(target=self._handle, args=(conn,), name="stratkit-log-conn", daemon=True)
-            thread.start()
-            with self._lock:
-                self._threads.append(thread)
+            except OSError as exc:
+                if exc.errno in _RETRY_NOW:
+                    continue
+                if exc.errno not in _RETRY_LATER:
+                    raise
+                self._accept_failed(exc)
+                return
+            self._accept_failing_since = None
+            self._accept_backoff = 0.0
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(next(iter(self._pending.values())), _BUSY)
+            conn.setblocking(False)
+            pending = _Pending(conn, time.monotonic() + HELLO_TIMEOUT)
+            self._pending[conn] = pending
+            self._selector.register(conn, selectors.EVENT_READ)
+            self._read_hello(pending)  # a task sends its HELLO with the connection: often it is here already
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of file descriptors or memory: free what we can, pause accepting, give up after a while."""
+        now = time.monotonic()
+        self.accept_errors += 1
+        if self._accept_failing_since is None:
+            self._accept_failing_since = now
+        elif now - self._accept_failing_since > self._accept_give_up:
+            raise OSError(exc.errno, f"accept() kept failing for {self._accept_give_up:.0f}s: {exc.strerror}")
+        if self._pending and exc.errno in (errno.EMFILE, errno.ENFILE):
+            self._drop(next(iter(self._pending.values())), _BUSY)  # an idle client's descriptor, for a task
+        self._accept_backoff = min(1.0, max(0.005, 2 * self._accept_backoff))
+        self._selector.unregister(self._sock)  # a listening socket stays readable: pause, do not spin
+        self._accept_resume_at = now + self._accept_backoff
+
+    def _read_hello(self, pending: _Pending) -> None:
+        try:
+            data = pending.conn.recv(MAX_HELLO + 1 - len(pending.buffer))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(pending)
+            return
+        pending.buffer += data
+        end = pending.buffer.find(b"\n")
+        if end < 0:
+            if len(pending.buffer) > MAX_HELLO:
+                self._drop(pending)
+            return
+        line, rest = bytes(pending.buffer[:end]), bytes(pending.buffer[end + 1:])
+        del self._pending[pending.conn]
+        self._selector.unregister(pending.conn)
+        self._admit(pending.conn, line, rest)
+
+    def _expire_pending(self, now: float) -> None:
+        for pending in list(self._pending.values()):
+            if pending.deadline > now:
+                break  # insertion order: the rest are younger
+            self._drop(pending)
+
+    def _drop(self, pending: _Pending, message: bytes = b"") -> None:
+        """Close a connection that did not (or could not) authenticate."""
+        if self._pending.pop(pending.conn, None) is not None:
+            try:
+                self._selector.unregister(pending.conn)
+            except (KeyError, ValueError):
+                pass
+        self._reject(pending.conn, message)
+
+    def _reject(self, conn: socket.socket, message: bytes = b"") -> None:
+        with self._lock:
+            self.rejected += 1
+        if message:
+            try:
+                conn.send(message)
+            except OSError:
+                pass
+        conn.close()
+
+    def _authenticate(self, line: bytes) -> tuple[int, str] | None:
+        """(rank, label) from a HELLO line, or None. Bytes only until the token matched."""
+        parts = line.rstrip(b"\r").split(b" ", 3)
+        if len(parts) != 4 or parts[0] != b"HELLO":
+            return None
+        if not hmac.compare_digest(parts[1], self._token):  # constant time for any bytes, any length
+            return None
+        rank_text = parts[2]
+        if not (rank_text.isdigit() and len(rank_text) <= 6):  # bytes.isdigit(): ASCII digits only
+            return None
+        rank = int(rank_text)
+        if self._max_tasks is not None and rank >= self._max_tasks:
+            return None
+        return rank, parts[3].decode("utf-8", errors="replace")
+
+    def _admit(self, conn: socket.socket, line: bytes, rest: bytes) -> None:
+        hello = self._authenticate(line)
+        if hello is None:
+            self._reject(conn)
+            return
+        with self._lock:
+            full = len(self._threads) >= self._max_connections
+        if full:
+            self._reject(conn, _BUSY)
+            return
+        thread = threading.Thread(target=self._serve_task, args=(conn, *hello, rest), name="stratkit-log-conn",
+                                  daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    # -- one authenticated task (a thread each) -----------------------------------------------------
+    def _serve_task(self, conn: socket.socket, rank: int, label: str, rest: bytes) -> None:
         task: TaskLog | None = None
         try:
-            conn.settimeout(_HELLO_TIMEOUT)
-            reader = conn.makefile("r", encoding="utf-8", errors="replace", newline="\n")
-            hello = reader.readline().rstrip("\n").split(" ", 3)
-            if len(hello) != 4 or hello[0] != "HELLO" or not hmac.compare_digest(hello[1], self.token) \
-                    or not hello[2].isdigit():
-                with self._lock:
-                    self.rejected += 1
-                return
-            rank, label = int(hello[2]), hello[3]
-            conn.settimeout(None)
+            conn.setblocking(True)
+            conn.sendall(b"OK\n")
             with self._lock:
                 task = self.tasks.setdefault(rank, TaskLog(rank, label))
                 self._connections[rank] = conn
-            for raw in reader:
-                kind, _, text = raw.rstrip("\n").partition(" ")
+            for raw in _bounded_lines(conn, rest, MAX_LINE_BYTES):
+                kind, _, text = raw.decode("utf-8", errors="replace").partition(" ")
                 if kind == "L":
-                    self._line(task, text)
+                    self._line(task, _truncate(text))
                 elif kind == "X":
                     try:
-                        task.exit_code = int(text)
+                        task.exit_code = int(text) if len(text) <= 20 else -1
                     except ValueError:
                         task.exit_code = -1
                     if self._on_exit is not None:
                         self._on_exit(task)
-        except (OSError, ValueError):
+        except OSError:
             pass  # a task that vanished; Spark reports the task failure itself
         finally:
             with self._lock:
                 if task is not None and self._connections.get(task.rank) is conn:
                     del self._connections[task.rank]
+                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _line(self, task: TaskLog, text: str) -> None:
@@ -146,6 +342,21 @@ class LogServer:
         with self._print_lock:
             stream.write(f"[{task.label}] {text}\n")
             stream.flush()
+
+    def _fail(self, reason: str) -> None:
+        message = (f"the driver's log server on {self.host or '*'}:{self.port} stopped accepting task "
+                   f"connections ({reason}). Fix: if it says too many open files, raise the driver's limit "
+                   "(ulimit -n); otherwise re-run")
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+        try:  # refuse new connections at once: a task then logs to its stderr instead of waiting in a backlog
+            self._sock.close()
+        except OSError:
+            pass
+        if self._on_fatal is not None:
+            self._on_fatal(message)
 
     # -- control --------------------------------------------------------------------------------
     def abort_all(self, reason: str) -> int:
@@ -181,6 +392,36 @@ class LogServer:
                 pass
 
 
+def _bounded_lines(conn: socket.socket, start: bytes, limit: int) -> Iterator[bytes]:
+    """The lines arriving on `conn` (without their newline); a line longer than `limit` bytes is cut to its first
+    `limit` bytes and the rest of it is read and dropped, so memory stays bounded whatever the peer sends."""
+    buffer = bytearray(start)
+    skipping = False  # inside the dropped rest of an over-long line
+    while True:
+        end = buffer.find(b"\n")
+        if end >= 0:
+            if not skipping:
+                yield bytes(buffer[:end])
+            skipping = False
+            del buffer[:end + 1]
+            continue
+        if len(buffer) > limit:
+            if not skipping:
+                yield bytes(buffer[:limit])
+            skipping = True
+            buffer.clear()
+        data = conn.recv(65536)
+        if not data:
+            if buffer and not skipping:
+                yield bytes(buffer)
+            return
+        buffer += data
+
+
+class _Busy(Exception):
+    """The server dropped this connection before authentication because it was full: retry."""
+
+
 class LogClient:
     """The task's end. Best effort: if the driver cannot be reached, lines go to this process's stderr.
 
@@ -200,18 +441,53 @@ class LogClient:
         self._closed = False
         self.connected = False
         self.error: str | None = None
-        try:
-            self._sock: socket.socket | None = socket.create_connection((host, port), timeout=timeout)
-            self._sock.settimeout(None)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(f"HELLO {token} {rank} {label}\n".encode())
-            self.connected = True
-        except OSError as exc:
-            self._sock = None
-            self.error = f"cannot reach the driver's log server at {host}:{port}: {exc}"
+        self._sock: socket.socket | None = None
+        hello = f"HELLO {token} {rank} {label}\n".encode()
+        deadline = time.monotonic() + 3 * timeout
+        while True:
+            try:
+                self._sock = self._handshake(host, port, hello, timeout)
+                break
+            except _Busy as exc:  # dropped in a flood of other connections: try again for a while
+                if time.monotonic() + 0.2 >= deadline:
+                    self.error = f"the driver's log server at {host}:{port} stayed busy: {exc}"
+                    break
+                time.sleep(0.2)
+            except OSError as exc:
+                self.error = f"cannot reach the driver's log server at {host}:{port}: {exc}"
+                break
+        if self._sock is None:
             sys.stderr.write(f"[stratkit] {self.error}; task output stays in this executor's stderr\n")
-        if self.connected:
-            threading.Thread(target=self._read_loop, name="stratkit-log-abort", daemon=True).start()
+            return
+        self.connected = True
+        threading.Thread(target=self._read_loop, name="stratkit-log-abort", daemon=True).start()
+
+    @staticmethod
+    def _handshake(host: str, port: int, hello: bytes, timeout: float) -> socket.socket:
+        """Connect, send HELLO, wait for OK. Raises _Busy (retry) or OSError (give up)."""
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(hello)
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < 8:  # exactly one short line: ABORT may follow
+                data = sock.recv(1)
+                if not data:
+                    break
+                reply += data
+        except (TimeoutError, ConnectionResetError) as exc:
+            sock.close()
+            raise _Busy(str(exc) or type(exc).__name__) from None
+        except BaseException:
+            sock.close()
+            raise
+        if reply == b"OK\n":
+            sock.settimeout(None)
+            return sock
+        sock.close()
+        if reply == _BUSY:
+            raise _Busy("too many connections")
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "the driver refused this task's token")
 
     def _read_loop(self) -> None:
         assert self._sock is not None

@@ -265,10 +265,18 @@ class SparkRunner:
                 state.timed_out = True
             stop_everything(f"timeout of {self.timeout}s reached")
 
+        def on_fatal(message: str) -> None:  # the log server cannot accept tasks any more: fail, do not wait
+            with state.lock:
+                if state.failure is not None or state.timed_out or state.finished:
+                    return
+                state.server_failure = message
+            threading.Thread(target=stop_everything, name="stratkit-abort", daemon=True, args=(message,)).start()
+
+        limits = {"on_exit": on_exit, "on_fatal": on_fatal, "max_tasks": plan.num_tasks}
         try:
-            server = LogServer(bind_host, on_exit=on_exit)
+            server = LogServer(bind_host, **limits)
         except OSError:  # a bind address this process cannot use: every interface (the token still guards)
-            server = LogServer("", on_exit=on_exit)
+            server = LogServer("", **limits)
         plan = _with_log_server(plan, server)
         timer = None
         if deadline is not None:
@@ -325,6 +333,9 @@ class SparkRunner:
                 f"Its last {len(lines)} lines:\n" + "\n".join(lines),
                 task=failure.label, rank=failure.rank, exit_code=failure.exit_code, lines=lines,
                 attempt=plan.attempt)
+        if state.server_failure is not None:
+            return SparkTrainingError(f"{attempts} was stopped (every task killed, the Spark job cancelled) because "
+                                      f"{state.server_failure}", attempt=plan.attempt)
         text = str(error)
         hint = ""
         if "ModuleNotFoundError" in text or "No module named" in text:
@@ -343,6 +354,7 @@ class _AttemptState:
     failure: TaskLog | None = None
     timed_out: bool = False
     finished: bool = False
+    server_failure: str | None = None  # why the log server stopped accepting (LogServer.on_fatal)
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ The generator mixes four families so that a good share of examples is valid
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -150,7 +151,7 @@ def tf_config_texts(draw: st.DrawFn) -> tuple[str, str, dict | None]:
     """(family, TF_CONFIG text, expected fields or None when validity is not known in advance)."""
     data = draw(st.data())
     family = draw(st.sampled_from(["valid", "valid", "valid", "corrupted", "corrupted", "structured",
-                                   "json", "text", "near-json"]))
+                                   "json", "text", "near-json", "huge-number"]))
     if family == "valid":
         config, expected = draw(valid_configs())
         text = json.dumps(config, indent=draw(st.sampled_from([None, 2])))
@@ -167,7 +168,21 @@ def tf_config_texts(draw: st.DrawFn) -> tuple[str, str, dict | None]:
     if family == "near-json":
         config, _ = draw(valid_configs())
         return family, _near_json(json.dumps(config), data), None
+    if family == "huge-number":
+        config, _ = draw(valid_configs())
+        return family, _with_huge_number(json.dumps(config), data), None
     return family, draw(st.text(max_size=40)), None
+
+
+def _with_huge_number(text: str, data: st.DataObject) -> str:
+    """Put an integer longer than Python converts (or a port with as many digits) somewhere in valid JSON."""
+    digits = data.draw(st.sampled_from(["9" * 5000, "1" + "0" * 4300, "0" * 5000 + "7"]), label="digits")
+    where = data.draw(st.sampled_from(["index", "port", "value"]), label="where")
+    if where == "index":
+        return re.sub(r'"index": \d+', f'"index": {digits.lstrip("0") or "0"}', text)
+    if where == "port":
+        return re.sub(r':\d+"', f':{digits}"', text, count=1)
+    return text[:-1] + f', "n": -{digits.lstrip("0") or "0"}}}'
 
 
 FIELDS = ("strategy", "task_type", "task_index", "cluster", "is_chief", "num_workers")
@@ -257,11 +272,15 @@ def test_generator_yields_many_valid_configs() -> None:
 STRATEGY_NAMES = st.one_of(st.none(), st.sampled_from(["mirrored", "MirroredStrategy", "mwms", "ps", "tpu",
                                                        "one_device", "OneDeviceStrategy", "", "horovod",
                                                        "Strategy"]), st.text(max_size=8))
-SMALL_NUMBERS = st.one_of(st.integers(-2, 6).map(str), st.text(alphabet="0123456789-x ", max_size=3))
-HOSTLISTS = st.one_of(st.sampled_from(["n[1-2]", "node[01-03,07]", "rack[1-2]-n[01-02]", "a,b", "n[", "n[2-1]", ""]),
-                      st.text(alphabet="ab[]-,0123456789", max_size=10).filter(
-                          lambda s: not any(len(run) > 3 for run in "".join(c if c.isdigit() else " " for c in s)
-                                            .split())))
+# Hostile sizes too: a host list or count that would expand to millions of entries, and integers
+# longer than Python converts (4300 digits). detect() must answer those with a ConfigError at once.
+HUGE_NUMBERS = st.sampled_from(["999999999", "9" * 40, "9" * 5000, "0" * 5000 + "2"])
+SMALL_NUMBERS = st.one_of(st.integers(-2, 6).map(str), st.text(alphabet="0123456789-x ", max_size=3),
+                          HUGE_NUMBERS)
+HOSTLISTS = st.one_of(st.sampled_from(["n[1-2]", "node[01-03,07]", "rack[1-2]-n[01-02]", "a,b", "n[", "n[2-1]", "",
+                                       ",", "n[0-999999999]", "a[0-99999]b[0-99999]", "n[1-2]" * 40,
+                                       f"n[0-{'9' * 5000}]", "n[0-65535]"]),
+                      st.text(alphabet="ab[]-,0123456789", max_size=30))
 
 
 @st.composite
@@ -298,7 +317,10 @@ def slurm_steps(draw: st.DrawFn) -> dict[str, str]:
         "SLURM_PROCID": SMALL_NUMBERS,
         "SLURM_STEP_NUM_TASKS": SMALL_NUMBERS,
         "SLURM_STEP_NODELIST": HOSTLISTS,
-        "SLURM_STEP_TASKS_PER_NODE": st.sampled_from(["1", "2", "1(x2)", "2(x2)", "2(x3),1", "x", ""]),
+        "SLURM_STEP_TASKS_PER_NODE": st.sampled_from(["1", "2", "1(x2)", "2(x2)", "2(x3),1", "x", "",
+                                                      "1(x999999999)", f"1(x{'9' * 5000})", "9" * 5000]),
+        "SLURM_JOB_NUM_NODES": SMALL_NUMBERS,
+        "SLURM_NNODES": SMALL_NUMBERS,
         "STRATKIT_SLURM_PORT": st.sampled_from(["8888", "65535", "0", "port"]),
     }),
 )
