@@ -69,7 +69,8 @@ def parse_cluster_arg(values: list[str]) -> dict[str, list[str]]:
 def _tf_config(args: argparse.Namespace) -> int:
     cluster = parse_cluster_arg(args.cluster)
     role, sep, index = args.task.partition(":")
-    if not sep or not index.isdigit():
+    # isascii + a length cap: int() of thousands of digits raises a plain ValueError.
+    if not sep or not (index.isascii() and index.isdigit()) or len(index) > 9:
         raise ConfigError(f"--task {args.task!r} is not ROLE:INDEX. Fix: e.g. --task worker:1 "
                           f"(roles: {', '.join(ROLES)})")
     text = json.dumps({"cluster": cluster, "task": {"type": role, "index": int(index)}})

@@ -40,3 +40,12 @@ def test_help_lists_the_commands():
     assert result.returncode == 0
     for command in ("info", "tf-config"):
         assert command in result.stdout
+
+
+def test_tf_config_with_an_absurd_task_index_exits_2_naming_the_flag():
+    huge = "9" * 5000  # longer than Python's int-string limit
+    result = _run("-m", "stratkit.cli", "tf-config", "--cluster", "worker=a:1,b:2", "--task", f"worker:{huge}")
+    assert result.returncode == 2, result.stderr
+    assert "--task" in result.stderr and "Fix:" in result.stderr and "Traceback" not in result.stderr
+    ok = _run("-m", "stratkit.cli", "tf-config", "--cluster", "worker=a:1,b:2", "--task", "worker:1")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["task"] == {"type": "worker", "index": 1}
