@@ -475,7 +475,7 @@ def apply(strategy: Any = None) -> str:
         if major < 3:
             _status = "not_needed"  # Keras 2 / tf-keras has neither bug.
             return _status
-        check_supported(version)  # below the floor: refused in every mode but off
+        check_supported(version)  # below the floor: refused, force or not
         import keras
 
         if keras.backend.backend() != "tensorflow":
@@ -615,6 +615,8 @@ def supported_range() -> str:
 
 def check_supported(version: str | None = None) -> None:
     """Refuse a Keras 3 release below :data:`KERAS_FLOOR`, whatever :data:`ENV_VAR` says.
+
+    ``make_strategy`` calls it for every strategy (``off`` skips :func:`apply`, not this).
 
     Keras 2 / tf-keras (major version < 3) passes: it needs no fixes. The
     refusal is not subject to ``force`` because forcing these releases is known
