@@ -22,12 +22,14 @@ two bugs that stop ``fit``/``evaluate`` under ``MultiWorkerMirroredStrategy``
    original function.
 
 Both fixes replace private Keras functions, so they are applied only to Keras
-versions they were verified on (:data:`TESTED_KERAS_VERSIONS`, with two real
-worker processes in ``tests/strategy/test_keras_compat.py``). On any other
-Keras 3 version :func:`apply` runs a cheap in-process probe of the installed
-functions; if it cannot prove both bugs are gone it raises
-:class:`~stratkit.errors.KerasCompatError` instead of letting training fail
-later or, worse, silently do something else.
+versions they were verified on (:data:`TESTED_KERAS_VERSIONS`, proved by the
+compat suite ``make compat`` / ``tools/compat.py`` on real worker processes).
+Below :data:`KERAS_FLOOR` every strategy is refused, even when forced (forcing
+is measured to train wrong there). On any other Keras 3 version :func:`apply`
+runs a cheap in-process probe of the installed functions; if it cannot prove
+both bugs are gone it raises :class:`~stratkit.errors.KerasCompatError` instead
+of letting training fail later or, worse, silently do something else. The
+parameter-server loop sits behind the same gate (:func:`check_parameter_server`).
 
 This module imports neither TensorFlow nor Keras at import time: ``import
 stratkit`` must stay TensorFlow-free. Everything heavy is imported inside the
