@@ -24,9 +24,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-#: Versions the test suites ran on. TensorFlow and Keras: every pair `make compat`
-#: proved (the gate's own tables). tf-keras and pyspark: what `make test` ran with.
 def _tested_versions() -> dict[str, frozenset[str]]:
+    """Versions the test suites ran on, per distribution name.
+
+    TensorFlow and Keras: the pairs `make compat` proved (the gate's own tables).
+    tf-keras and pyspark: the versions `make test` ran with.
+    """
     from stratkit.strategy import keras_compat  # TF-free
 
     return {
