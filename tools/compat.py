@@ -145,8 +145,9 @@ def keras_overlay(python: str, version: str, cache: Path, fresh: bool) -> Path:
         shutil.rmtree(target)
     if not (target / "keras" / "__init__.py").exists():
         print(f"[compat] pip install --target {target} keras=={version}", flush=True)
-        _pip(python, "install", "--quiet", "--no-deps", "--target", str(target), f"keras=={version}",
-             log=cache / "install.log")
+        # Few retries: without a reachable index the tests that use this skip quickly.
+        _pip(python, "install", "--quiet", "--retries", "1", "--timeout", "20", "--no-deps", "--target",
+             str(target), f"keras=={version}", log=cache / "install.log")
     return target
 
 
