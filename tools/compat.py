@@ -311,7 +311,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def render_table(data: dict[str, Any]) -> str:
     """The Markdown of the README's "Supported versions" table."""
     names = list(data.get("tests", COMPAT_TESTS))
-    lines = [f"Run by `make compat` on {data.get('updated', '?')} (Python {data.get('python', '?')}, "
+    lines = [f"Last run of `tools/compat.py run` (what `make compat` runs): {data.get('updated', '?')} "
+             f"(Python {data.get('python', '?')}, "
              f"{data.get('machine', '?')}). Test node ids: `tools/compat.py` `COMPAT_TESTS`.", "",
              "| TensorFlow | Keras | result | " + " | ".join(f"`{n}`" for n in names) + " | wall |",
              "|---|---|---|" + "---|" * len(names) + "---|"]
