@@ -9,7 +9,7 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench compat clean
 
 install: $(STAMP)
 
@@ -30,6 +30,13 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# Not part of `make test`: the version-sensitive tests on every supported
+# (TensorFlow, Keras) pair, in cached environments (~/.cache/stratkit-compat).
+# One pair: make compat TF=2.16.2 KERAS=3.16.0
+compat: $(STAMP)
+	$(PY) tools/compat.py run $(if $(TF),--tf $(TF)) $(if $(KERAS),--keras $(KERAS)); \
+	status=$$?; $(PY) tools/compat.py render && exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,15 +24,42 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _tested_versions() -> dict[str, frozenset[str]]:
+    """Versions the test suites ran on, per distribution name.
+
+    TensorFlow and Keras: the pairs `make compat` proved (the gate's own tables).
+    tf-keras and pyspark: the versions `make test` ran with.
+    """
+    from stratkit.strategy import keras_compat  # TF-free
+
+    return {
+        "tensorflow": keras_compat.TESTED_TENSORFLOW_VERSIONS,
+        "tensorflow-cpu": keras_compat.TESTED_TENSORFLOW_VERSIONS,
+        "keras": keras_compat.TESTED_KERAS_VERSIONS,
+        "tf-keras": frozenset({"2.21.0"}),
+        "pyspark": frozenset({"4.3.0"}),
+    }
+
+
+def _versions() -> tuple[dict[str, str | None], dict[str, bool]]:
+    """Installed versions (from package metadata: no import, so no TensorFlow start) and which are tested."""
+    versions = {name: _version(name) for name in
+                ("stratkit", "tensorflow", "tensorflow-cpu", "keras", "tf-keras", "pyspark")}
+    tested = {name: version in allowed for name, allowed in _tested_versions().items()
+              if (version := versions.get(name)) is not None}
+    return versions, tested
+
+
 def _info(args: argparse.Namespace) -> int:
     spec = detect(strategy=args.strategy)
+    versions, tested = _versions()
     report = {
         "spec": spec.to_dict(),
         "tf_config": spec.to_tf_config(),
         "devices": {"gpus": spec.num_gpus, "cpus": os.cpu_count(),
                     "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")},
-        "versions": {name: _version(name) for name in
-                     ("stratkit", "tensorflow", "tensorflow-cpu", "keras", "tf-keras", "pyspark")},
+        "versions": versions,
+        "tested": tested,
         "python": sys.version.split()[0],
     }
     if args.json:
@@ -49,7 +76,19 @@ def _info(args: argparse.Namespace) -> int:
     for reason in spec.reasons:
         print(f"  - {reason}")
     print(f"devices       {spec.num_gpus} GPU(s), {os.cpu_count()} CPU core(s)")
-    print("versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v))
+    print("versions")
+    for name, version in versions.items():
+        if version:
+            note = "" if name not in tested else ("  tested" if tested[name] else "  NOT tested")
+            print(f"  {name:<15}{version}{note}")
+    if "keras" in tested and not tested["keras"]:
+        from stratkit.strategy import keras_compat
+
+        keras = str(versions["keras"])
+        below = keras_compat.version_tuple(keras) < keras_compat.version_tuple(keras_compat.KERAS_FLOOR)
+        advice = (f"Keras {keras} is below the floor and refused; pip install 'keras>={keras_compat.KERAS_FLOOR}'"
+                  if below else f"to prove Keras {keras}: {keras_compat.COMPAT_COMMAND.format(keras=keras)}")
+        print(f"  stratkit supports {keras_compat.supported_range()}; {advice}")
     return 0
 
 

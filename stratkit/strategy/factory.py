@@ -61,16 +61,15 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
     if unknown:
         raise ConfigError(f"make_strategy got option(s) {unknown} that strategy {spec.strategy!r} does not take. "
                           f"Fix: use only {sorted(known) or 'no options'}")
+    from stratkit.strategy import keras_compat
+
+    keras_compat.check_supported()  # below the Keras floor nothing is supported, one device and ps servers included
     result = build(spec, **options)
     # One device never reaches the buggy cross-replica code, so an untested Keras
     # version is no reason to refuse it.
     if spec.strategy in ("mirrored", "multi_worker_mirrored"):
-        from stratkit.strategy import keras_compat
-
         keras_compat.apply(result)  # also guards the user's own model.fit (callbacks, verbose, ...)
     elif spec.strategy == "parameter_server":
-        from stratkit.strategy import keras_compat
-
         # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
         keras_compat.install_fit_guards()
     return result

@@ -22,12 +22,14 @@ two bugs that stop ``fit``/``evaluate`` under ``MultiWorkerMirroredStrategy``
    original function.
 
 Both fixes replace private Keras functions, so they are applied only to Keras
-versions they were verified on (:data:`TESTED_KERAS_VERSIONS`, with two real
-worker processes in ``tests/strategy/test_keras_compat.py``). On any other
-Keras 3 version :func:`apply` runs a cheap in-process probe of the installed
-functions; if it cannot prove both bugs are gone it raises
-:class:`~stratkit.errors.KerasCompatError` instead of letting training fail
-later or, worse, silently do something else.
+versions they were verified on (:data:`TESTED_KERAS_VERSIONS`, proved by the
+compat suite ``make compat`` / ``tools/compat.py`` on real worker processes).
+Below :data:`KERAS_FLOOR` every strategy is refused, even when forced (forcing
+is measured to train wrong there). On any other Keras 3 version :func:`apply`
+runs a cheap in-process probe of the installed functions; if it cannot prove
+both bugs are gone it raises :class:`~stratkit.errors.KerasCompatError` instead
+of letting training fail later or, worse, silently do something else. The
+parameter-server loop sits behind the same gate (:func:`check_parameter_server`).
 
 This module imports neither TensorFlow nor Keras at import time: ``import
 stratkit`` must stay TensorFlow-free. Everything heavy is imported inside the
@@ -47,8 +49,12 @@ __all__ = [
     "ENV_VAR",
     "PS_FIX",
     "ParameterServerMetricError",
+    "KERAS_FLOOR",
     "TESTED_KERAS_VERSIONS",
+    "TESTED_TENSORFLOW_VERSIONS",
     "apply",
+    "check_parameter_server",
+    "check_supported",
     "check_first_batch",
     "check_steps_per_execution",
     "install_fit_guards",
@@ -58,14 +64,31 @@ __all__ = [
     "revert",
     "resume_epoch",
     "revert_fit_guards",
+    "supported_range",
     "upstream_bugs_present",
+    "version_tuple",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Exact Keras versions on which the patches were verified with two real MWMS
-#: worker processes (identical, finite losses; evaluate and predict correct).
-TESTED_KERAS_VERSIONS: frozenset[str] = frozenset({"3.15.1"})
+#: Exact Keras versions the compat suite (``make compat``, ``tools/compat.py``)
+#: proved: 2-worker MWMS weights equal to one process, Mirrored, parameter-server
+#: training with an evaluator, backup resume, plain ``model.fit`` (see
+#: ``benchmarks/results/compat.json``; a test keeps this set equal to its passing rows).
+TESTED_KERAS_VERSIONS: frozenset[str] = frozenset({"3.11.3", "3.12.4", "3.13.2", "3.14.1", "3.15.1"})
+
+#: The oldest Keras stratkit supports. Older releases are refused in every mode,
+#: ``force`` included, because forcing them is known to go wrong: 3.8-3.10 pass
+#: ``(step, iterator)`` pairs to ``_maybe_symbolic_build`` (the patch crashes; a
+#: tolerant patch gives right weights but wrong history metrics), 3.3 fails with
+#: ``KeyError`` and a scalar-only fix lets workers diverge silently.
+KERAS_FLOOR = "3.11.0"
+
+#: TensorFlow versions the compat suite ran (each with every tested Keras).
+TESTED_TENSORFLOW_VERSIONS: frozenset[str] = frozenset({"2.16.2", "2.21.0"})
+
+#: The command that proves another (TF, Keras) pair, named in refusals.
+COMPAT_COMMAND = "make compat KERAS={keras}"
 
 #: Environment variable overriding the version gate: ``force`` patches any
 #: Keras 3 version (at the user's own risk), ``off`` never patches,
@@ -411,16 +434,15 @@ def upstream_bugs_present() -> list[str]:
 
 
 def _refusal(version: str, bugs: list[str]) -> KerasCompatError:
-    """The error raised for an untested Keras version that still has a bug."""
-    tested = ", ".join(sorted(TESTED_KERAS_VERSIONS))
-    newest = max(TESTED_KERAS_VERSIONS, key=lambda v: tuple(int(p) for p in v.split(".")))
+    """The error raised for an untested Keras version (at or above the floor) that still has a bug."""
     return KerasCompatError(
         f"Keras {version} is installed, but stratkit's multi-worker fixes for Keras 3 "
-        f"were only tested on Keras {tested}, and a self-check of Keras {version} "
+        f"were only proved on {supported_range()}, and a self-check of Keras {version} "
         f"could not show these upstream bugs are fixed: {'; '.join(bugs)}. "
-        f"Fix: install a tested version (pip install keras=={newest}), or set "
-        f"{ENV_VAR}=force to apply the patches to Keras {version} at your own risk, "
-        f"or set {ENV_VAR}=off to run Keras {version} unpatched."
+        f"Fix: install a tested version (pip install keras=={_newest_tested()}); or prove this one "
+        f"with `{COMPAT_COMMAND.format(keras=version)}` in a stratkit checkout and add it to "
+        f"TESTED_KERAS_VERSIONS; or set {ENV_VAR}=force to apply the patches to Keras {version} "
+        f"at your own risk, or {ENV_VAR}=off to run Keras {version} unpatched."
     )
 
 
@@ -463,6 +485,7 @@ def apply(strategy: Any = None) -> str:
         if major < 3:
             _status = "not_needed"  # Keras 2 / tf-keras has neither bug.
             return _status
+        check_supported(version)  # below the floor: refused, force or not
         import keras
 
         if keras.backend.backend() != "tensorflow":
@@ -881,3 +904,149 @@ def resume_epoch(model: Any) -> int:
     the model's ``_initial_epoch``.
     """
     return int(getattr(model, "_initial_epoch", None) or 0)
+
+
+# --------------------------------------------------------------------------
+# Supported versions: the floor, the tested set, the parameter-server check
+# --------------------------------------------------------------------------
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The leading numeric parts of a version: ``"3.16.0.dev2025"`` -> ``(3, 16, 0)``."""
+    parts: list[int] = []
+    for piece in version.split("."):
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    if not parts:
+        raise KerasCompatError(f"Cannot parse the Keras version {version!r}.")
+    return tuple(parts)
+
+
+def _newest_tested() -> str:
+    return max(TESTED_KERAS_VERSIONS, key=version_tuple)
+
+
+def supported_range() -> str:
+    """One phrase naming what works, for error messages and ``stratkit info``."""
+    tested = ", ".join(sorted(TESTED_KERAS_VERSIONS, key=version_tuple))
+    tf = ", ".join(sorted(TESTED_TENSORFLOW_VERSIONS, key=version_tuple))
+    return f"Keras >= {KERAS_FLOOR} (tested: Keras {tested}; TensorFlow {tf})"
+
+
+def check_supported(version: str | None = None) -> None:
+    """Refuse a Keras 3 release below :data:`KERAS_FLOOR`, whatever :data:`ENV_VAR` says.
+
+    ``make_strategy`` calls it for every strategy (``off`` skips :func:`apply`, not this).
+
+    Keras 2 / tf-keras (major version < 3) passes: it needs no fixes. The
+    refusal is not subject to ``force`` because forcing these releases is known
+    to crash inside the patches or train wrong without an error.
+
+    Raises:
+        KerasCompatError: naming the installed version, the supported range and the fix.
+    """
+    version = installed_keras_version() if version is None else version
+    if _major(version) != 3 or version_tuple(version) >= version_tuple(KERAS_FLOOR):
+        return
+    raise KerasCompatError(
+        f"Keras {version} is installed, but stratkit supports {supported_range()}. "
+        f"Keras {version} is refused even with {ENV_VAR}=force: its trainer differs from the code "
+        f"stratkit's fixes replace, and forcing them is known to crash or train wrong "
+        f"(Keras 3.8-3.10: wrong history metrics; 3.3: workers diverge). "
+        f"Fix: pip install 'keras>={KERAS_FLOOR}' (newest tested: pip install keras=={_newest_tested()})."
+    )
+
+
+#: What the parameter-server loop (stratkit/training/ps.py) uses of Keras'
+#: trainer, checked before training starts: class attributes, then attributes
+#: Keras sets on each compiled model.
+_PS_MODEL_ATTRIBUTES = ("_symbolic_build", "_compute_loss", "compute_metrics", "get_metrics_result",
+                        "metrics_variables", "reset_metrics")
+_PS_INSTANCE_ATTRIBUTES = ("_loss_tracker", "_call_has_training_arg")
+
+
+def parameter_server_internals_missing(model: Any = None) -> list[str]:
+    """The Keras internals the parameter-server loop needs that this Keras lacks (empty: all there).
+
+    Fails closed: anything that cannot be imported or inspected counts as missing.
+    ``model`` (a compiled Keras model) lets the instance attributes be checked too.
+    """
+    import inspect
+
+    missing: list[str] = []
+    try:
+        import keras
+    except Exception:  # noqa: BLE001 - any failure means "cannot verify"
+        return ["keras"]
+    for name in _PS_MODEL_ATTRIBUTES:
+        if not hasattr(keras.Model, name):
+            missing.append(f"keras.Model.{name}")
+    compute_loss = getattr(keras.Model, "_compute_loss", None)
+    if compute_loss is not None:
+        try:
+            if "training" not in inspect.signature(compute_loss).parameters:
+                missing.append("keras.Model._compute_loss(training=...)")
+        except (TypeError, ValueError):
+            missing.append("keras.Model._compute_loss(training=...)")
+    scope = getattr(keras, "StatelessScope", None)
+    if scope is None or not hasattr(scope, "get_current_value"):
+        missing.append("keras.StatelessScope.get_current_value")
+    optimizer_cls = getattr(getattr(keras, "optimizers", None), "Optimizer", None)
+    if not hasattr(optimizer_cls, "scale_loss"):
+        missing.append("keras.optimizers.Optimizer.scale_loss")
+    try:
+        from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: F401
+    except Exception:  # noqa: BLE001
+        missing.append("keras.src.losses.loss.unscale_loss_for_distribution")
+    if model is not None:
+        missing.extend(f"model.{name}" for name in _PS_INSTANCE_ATTRIBUTES if not hasattr(model, name))
+    return missing
+
+
+def check_parameter_server(model: Any = None) -> None:
+    """Refuse parameter-server training up front on a Keras it was not proved on.
+
+    The PS loop runs on Keras internals (``_compute_loss``, ``_symbolic_build``,
+    ``_loss_tracker``, ...), so it sits behind the same gate as the sync patches:
+    below :data:`KERAS_FLOOR` refused in every mode; an untested version refused
+    unless ``STRATKIT_KERAS_COMPAT=force`` (``off`` means "do not patch", and the PS
+    loop patches nothing, so it is treated like ``auto``); and in every case the
+    internals it needs must be there (:func:`parameter_server_internals_missing`),
+    so an incompatible Keras fails here rather than with an ``AttributeError``
+    deep inside the first scheduled step.
+
+    Raises:
+        KerasCompatError: naming the version, what is missing and the fix.
+    """
+    mode = _mode()
+    version = installed_keras_version()
+    if _major(version) != 3:
+        raise KerasCompatError(
+            f"Keras {version} is in use, but parameter-server training needs Keras 3 "
+            f"({supported_range()}). Fix: unset TF_USE_LEGACY_KERAS and pip install keras=={_newest_tested()}."
+        )
+    check_supported(version)
+    if version not in TESTED_KERAS_VERSIONS and mode != "force":
+        raise KerasCompatError(
+            f"Keras {version} is installed, but stratkit's parameter-server training was only proved on "
+            f"{supported_range()}. Fix: pip install keras=={_newest_tested()}; or prove Keras {version} with "
+            f"`{COMPAT_COMMAND.format(keras=version)}` and add it to TESTED_KERAS_VERSIONS; or set "
+            f"{ENV_VAR}=force to train with it at your own risk."
+        )
+    missing = parameter_server_internals_missing(model)
+    if missing:
+        raise KerasCompatError(
+            f"Keras {version} lacks what stratkit's parameter-server loop uses: {', '.join(missing)}. "
+            f"Fix: pip install keras=={_newest_tested()} ({supported_range()})."
+        )
+    if version not in TESTED_KERAS_VERSIONS:
+        log.warning("Keras %s is not among the tested versions %s; %s=force: parameter-server training "
+                    "at your own risk.", version, sorted(TESTED_KERAS_VERSIONS, key=version_tuple), ENV_VAR)

@@ -48,6 +48,7 @@ import keras
 import numpy as np
 
 from stratkit.errors import ConfigError, KerasCompatError
+from stratkit.strategy import keras_compat
 from stratkit.training import backup as backup_lib
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def fit_parameter_server(trainer: Any, model: Any, data: Any, *, epochs: int, st
         `optimizer.iterations`), `.steps_scheduled` (the same, scheduled) and
         `.initial_epoch` (the epoch resumed at).
     """
+    keras_compat.check_parameter_server(model)  # an unsupported Keras fails here, not deep in a step
     check_steps_per_epoch(steps_per_epoch)
     spec = trainer.spec
     if spec.task_type == "evaluator":
