@@ -86,10 +86,15 @@ def _call(fn, args, kwargs):
 
 def main(argv: list[str]) -> int:
     _die_with_parent()
+    from stratkit import timeline
+
+    timeline.mark("process started")
     workdir = argv[1]
     try:
         fn, args, kwargs = _load(workdir)
+        timeline.mark("function starts")
         result = _call(fn, args, kwargs)
+        timeline.mark("function returns")
         if os.environ.get(RESULT_VAR) == "1":
             import cloudpickle
 
@@ -97,6 +102,7 @@ def main(argv: list[str]) -> int:
             with open(tmp, "wb") as handle:
                 cloudpickle.dump(result, handle)
             os.replace(tmp, os.path.join(workdir, RESULT))
+            timeline.mark("result written")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code:

@@ -31,7 +31,7 @@ from stratkit.spark import data as data_module
 from stratkit.spark import layout, slots
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
-from stratkit.spark.task import TaskPlan, arrow_partition_function, rdd_partition_function
+from stratkit.spark.task import INFO_SEQ, TaskPlan, arrow_partition_function, rdd_partition_function
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,21 @@ class RunReport:
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     tails: dict[str, list[str]] = field(default_factory=dict)
     first_output_seconds: dict[str, float] = field(default_factory=dict)
+    #: Per-phase timeline of the run: `{"who": "driver" or a task label, "event": ..., "t": time.time(),
+    #: "s": seconds since run() was called}`, in time order. Task phases come from the last attempt's
+    #: successful tasks (slot check, stage submit, task start, process spawned, strategy ready -- every
+    #: worker connected --, first step, end of training, process exit, run() returns).
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    called_at: float = 0.0
+
+    def mark(self, who: str, event: str, when: float | None = None) -> None:
+        t = time.time() if when is None else when
+        self.timeline.append({"who": who, "event": event, "t": t, "s": round(t - self.called_at, 4)})
+
+    def format_timeline(self) -> str:
+        """The timeline as aligned text lines (what run() logs at debug level)."""
+        return "\n".join(f"{e['s']:8.3f}s  {e['who']:<10} {e['event']}"
+                         for e in sorted(self.timeline, key=lambda e: e["t"]))
 
 
 class SparkRunner:
@@ -158,6 +173,7 @@ class SparkRunner:
         if not callable(train_fn):
             raise ConfigError(f"train_fn must be a function: got {type(train_fn).__name__}. "
                               "Fix: runner.run(train_fn, *args, **kwargs)")
+        called_at = time.time()
         spark = self._session()
         sc = _spark_context(spark)
         confs = _confs(spark, sc)
@@ -165,10 +181,12 @@ class SparkRunner:
         gpu_counts = self._check_gpus(confs)
         stage = _choose_stage(confs, sc)
         run_id = f"stratkit-{uuid.uuid4().hex[:12]}"
-        report = RunReport(run_id=run_id, stage=stage, tasks=[r.label for r in self.roles])
+        report = RunReport(run_id=run_id, stage=stage, tasks=[r.label for r in self.roles], called_at=called_at)
+        report.mark("driver", "run() called", called_at)
         self.last_run = report
         started = time.monotonic()
         slots.check_slots(self.num_tasks, confs, sc)
+        report.mark("driver", "slots checked")
         staged: list[data_module.StagedData] = []
         try:
             args, kwargs = self._stage_data(spark, run_id, args, kwargs, staged)
@@ -195,9 +213,13 @@ class SparkRunner:
                 return result
             raise AssertionError("unreachable")  # pragma: no cover
         finally:
-            report.seconds = time.monotonic() - started
             for item in staged:
                 data_module.remove(item)
+            report.seconds = time.monotonic() - started
+            report.mark("driver", "run() returns")
+            report.timeline.sort(key=lambda e: e["t"])
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s timeline:\n%s", run_id, report.format_timeline())
 
     # -- steps ----------------------------------------------------------------------------------
     def _session(self) -> Any:
@@ -280,6 +302,7 @@ class SparkRunner:
         started = time.time()
         error: BaseException | None = None
         rows: list[tuple[int, int, bytes]] = []
+        report.mark("driver", f"stage submitted (attempt {plan.attempt})")
         try:
             with _job_tag(spark, sc, tag, f"stratkit training {plan.run_id} attempt {plan.attempt}"):
                 rows = _collect(spark, sc, stage, plan)
@@ -303,7 +326,9 @@ class SparkRunner:
                 report.tails[task.label] = list(task.tail)
                 if task.first_line_at is not None:
                     report.first_output_seconds[task.label] = task.first_line_at - started
+        report.mark("driver", "stage finished" if error is None else "stage failed")
         if error is None:
+            _take_task_info(rows, report)
             return _assemble_result(rows)
         raise self._explain(error, state, server, plan) from None
 
@@ -559,8 +584,20 @@ def _collect(spark: Any, sc: Any, stage: str, plan: TaskPlan) -> list[tuple[int,
     return list(sc.parallelize(range(n), n).barrier().mapPartitions(rdd_partition_function(plan)).collect())
 
 
+def _take_task_info(rows: list[tuple[int, int, bytes]], report: RunReport) -> None:
+    """Add every task's own timeline (its info row) to the report."""
+    import json
+
+    for rank, seq, chunk in rows:
+        if seq != INFO_SEQ:
+            continue
+        info = json.loads(chunk.decode())
+        for event in info.get("events", []):
+            report.mark(info.get("label", f"rank {rank}"), event["event"], event["t"])
+
+
 def _assemble_result(rows: list[tuple[int, int, bytes]]) -> Any:
-    chunks = sorted((seq, chunk) for rank, seq, chunk in rows if rank == 0)
+    chunks = sorted((seq, chunk) for rank, seq, chunk in rows if rank == 0 and seq != INFO_SEQ)
     if not chunks:
         return None
     import cloudpickle

@@ -30,10 +30,12 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from stratkit import timeline
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
@@ -42,6 +44,9 @@ from stratkit.spark.logserver import SETUP_FAILED, LogClient
 
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).
 CHUNK_BYTES = 1 << 20
+#: The `seq` of the one row every task yields about itself (JSON: its timeline, and its last lines when the
+#: driver's log server could not be reached); result chunks have seq 0, 1, ...
+INFO_SEQ = -1
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     """The barrier task body; yields `(rank, seq, chunk)` rows (only rank 0 yields, its pickled result)."""
     from stratkit.spark.process import TrainingProcess
 
+    events = [{"event": "task start", "t": time.time()}]
     rank = context.partitionId()
     role = plan.roles[rank]
     process: TrainingProcess | None = None
@@ -117,7 +123,11 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         if process is not None:
             process.kill(reason)
 
+    def note(event: str) -> None:
+        events.append({"event": event, "t": time.time()})
+
     client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort)
+    note("log server connected" if client.connected else "log server unreachable")
     workdir = _workdir()
     holder = None
     try:
@@ -126,6 +136,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         gathered = context.allGather(json.dumps({"rank": rank, "address": f"{_format_host(host)}:{port}"}))
         by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
         addresses = [by_rank[r] for r in range(plan.num_tasks)]
+        note("addresses gathered")
 
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
@@ -134,6 +145,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         env["TF_CONFIG"] = layout.tf_config(plan.roles, addresses, rank)
         env[LAUNCHER_VAR] = layout.LAUNCHER
         env.update(_run_env(plan, role))
+        env[timeline.TIMELINE_VAR] = os.path.join(workdir, "timeline.jsonl")
         if role.trains:
             workers = [r for r in plan.roles if r.trains]
             env[child_module.SHARD_VAR] = f"{workers.index(role)}/{len(workers)}"
@@ -145,9 +157,11 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         if aborted:
             raise TaskFailed(f"stratkit task {role.label} was stopped before training: {aborted[0]}")
         process = TrainingProcess(workdir, env, client.line)
+        note("process spawned")
         if aborted:  # ABORT arrived while the process was being started
             process.kill(aborted[0])
         code = process.stream()
+        note("process exited")
         if process.killed_because and code != 0:
             client.exit_code(code)
             raise TaskFailed(f"stratkit task {role.label} was stopped: {process.killed_because}")
@@ -158,6 +172,10 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
                              f"its last {len(process.tail)} lines:\n{tail}")
         if rank == 0:
             yield from _result_chunks(rank, process.result_path())
+        events.extend(timeline.read(env[timeline.TIMELINE_VAR]))
+        note("task end")
+        info: dict[str, Any] = {"label": role.label, "events": sorted(events, key=lambda e: e["t"])}
+        yield rank, INFO_SEQ, json.dumps(info).encode()
     except (TaskFailed, GeneratorExit):
         raise
     except BaseException as exc:

@@ -66,6 +66,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
         from stratkit.strategy import keras_compat
 
         keras_compat.apply(result)
+    from stratkit import timeline
+
+    timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result
 
 
