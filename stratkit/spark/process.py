@@ -47,15 +47,16 @@ def python_path() -> str:
 _ENTRY = "import sys; from stratkit.spark.child import main; sys.exit(main(sys.argv))"
 
 
-def spawn_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a training process starts with: `env` plus what every training process needs."""
+def spawn_env(env: Mapping[str, str], run: bool = False) -> dict[str, str]:
+    """`env` plus what every training process needs; without `run`, also minus the run's TF_CONFIG."""
     env = dict(env)
     env.update(tf_logging.quiet_defaults(env))  # the user's own setting wins
     env[child_module.PARENT_VAR] = str(os.getpid())
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = python_path()
     env.pop("PYTHON_WORKER_FACTORY_SECRET", None)  # Spark's worker secret is not the user's business
-    env.pop("TF_CONFIG", None)  # given in start(): a standby serves whichever run comes next
+    if not run:
+        env.pop("TF_CONFIG", None)  # given in start(): a standby serves whichever run comes next
     return env
 
 
@@ -107,7 +108,7 @@ class TrainingProcess:
 
     def start(self, workdir: str, env: Mapping[str, str], on_line: Callable[[str], None]) -> None:
         """Hand the process its run: the working directory and the complete environment."""
-        full = spawn_env(env)
+        full = spawn_env(env, run=True)
         full[child_module.PARENT_VAR] = self.env[child_module.PARENT_VAR]
         self.workdir = workdir
         self._on_line = on_line

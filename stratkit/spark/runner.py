@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratkit.errors import ConfigError, StratkitError
@@ -31,6 +31,7 @@ from stratkit.spark import data as data_module
 from stratkit.spark import layout, slots
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
+from stratkit.spark.rendezvous import Rendezvous
 from stratkit.spark.task import (
     INFO_SEQ,
     TaskPlan,
@@ -305,7 +306,8 @@ class SparkRunner:
             server = LogServer(bind_host, on_exit=on_exit)
         except OSError:  # a bind address this process cannot use: every interface (the token still guards)
             server = LogServer("", on_exit=on_exit)
-        plan = _with_log_server(plan, server)
+        exchange = Rendezvous(server.host or "", plan.num_tasks)
+        plan = _with_log_server(plan, server, exchange)
         timer = None
         if deadline is not None:
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), on_timeout)
@@ -330,6 +332,7 @@ class SparkRunner:
         finally:
             if timer is not None:
                 timer.cancel()
+            exchange.close()
             if error is not None:
                 server.abort_all("the barrier stage failed")
             server.shutdown()
@@ -548,10 +551,10 @@ def _pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
         raise ConfigError(f"train_fn and its arguments cannot be pickled ({type(exc).__name__}: {exc})") from None
 
 
-def _with_log_server(plan: TaskPlan, server: LogServer) -> TaskPlan:
-    from dataclasses import replace
-
-    return replace(plan, log_port=server.port, log_token=server.token)
+def _with_log_server(plan: TaskPlan, server: LogServer, exchange: Rendezvous) -> TaskPlan:
+    """The plan with this attempt's driver endpoints (the tasks reach both at plan.log_host)."""
+    return replace(plan, log_port=server.port, log_token=server.token, rendezvous_port=exchange.port,
+                   rendezvous_token=exchange.token)
 
 
 @contextmanager

@@ -71,6 +71,8 @@ class TaskPlan:
     gpu_resource_name: str = "gpu"
     wrap: str | None = None  # "multi_worker_mirrored" for MirroredStrategyRunner(use_custom_strategy=False)
     preload: bool = True  # the training process imports TensorFlow and Keras while the task prepares its run
+    rendezvous_port: int = 0  # the driver's address exchange (stratkit.spark.rendezvous); 0: Spark's all-gather
+    rendezvous_token: str = ""
     standby: bool = True  # keep a warm standby process in the Spark Python worker for the next run
 
     @property
@@ -151,9 +153,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     try:
         host = _host_of(context.getTaskInfos()[rank].address)
         holder, port = hold_port(host)
-        gathered = context.allGather(json.dumps({"rank": rank, "address": f"{_format_host(host)}:{port}"}))
-        by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
-        addresses = [by_rank[r] for r in range(plan.num_tasks)]
+        addresses = _gather_addresses(plan, context, rank, f"{_format_host(host)}:{port}")
         note("addresses gathered")
 
         env = dict(os.environ)
@@ -216,6 +216,18 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         shutil.rmtree(workdir, ignore_errors=True)
         if plan.standby:
             _refill_standby(plan)
+
+
+def _gather_addresses(plan: TaskPlan, context: Any, rank: int, address: str) -> list[str]:
+    """Every rank's "host:port": through the driver (no barrier wait), else Spark's all-gather."""
+    from stratkit.spark import rendezvous
+
+    addresses = rendezvous.exchange(plan.log_host, plan.rendezvous_port, plan.rendezvous_token, rank, address)
+    if addresses is not None and len(addresses) == plan.num_tasks:
+        return addresses
+    gathered = context.allGather(json.dumps({"rank": rank, "address": address}))
+    by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
+    return [by_rank[r] for r in range(plan.num_tasks)]
 
 
 def failure_record(role: TaskRole, exit_code: int, lines: Any) -> str:

@@ -59,7 +59,8 @@ def processes_of_run(run_id: str) -> list[int]:
 
     marker = f"STRATKIT_SPARK_RUN={run_id}".encode()
     name = process_name(run_id).encode()
-    return [pid for pid in _live_pids() if _read(pid, "comm").strip() == name or marker in _read(pid, "environ").split(b"\0")]
+    return [pid for pid in _live_pids()
+            if _read(pid, "comm").strip() == name or marker in _read(pid, "environ").split(b"\0")]
 
 
 def standby_processes() -> list[int]:

@@ -14,7 +14,7 @@ import time
 
 import cloudpickle
 import pytest
-from spark_helpers import BASE_CONFS, processes_of_run
+from spark_helpers import processes_of_run
 
 from stratkit.spark import MirroredStrategyRunner, SparkRunner, SparkTrainingError
 
@@ -39,10 +39,8 @@ def spark():
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.remote("local[2]")
-    for key, value in BASE_CONFS.items():
-        builder = builder.config(key, value)
-    session = builder.getOrCreate()
+    # Startup confs (BASE_CONFS) cannot be set from a Connect client; SPARK_LOCAL_IP keeps it on loopback.
+    session = SparkSession.builder.remote("local[2]").getOrCreate()
     try:
         yield session
     finally:
@@ -138,10 +136,10 @@ def unreachable_log_server(monkeypatch):
     probe.close()
     real = runner_module._with_log_server
 
-    def unreachable(plan, server):
+    def unreachable(plan, server, exchange):
         from dataclasses import replace
 
-        return replace(real(plan, server), log_port=closed_port)
+        return replace(real(plan, server, exchange), log_port=closed_port, rendezvous_port=closed_port)
 
     monkeypatch.setattr(runner_module, "_with_log_server", unreachable)
 
