@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(summarize(key, drivers[runner]))
     _versus(rows)
     hidden = ("error", "keras", "breakdown", "timeline")
-    table = [{k: ("-" if v is None else v) for k, v in row.items() if k not in hidden} for row in rows]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in hidden))
+    table = [{k: ("-" if row.get(k) is None else row[k]) for k in columns} for row in rows]
     print_table(f"Same 2-worker job ({job['epochs']} x {job['steps']} steps, MLP): wall of run()/launch(), "
                 f"call -> first step done, training inside", table)
     payload = {"quick": args.quick, "job": {**job, "workers": WORKERS, "model": "MLP 64-128-128-10",

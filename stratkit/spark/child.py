@@ -1,4 +1,8 @@
-"""The training process of one Spark task: `stratkit.spark.child.main([_, WORKDIR])` in a new interpreter.
+"""The training process of one Spark task: `stratkit.spark.child.main` in a new interpreter.
+
+It may start before its run is known (`stratkit.spark.process`): then it
+imports TensorFlow and Keras, and waits for one JSON line on stdin with the
+run's working directory and complete environment.
 
 Why a fresh process per task and run: Spark reuses its Python workers, and
 TensorFlow fixes collectives and devices once per process ("Collective ops

@@ -1,16 +1,23 @@
 """What each barrier task does on its executor (runs inside Spark's Python worker).
 
 Steps, in order:
-  1. connect to the driver's log server (token-authenticated);
-  2. hold a free port on this task's host (the address Spark's task infos
+  1. get the training process: the Python worker's warm standby (TensorFlow
+     and Keras already imported), else spawn one now -- it imports them while
+     the steps below run;
+  2. connect to the driver's log server (token-authenticated);
+  3. hold a free port on this task's host (the address Spark's task infos
      give) until TensorFlow binds it;
-  3. all-gather every task's "host:port" (BarrierTaskContext.allGather);
-  4. build this task's TF_CONFIG and validate it with `stratkit.detect`;
+  4. exchange every task's "host:port" through the driver
+     (`stratkit.spark.rendezvous`), else with BarrierTaskContext.allGather;
+  5. build this task's TF_CONFIG and validate it with `stratkit.detect`;
      export this task's Spark GPUs as CUDA_VISIBLE_DEVICES (or hide GPUs);
-  5. run train_fn in a fresh Python process, streaming every line to the
-     driver; kill the process tree on ABORT from the driver;
-  6. report the exit code; on the chief, send the pickled return value back
-     as output rows, in chunks.
+     serve the task's BarrierTaskContext to the process (`stratkit.spark.context`);
+  6. hand the process its run (environment, payload), stream every line to
+     the driver; kill the process tree on ABORT from the driver;
+  7. report the exit code; on the chief, send the pickled return value back
+     as output rows, in chunks; every task also returns one info row (its
+     timeline, and its last lines when the driver could not see them live);
+  8. spawn the next warm standby (unless spark.stratkit.standby=false).
 
 Why the port is held with SO_REUSEADDR, bound but not listening: measured
 with TensorFlow 2.21, its gRPC server binds WITHOUT SO_REUSEPORT (TensorFlow

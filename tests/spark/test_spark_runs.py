@@ -184,9 +184,13 @@ def test_the_next_run_takes_the_warm_standby_and_the_conf_turns_it_off(spark):
         time.sleep(0.1)
     standbys = standby_processes()
     assert len(standbys) >= 2
-    second_pid = runner.run(report_pid)
-    taken = [e for e in runner.last_run.timeline if e["event"] == "standby process taken"]
-    assert len(taken) == 2 and second_pid in standbys and second_pid != first_pid
+    runner.run(report_pid)
+    # A task takes the standby of the Python worker Spark runs it in (an executor with 2 cores may pick the
+    # other, idle worker, which has none yet).
+    taken = {e["who"] for e in runner.last_run.timeline if e["event"] == "standby process taken"}
+    assert taken, "no task took a warm standby"
+    assert {runner.last_run.pids[label] for label in taken} <= set(standbys)
+    assert first_pid not in runner.last_run.pids.values()
     spark.conf.set("spark.stratkit.standby", "false")
     try:
         before = set(standby_processes())
