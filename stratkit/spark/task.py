@@ -208,11 +208,14 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         yield rank, INFO_SEQ, json.dumps(info).encode()
     except (TaskFailed, GeneratorExit):
         raise
-    except BaseException as exc:
+    except Exception as exc:  # noqa: BLE001 - reported with its type; Spark's own interrupts pass below
         message = f"[stratkit] task {role.label} could not start training: {type(exc).__name__}: {exc}"
         line(message)
         client.exit_code(SETUP_FAILED)
         raise TaskFailed(message + failure_record(role, SETUP_FAILED, lines)) from exc
+    except BaseException:
+        client.exit_code(SETUP_FAILED)
+        raise
     finally:
         process.close()
         if context_server is not None:
