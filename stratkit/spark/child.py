@@ -121,6 +121,8 @@ def process_name(run_id: str) -> str:
 
 
 STANDBY_NAME = "stratkit-idle"
+#: Printed once, right before train_fn is called: TensorFlow is imported and this process's start-up is over.
+STARTED_LINE = "\x1e[stratkit] train_fn starts"
 
 
 def _receive_run(argv: list[str]) -> str | None:
@@ -163,6 +165,7 @@ def main(argv: list[str]) -> int:
     try:
         fn, args, kwargs = _load(workdir)
         timeline.mark("function starts")
+        print(STARTED_LINE, flush=True)  # the task's cue to prepare the next standby (not shown to the user)
         result = _call(fn, args, kwargs)
         timeline.mark("function returns")
         if os.environ.get(RESULT_VAR) == "1":

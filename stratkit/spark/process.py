@@ -121,11 +121,19 @@ class TrainingProcess:
         except OSError:  # it died while waiting (stream() reports its exit code and output)
             pass
 
-    def stream(self) -> int:
-        """Forward every line until the process ends; returns its exit code (negative: killed by a signal)."""
+    def stream(self, on_started: Callable[[], None] | None = None) -> int:
+        """Forward every line until the process ends; returns its exit code (negative: killed by a signal).
+
+        `on_started` is called (in this thread) when train_fn is about to start: the process's own
+        TensorFlow import is over, so a next process can import without competing with it.
+        """
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             text = raw.decode("utf-8", errors="replace").rstrip("\n")
+            if text == child_module.STARTED_LINE:
+                if on_started is not None:
+                    on_started()
+                continue
             if not self._noise.keep(text):
                 continue
             self.tail.append(text)
