@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from stratkit import tf_logging
@@ -95,6 +96,7 @@ class TrainingProcess:
         if preload:
             self.env[child_module.PRELOAD_VAR] = "1"
         # `-c` rather than `-m stratkit.spark.child`: runpy warns when the package already imported the module.
+        self.spawned_at = time.time()
         self.proc = subprocess.Popen([sys.executable, "-c", _ENTRY], env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)

@@ -142,6 +142,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     # First, so its TensorFlow import overlaps with everything below.
     process, how = _training_process(plan)
     note(how)
+    events.append({"event": "training process spawned", "t": process.spawned_at})
 
     def abort(reason: str) -> None:
         aborted.append(reason)
