@@ -25,7 +25,15 @@ batch 1 begins, so tracing and the first collective are in it); training
 time (first step begun to training end). The session start is reported
 separately (it is paid once per application, not per run). `repeats` runs per
 way, in the same session: the first is "cold" (executors' Python workers
-start), the median of the rest is "warm".
+start), the rest are "warm".
+
+The two Spark runners are measured in `rounds` alternating rounds (stratkit
+then the peer, then the peer then stratkit, ...), each round a new driver and
+SparkSession, so a burst of load on the shared machine hits both; the table
+gives the mean and the spread (sample standard deviation) over all cold and
+all warm runs, and the load average before and after each round is recorded.
+SparkRunner's per-phase timeline (`RunReport.timeline`) of every run is kept
+in the JSON; the row's "timeline" holds one cold and one warm run's phases.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import argparse
 import importlib.util
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,8 +56,8 @@ from jobs import TASKS, clean_env, python, tail, thread_vars  # noqa: E402
 
 LOCAL_CLUSTER = "local-cluster[2,1,2048]"
 FALLBACK = "local[2]"
-FULL = {"epochs": 3, "steps": 50, "repeats": 2}
-QUICK = {"epochs": 1, "steps": 5, "repeats": 1}
+FULL = {"epochs": 3, "steps": 50, "repeats": 3, "rounds": 3}
+QUICK = {"epochs": 1, "steps": 5, "repeats": 2, "rounds": 1}
 WORKERS = 2
 
 
@@ -128,32 +137,73 @@ def run_launch(job: dict, timeout: float, work: Path) -> dict:
     return {"runner": "launch", "master": None, "session_seconds": None, "runs": runs}
 
 
-def summarize(name: str, data: dict) -> dict:
-    runs = data.get("runs", [])
+def _mean_spread(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _phases(run: dict) -> list[dict]:
+    """A run's timeline, in seconds from the run() call: the driver's and the chief's phases, and worker 1's."""
+    return [{"who": e["who"], "event": e["event"], "s": round(e["t"] - run["called"], 3)}
+            for e in run.get("timeline", [])]
+
+
+def summarize(name: str, drivers: list[dict]) -> dict:
+    """One table row for a way measured by one or more drivers (rounds); the first run of each is cold."""
+    drivers = drivers if isinstance(drivers, list) else [drivers]
+    runs = [r for d in drivers for r in d.get("runs", [])]
     good = [r for r in runs if "result" in r]
-    row = {"way": name, "master": data.get("master") or "-", "session s": data.get("session_seconds"),
+    cold = [d["runs"][0] for d in drivers if d.get("runs") and "result" in d["runs"][0]]
+    warm = [r for d in drivers for r in d.get("runs", [])[1:] if "result" in r]
+    sessions = [d["session_seconds"] for d in drivers if d.get("session_seconds") is not None]
+    row = {"way": name, "master": drivers[0].get("master") or "-",
+           "session s": statistics.mean(sessions) if sessions else None,
            "cold wall s": None, "warm wall s": None, "to first step s": None, "training s": None,
-           "runs ok": f"{len(good)}/{len(runs)}", "status": "ok"}
-    if data.get("error") or not good:
-        first_error = data.get("error") or next((r.get("error") for r in runs if "error" in r), "no run")
+           "rounds": len(drivers), "runs ok": f"{len(good)}/{len(runs)}", "status": "ok"}
+    first_error = next((d.get("error") for d in drivers if d.get("error")), None)
+    if first_error or not good:
+        first_error = first_error or next((r.get("error") for r in runs if "error" in r), "no run")
         row["status"] = "failed: " + first_error.strip().splitlines()[0][:160] if first_error.strip() else "failed"
         row["error"] = first_error
         return row
-    walls = [r["returned"] - r["called"] for r in good]
-    row["cold wall s"] = walls[0]
-    row["warm wall s"] = statistics.median(walls[1:]) if len(walls) > 1 else None
+    wall = lambda r: r["returned"] - r["called"]  # noqa: E731
+    row["cold wall s"], row["cold spread s"] = _mean_spread([wall(r) for r in cold])
+    row["warm wall s"], row["warm spread s"] = _mean_spread([wall(r) for r in warm])
     row["to first step s"] = statistics.median(r["result"]["first_step_done"] - r["called"] for r in good)
     row["training s"] = statistics.median(r["result"]["train_end"] - r["result"]["first_step_begin"] for r in good)
-    # Each run in additive segments (what the plot draws): call -> first step begins -> training end -> return.
-    row["breakdown"] = [{"run": "cold" if i == 0 else f"warm {i}", "wall": r["returned"] - r["called"],
-                         "to_first_step_begin": r["result"]["first_step_begin"] - r["called"],
-                         "training": r["result"]["train_end"] - r["result"]["first_step_begin"],
-                         "after_training": r["returned"] - r["result"]["train_end"]} for i, r in enumerate(good)]
+    # Runs in additive segments (what the plot draws): call -> first step begins -> training end -> return;
+    # the cold and the warm run closest to their means stand for the rest.
+    def segments(label: str, r: dict) -> dict:
+        return {"run": label, "wall": wall(r), "to_first_step_begin": r["result"]["first_step_begin"] - r["called"],
+                "training": r["result"]["train_end"] - r["result"]["first_step_begin"],
+                "after_training": r["returned"] - r["result"]["train_end"]}
+
+    typical = []
+    if cold:
+        typical.append(("cold", min(cold, key=lambda r: abs(wall(r) - row["cold wall s"]))))
+    if warm:
+        typical.append(("warm", min(warm, key=lambda r: abs(wall(r) - row["warm wall s"]))))
+    row["breakdown"] = [segments(label, r) for label, r in typical]
+    if any("timeline" in r for _, r in typical):
+        row["timeline"] = {label: _phases(r) for label, r in typical}
     row["final loss"] = good[-1]["result"]["loss"][-1]
     row["keras"] = good[-1]["result"].get("keras")
     if len(good) < len(runs):
         row["status"] = "some runs failed: " + next(r["error"] for r in runs if "error" in r).splitlines()[0][:160]
     return row
+
+
+def _versus(rows: list[dict]) -> None:
+    """SparkRunner's mean walls over the peer's (< 1: SparkRunner is faster)."""
+    ours = next((r for r in rows if r["way"] == "stratkit SparkRunner"), None)
+    peer = next((r for r in rows if r["way"] == "spark-tensorflow-distributor"), None)
+    for key in ("cold", "warm"):
+        value = None
+        if ours and peer and ours.get(f"{key} wall s") and peer.get(f"{key} wall s"):
+            value = ours[f"{key} wall s"] / peer[f"{key} wall s"]
+        if ours is not None:
+            ours[f"{key} vs peer"] = value
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -169,29 +219,43 @@ def main(argv: list[str] | None = None) -> dict:
     # --quick only checks the machinery: local[2] starts in a fraction of local-cluster's time.
     master_used = args.master or (FALLBACK if args.quick else LOCAL_CLUSTER)
     fallback_reason = None
+    ways = {"stratkit": "stratkit SparkRunner", "peer": "spark-tensorflow-distributor"}
+    loads = []
     with tempfile.TemporaryDirectory(prefix="stratkit-bench-spark-") as tmp:
         work = Path(tmp)
         raw["launch"] = run_launch(job, driver_timeout, work)
         rows.append(summarize("stratkit launch (no Spark)", raw["launch"]))
-        for key, runner in (("stratkit SparkRunner", "stratkit"), ("spark-tensorflow-distributor", "peer")):
+        drivers: dict[str, list[dict]] = {runner: [] for runner in ways if not available[ways[runner]]}
+        for round_index in range(job["rounds"]):
+            order = list(drivers) if round_index % 2 == 0 else list(drivers)[::-1]
+            for runner in order:
+                load_before = os.getloadavg()
+                data = run_driver(runner, master_used, job, driver_timeout, work)
+                if "session_seconds" not in data and args.master is None and master_used == LOCAL_CLUSTER:
+                    fallback_reason = f"{LOCAL_CLUSTER} did not start: {data.get('error', '')[:500]}"
+                    master_used = FALLBACK
+                    data = run_driver(runner, master_used, job, driver_timeout, work)
+                data["round"] = round_index
+                drivers[runner].append(data)
+                loads.append({"round": round_index, "runner": runner, "load_before": load_before,
+                              "load_after": os.getloadavg()})
+        for runner, key in ways.items():
             if available[key]:
                 rows.append({"way": key, "master": "-", "session s": None, "cold wall s": None, "warm wall s": None,
                              "to first step s": None, "training s": None, "runs ok": "0/0",
                              "status": f"not available: {available[key]}"})
                 continue
-            data = run_driver(runner, master_used, job, driver_timeout, work)
-            if "session_seconds" not in data and args.master is None and master_used == LOCAL_CLUSTER:
-                fallback_reason = f"{LOCAL_CLUSTER} did not start: {data.get('error', '')[:500]}"
-                master_used = FALLBACK
-                data = run_driver(runner, master_used, job, driver_timeout, work)
-            raw[runner] = data
-            rows.append(summarize(key, data))
-    hidden = ("error", "keras", "breakdown")
-    table = [{k: ("-" if v is None else v) for k, v in row.items() if k not in hidden} for row in rows]
+            raw[runner] = drivers[runner]
+            rows.append(summarize(key, drivers[runner]))
+    _versus(rows)
+    hidden = ("error", "keras", "breakdown", "timeline")
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in hidden))
+    table = [{k: ("-" if row.get(k) is None else row[k]) for k in columns} for row in rows]
     print_table(f"Same 2-worker job ({job['epochs']} x {job['steps']} steps, MLP): wall of run()/launch(), "
                 f"call -> first step done, training inside", table)
     payload = {"quick": args.quick, "job": {**job, "workers": WORKERS, "model": "MLP 64-128-128-10",
                                             "global_batch": 32 * WORKERS},
+               "load_average": loads,
                "master": master_used, "master_fallback_reason": fallback_reason, "rows": rows, "raw": raw,
                "wall_seconds": time.monotonic() - started}
     print(f"wrote {write_result('spark' + ('-quick' if args.quick else ''), payload)}")

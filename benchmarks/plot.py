@@ -214,7 +214,51 @@ def plot_spark(data: dict, path: Path) -> Path:
     job = data.get("job", {})
     title = (f"Same 2-worker training ({job.get('epochs')} x {job.get('steps')} steps, MLP): "
              "Spark runners vs stratkit launch")
+    timelines = next((row["timeline"] for row in rows if row.get("timeline")), None)
+    if timelines:
+        _finish(plt, fig, data, title, path)
+        return plot_spark_timeline(data, timelines, path.with_name(path.stem + "-timeline.png"))
     return _finish(plt, fig, data, title, path)
+
+
+#: SparkRunner's phases as drawn: each segment ends at its milestone (who, event); missing ones are skipped.
+SPARK_MILESTONES = [
+    ("driver", "slots checked", "slot check"),
+    ("driver", "stage submitted (attempt 1)", "stage submit"),
+    ("worker:0", "task start", "Spark starts the task"),
+    ("worker:0", "addresses gathered", "address all-gather"),
+    ("worker:0", "run received", "TF import (overlapping the all-gather) / hand-over"),
+    ("worker:0", "strategy ready", "strategy: all workers connected"),
+    ("worker:0", "first step done", "first step (tracing, first collective)"),
+    ("worker:0", "training ends", "training"),
+    ("worker:0", "function returns", "after fit, in train_fn"),
+    ("worker:0", "process exited", "training process exit"),
+    ("driver", "run() returns", "result back, run() returns"),
+]
+
+
+def plot_spark_timeline(data: dict, timelines: dict, path: Path) -> Path:
+    plt = _pyplot()
+    colors = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(9.5, 3.4))
+    names = list(timelines)
+    seen = set()
+    for yi, name in enumerate(names[::-1]):
+        events = {(e["who"], e["event"]): e["s"] for e in timelines[name]}
+        previous = 0.0
+        for index, (who, event, label) in enumerate(SPARK_MILESTONES):
+            if (who, event) not in events:
+                continue
+            end = max(events[(who, event)], previous)
+            ax.barh(yi, end - previous, 0.6, left=previous, color=colors[index % len(colors)],
+                    label=None if label in seen else label)
+            seen.add(label)
+            previous = end
+        ax.text(previous + 0.2, yi, f"{previous:.1f}s", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)), [f"SparkRunner\n{n} run" for n in names[::-1]], fontsize=8)
+    ax.set_xlabel("seconds from the run() call (chief's task: worker:0)")
+    ax.legend(fontsize=6.5, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    return _finish(plt, fig, data, "SparkRunner per-phase timeline (RunReport.timeline)", path)
 
 
 # -- input --------------------------------------------------------------------------------------

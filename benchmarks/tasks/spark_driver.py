@@ -72,7 +72,11 @@ try:
         called = time.time()
         try:
             result = run()
-            output["runs"].append({"called": called, "returned": time.time(), "result": result})
+            entry = {"called": called, "returned": time.time(), "result": result}
+            report = getattr(runner, "last_run", None)
+            if report is not None and getattr(report, "timeline", None):
+                entry["timeline"] = report.timeline  # stratkit's per-phase timeline of this run
+            output["runs"].append(entry)
         except Exception as exc:  # noqa: BLE001 - recorded, the parent reports it
             output["runs"].append({"called": called, "returned": time.time(),
                                    "error": f"{type(exc).__name__}: {str(exc)[-3000:]}",

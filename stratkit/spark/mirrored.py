@@ -18,8 +18,12 @@ What changes, and why:
     (PerReplica...)");
   * train_fn runs in a fresh Python process per task (the peer runs it inside
     Spark's reused Python worker, so a second run fails with "Collective ops
-    are already configured"); consequently train_fn cannot use
-    `BarrierTaskContext` -- use `stratkit.detect()` for its role;
+    are already configured"); `BarrierTaskContext.get()` inside train_fn
+    still works: it forwards to the task's context (`stratkit.spark.context`);
+  * local_mode also runs train_fn in a fresh process (on the driver), not in
+    the driver's own: its side effects on the driver's Python state (globals,
+    imported modules, a TensorFlow context) do not persist, and train_fn and
+    kwargs must be picklable with cloudpickle;
   * task output is streamed to the driver, failures raise
     `SparkTrainingError` with the task's last lines, and too few slots fail
     at once instead of after Spark's 10-minute barrier retry loop.
@@ -41,14 +45,21 @@ from stratkit.spark import layout
 from stratkit.spark.runner import (
     SparkRunner,
     SparkTrainingError,
-    _check_ssl,
     _confs,
     _pickle_payload,
     _say,
     _spark_context,
 )
 
-log = logging.getLogger(__name__)
+#: The logger spark-tensorflow-distributor uses (its class name), so its users' log filters keep working.
+log = logging.getLogger("MirroredStrategyRunner")
+
+
+def _configure_logger() -> None:
+    """Set up as the peer does when a runner is made: INFO, to stderr when nothing else is configured."""
+    log.setLevel(logging.INFO)
+    if not log.handlers and not logging.getLogger().handlers:
+        log.addHandler(logging.StreamHandler())
 
 _WRAP = "multi_worker_mirrored"
 
@@ -75,6 +86,7 @@ class MirroredStrategyRunner:
         self._use_gpu = use_gpu
         self._gpu_resource_name = gpu_resource_name
         self._use_custom_strategy = use_custom_strategy
+        _configure_logger()
         from pyspark.sql import SparkSession
 
         self._spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
@@ -109,9 +121,9 @@ class MirroredStrategyRunner:
         """Run `train_fn(**kwargs)`; return the chief's (partition 0's) value, or train_fn's value in local mode."""
         if self._local_mode:
             return self._run_local(train_fn, **kwargs)
-        _check_ssl(_confs(self._spark, self.sc), type(self).__name__)
         tasks = self._num_tasks or self.get_num_tasks()
         runner = SparkRunner(num_workers=tasks, use_gpu=self._use_gpu, spark=self._spark)
+        runner._api_name, runner._log = type(self).__name__, log  # SparkRunner.run checks SSL, once
         runner._gpu_resource_name = self._gpu_resource_name
         if self._use_gpu:
             runner._gpu_counts = [layout.split_evenly(self._num_slots, tasks, rank) for rank in range(tasks)]

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratkit.errors import ConfigError, StratkitError
@@ -31,12 +31,22 @@ from stratkit.spark import data as data_module
 from stratkit.spark import layout, slots
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
-from stratkit.spark.task import TaskPlan, arrow_partition_function, rdd_partition_function
+from stratkit.spark.rendezvous import Rendezvous
+from stratkit.spark.task import (
+    INFO_SEQ,
+    TaskPlan,
+    arrow_partition_function,
+    parse_failure_record,
+    rdd_partition_function,
+)
 
 log = logging.getLogger(__name__)
 
-#: Conf choosing the barrier stage: "auto" (mapInArrow when available), "arrow" or "rdd".
+#: Conf choosing the barrier stage: "auto" (an RDD barrier stage where there is a SparkContext, measured
+#: ~1.6 s to set up against ~5 s for mapInArrow; mapInArrow on Spark Connect), "arrow" or "rdd".
 STAGE_CONF = "spark.stratkit.stage"
+#: Conf: keep one warm standby training process per Spark Python worker ("true", the default) or not.
+STANDBY_CONF = "spark.stratkit.standby"
 #: Confs that let training run on a cluster with spark.ssl.enabled (TensorFlow's gRPC is not encrypted).
 IGNORE_SSL_CONFS = ("spark.stratkit.ignoreSsl", "tensorflow.spark.distributor.ignoreSsl")
 
@@ -80,6 +90,23 @@ class RunReport:
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     tails: dict[str, list[str]] = field(default_factory=dict)
     first_output_seconds: dict[str, float] = field(default_factory=dict)
+    #: Per-phase timeline of the run: `{"who": "driver" or a task label, "event": ..., "t": time.time(),
+    #: "s": seconds since run() was called}`, in time order. Task phases come from the last attempt's
+    #: successful tasks (slot check, stage submit, task start, process spawned, strategy ready -- every
+    #: worker connected --, first step, end of training, process exit, run() returns).
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    called_at: float = 0.0
+    #: Each task's training process id (for checks that nothing is left running).
+    pids: dict[str, int | None] = field(default_factory=dict)
+
+    def mark(self, who: str, event: str, when: float | None = None) -> None:
+        t = time.time() if when is None else when
+        self.timeline.append({"who": who, "event": event, "t": t, "s": round(t - self.called_at, 4)})
+
+    def format_timeline(self) -> str:
+        """The timeline as aligned text lines (what run() logs at debug level)."""
+        return "\n".join(f"{e['s']:8.3f}s  {e['who']:<10} {e['event']}"
+                         for e in sorted(self.timeline, key=lambda e: e["t"]))
 
 
 class SparkRunner:
@@ -136,6 +163,9 @@ class SparkRunner:
         self._gpu_counts: list[int | None] | None = None
         self._gpu_resource_name = "gpu"
         self._wrap: str | None = None
+        # The API the user called (MirroredStrategyRunner sets its own), for messages, and its logger.
+        self._api_name = type(self).__name__
+        self._log = log
 
     @property
     def num_tasks(self) -> int:
@@ -158,17 +188,20 @@ class SparkRunner:
         if not callable(train_fn):
             raise ConfigError(f"train_fn must be a function: got {type(train_fn).__name__}. "
                               "Fix: runner.run(train_fn, *args, **kwargs)")
+        called_at = time.time()
         spark = self._session()
         sc = _spark_context(spark)
         confs = _confs(spark, sc)
-        _check_ssl(confs, type(self).__name__)
+        _check_ssl(confs, self._api_name, self._log)
         gpu_counts = self._check_gpus(confs)
         stage = _choose_stage(confs, sc)
         run_id = f"stratkit-{uuid.uuid4().hex[:12]}"
-        report = RunReport(run_id=run_id, stage=stage, tasks=[r.label for r in self.roles])
+        report = RunReport(run_id=run_id, stage=stage, tasks=[r.label for r in self.roles], called_at=called_at)
+        report.mark("driver", "run() called", called_at)
         self.last_run = report
         started = time.monotonic()
         slots.check_slots(self.num_tasks, confs, sc)
+        report.mark("driver", "slots checked")
         staged: list[data_module.StagedData] = []
         try:
             args, kwargs = self._stage_data(spark, run_id, args, kwargs, staged)
@@ -182,7 +215,7 @@ class SparkRunner:
                 plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(self.roles), payload=payload,
                                 log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
                                 gpu_counts=tuple(gpu_counts), gpu_resource_name=self._gpu_resource_name,
-                                wrap=self._wrap)
+                                wrap=self._wrap, standby=_conf_bool(confs, STANDBY_CONF, "true"))
                 try:
                     result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report)
                 except SparkTrainingError as error:
@@ -195,9 +228,13 @@ class SparkRunner:
                 return result
             raise AssertionError("unreachable")  # pragma: no cover
         finally:
-            report.seconds = time.monotonic() - started
             for item in staged:
                 data_module.remove(item)
+            report.seconds = time.monotonic() - started
+            report.mark("driver", "run() returns")
+            report.timeline.sort(key=lambda e: e["t"])
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s timeline:\n%s", run_id, report.format_timeline())
 
     # -- steps ----------------------------------------------------------------------------------
     def _session(self) -> Any:
@@ -277,7 +314,8 @@ class SparkRunner:
             server = LogServer(bind_host, **limits)
         except OSError:  # a bind address this process cannot use: every interface (the token still guards)
             server = LogServer("", **limits)
-        plan = _with_log_server(plan, server)
+        exchange = Rendezvous(server.host or "", plan.num_tasks)
+        plan = _with_log_server(plan, server, exchange)
         timer = None
         if deadline is not None:
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), on_timeout)
@@ -288,6 +326,7 @@ class SparkRunner:
         started = time.time()
         error: BaseException | None = None
         rows: list[tuple[int, int, bytes]] = []
+        report.mark("driver", f"stage submitted (attempt {plan.attempt})")
         try:
             with _job_tag(spark, sc, tag, f"stratkit training {plan.run_id} attempt {plan.attempt}"):
                 rows = _collect(spark, sc, stage, plan)
@@ -301,6 +340,7 @@ class SparkRunner:
         finally:
             if timer is not None:
                 timer.cancel()
+            exchange.close()
             if error is not None:
                 server.abort_all("the barrier stage failed")
             server.shutdown()
@@ -311,7 +351,9 @@ class SparkRunner:
                 report.tails[task.label] = list(task.tail)
                 if task.first_line_at is not None:
                     report.first_output_seconds[task.label] = task.first_line_at - started
+        report.mark("driver", "stage finished" if error is None else "stage failed")
         if error is None:
+            _take_task_info(rows, report, server)
             return _assemble_result(rows)
         raise self._explain(error, state, server, plan) from None
 
@@ -325,18 +367,24 @@ class SparkRunner:
                                       f"task was killed and the Spark job cancelled.\n{tails}",
                                       attempt=plan.attempt, timed_out=True)
         failure = state.failure
-        if failure is not None:
-            lines = list(failure.tail)
-            return SparkTrainingError(
-                f"task {failure.label} (rank {failure.rank}) failed with exit code {failure.exit_code} "
-                f"({_describe_code(failure.exit_code)}; {attempts}); the other tasks were stopped. "
-                f"Its last {len(lines)} lines:\n" + "\n".join(lines),
-                task=failure.label, rank=failure.rank, exit_code=failure.exit_code, lines=lines,
-                attempt=plan.attempt)
         if state.server_failure is not None:
             return SparkTrainingError(f"{attempts} was stopped (every task killed, the Spark job cancelled) because "
                                       f"{state.server_failure}", attempt=plan.attempt)
         text = str(error)
+        if failure is not None:
+            label, rank, code, lines = failure.label, failure.rank, failure.exit_code, list(failure.tail)
+        else:  # the log server never heard the exit: the task's own record travels in Spark's error
+            record = parse_failure_record(text)
+            if record is None:
+                label = None
+            else:
+                label, rank, code, lines = record["label"], record["rank"], record["exit_code"], record["lines"]
+        if label is not None:
+            return SparkTrainingError(
+                f"task {label} (rank {rank}) failed with exit code {code} "
+                f"({_describe_code(code)}; {attempts}); the other tasks were stopped. "
+                f"Its last {len(lines)} lines:\n" + "\n".join(lines),
+                task=label, rank=rank, exit_code=code, lines=lines, attempt=plan.attempt)
         hint = ""
         if "ModuleNotFoundError" in text or "No module named" in text:
             hint = (f"\nFix: the executors' Python cannot import a module (see above). Point them at the "
@@ -406,7 +454,7 @@ def _confs(spark: Any, sc: Any) -> dict[str, str]:
             confs.update(dict(spark.conf.getAll))
         except Exception as exc:  # noqa: BLE001 - older Connect clients
             log.debug("cannot list the session's confs: %s", exc)
-    for key in (STAGE_CONF, data_module.STAGING_CONF, slots.WAIT_CONF, *IGNORE_SSL_CONFS):
+    for key in (STAGE_CONF, STANDBY_CONF, data_module.STAGING_CONF, slots.WAIT_CONF, *IGNORE_SSL_CONFS):
         try:
             value = spark.conf.get(key, None)
         except Exception:  # noqa: BLE001
@@ -421,19 +469,19 @@ def _confs(spark: Any, sc: Any) -> dict[str, str]:
     return confs
 
 
-def _conf_bool(confs: dict[str, str], key: str) -> bool:
-    value = str(confs.get(key, "false")).strip().lower()
+def _conf_bool(confs: dict[str, str], key: str, default: str = "false") -> bool:
+    value = str(confs.get(key, default)).strip().lower()
     if value not in ("true", "false"):
-        raise ConfigError(f"Spark conf {key}={confs[key]!r} must be true or false")
+        raise ConfigError(f"Spark conf {key}={confs[key]!r} must be true or false. Fix: set it to true or false")
     return value == "true"
 
 
-def _check_ssl(confs: dict[str, str], name: str) -> None:
+def _check_ssl(confs: dict[str, str], name: str, logger: logging.Logger = log) -> None:
     """Refuse to send model and data unencrypted on a cluster that asked for encryption."""
     if not _conf_bool(confs, "spark.ssl.enabled"):
         return
     if any(_conf_bool(confs, key) for key in IGNORE_SSL_CONFS):
-        log.warning("spark.ssl.enabled is true, but %s sends model parameters and data between tasks over "
+        logger.warning("spark.ssl.enabled is true, but %s sends model parameters and data between tasks over "
                     "TensorFlow's unencrypted gRPC, as %s allows", name,
                     " / ".join(k for k in IGNORE_SSL_CONFS if _conf_bool(confs, k)))
         return
@@ -484,7 +532,7 @@ def _choose_stage(confs: dict[str, str], sc: Any) -> str:
         raise ConfigError(f"{STAGE_CONF}=rdd needs a SparkContext, which Spark Connect does not have. "
                           "Fix: set it to auto or arrow")
     if choice == "auto":
-        choice = "arrow" if arrow or sc is None else "rdd"
+        choice = "rdd" if sc is not None else "arrow"
     return "mapInArrow" if choice == "arrow" else "rdd"
 
 
@@ -515,10 +563,10 @@ def _pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
         raise ConfigError(f"train_fn and its arguments cannot be pickled ({type(exc).__name__}: {exc})") from None
 
 
-def _with_log_server(plan: TaskPlan, server: LogServer) -> TaskPlan:
-    from dataclasses import replace
-
-    return replace(plan, log_port=server.port, log_token=server.token)
+def _with_log_server(plan: TaskPlan, server: LogServer, exchange: Rendezvous) -> TaskPlan:
+    """The plan with this attempt's driver endpoints (the tasks reach both at plan.log_host)."""
+    return replace(plan, log_port=server.port, log_token=server.token, rendezvous_port=exchange.port,
+                   rendezvous_token=exchange.token)
 
 
 @contextmanager
@@ -571,8 +619,38 @@ def _collect(spark: Any, sc: Any, stage: str, plan: TaskPlan) -> list[tuple[int,
     return list(sc.parallelize(range(n), n).barrier().mapPartitions(rdd_partition_function(plan)).collect())
 
 
+def _take_task_info(rows: list[tuple[int, int, bytes]], report: RunReport, server: LogServer) -> None:
+    """Add every task's own timeline (its info row) to the report; print output the driver did not see live."""
+    import json
+
+    for rank, seq, chunk in sorted(rows, key=lambda row: row[0]):
+        if seq != INFO_SEQ:
+            continue
+        info = json.loads(chunk.decode())
+        label = info.get("label", f"rank {rank}")
+        for event in info.get("events", []):
+            report.mark(label, event["event"], event["t"])
+        report.pids[label] = info.get("pid")
+        if "tail" in info:
+            report.tails[label] = list(info["tail"])
+            _print_undelivered(label, info["tail"], server, info.get("log_error"))
+
+
+def _print_undelivered(label: str, lines: Sequence[str], server: LogServer, why: str | None = None) -> None:
+    """A task's last lines that its log connection did not deliver (the executors could not reach the driver)."""
+    task = next((t for t in server.tasks.values() if t.label == label), None)
+    seen = set(task.tail) if task is not None else set()
+    missing = [text for text in lines if text not in seen]
+    if not missing:
+        return
+    _say(f"[stratkit] {label}'s output did not reach the driver live ({why or 'its log server was unreachable'}); "
+         f"its last {len(missing)} lines:")
+    for text in missing:
+        _say(f"[{label}] {text}")
+
+
 def _assemble_result(rows: list[tuple[int, int, bytes]]) -> Any:
-    chunks = sorted((seq, chunk) for rank, seq, chunk in rows if rank == 0)
+    chunks = sorted((seq, chunk) for rank, seq, chunk in rows if rank == 0 and seq != INFO_SEQ)
     if not chunks:
         return None
     import cloudpickle

@@ -1,16 +1,25 @@
 """What each barrier task does on its executor (runs inside Spark's Python worker).
 
 Steps, in order:
-  1. connect to the driver's log server (token-authenticated);
-  2. hold a free port on this task's host (the address Spark's task infos
+  1. get the training process: the Python worker's warm standby (TensorFlow
+     and Keras already imported), else spawn one now -- it imports them while
+     the steps below run;
+  2. connect to the driver's log server (token-authenticated);
+  3. hold a free port on this task's host (the address Spark's task infos
      give) until TensorFlow binds it;
-  3. all-gather every task's "host:port" (BarrierTaskContext.allGather);
-  4. build this task's TF_CONFIG and validate it with `stratkit.detect`;
+  4. exchange every task's "host:port" through the driver
+     (`stratkit.spark.rendezvous`), else with BarrierTaskContext.allGather;
+  5. build this task's TF_CONFIG and validate it with `stratkit.detect`;
      export this task's Spark GPUs as CUDA_VISIBLE_DEVICES (or hide GPUs);
-  5. run train_fn in a fresh Python process, streaming every line to the
-     driver; kill the process tree on ABORT from the driver;
-  6. report the exit code; on the chief, send the pickled return value back
-     as output rows, in chunks.
+     serve the task's BarrierTaskContext to the process (`stratkit.spark.context`);
+  6. hand the process its run (environment, payload), stream every line to
+     the driver; kill the process tree on ABORT from the driver;
+  7. report the exit code; on the chief, send the pickled return value back
+     as output rows, in chunks; every task also returns one info row (its
+     timeline, and its last lines when the driver could not see them live);
+  8. the next warm standby is spawned once train_fn starts (its TF import
+     then competes only with training, not with this process's import), or
+     at the end (unless spark.stratkit.standby=false).
 
 Why the port is held with SO_REUSEADDR, bound but not listening: measured
 with TensorFlow 2.21, its gRPC server binds WITHOUT SO_REUSEPORT (TensorFlow
@@ -25,24 +34,35 @@ take it.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from stratkit import timeline
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
-from stratkit.spark.logserver import SETUP_FAILED, LogClient
+from stratkit.spark.logserver import SETUP_FAILED, TAIL_LINES, LogClient
 from stratkit.strategy.server import RUN_DIR_VAR
 
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).
 CHUNK_BYTES = 1 << 20
+#: The `seq` of the one row every task yields about itself (JSON: its timeline, and its last lines when the
+#: driver's log server could not be reached); result chunks have seq 0, 1, ...
+INFO_SEQ = -1
+#: Seconds a task tries to reach the driver's log server before training without live output.
+LOG_CONNECT_SECONDS = 5.0
+#: Starts the task failure record at the end of a failed task's error message (see `failure_record`).
+FAILURE_MARKER = "[stratkit-task-failure] "
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,10 @@ class TaskPlan:
     gpu_counts: tuple[int | None, ...]  # per rank; None = every GPU Spark gave the task
     gpu_resource_name: str = "gpu"
     wrap: str | None = None  # "multi_worker_mirrored" for MirroredStrategyRunner(use_custom_strategy=False)
+    preload: bool = True  # the training process imports TensorFlow and Keras while the task prepares its run
+    rendezvous_port: int = 0  # the driver's address exchange (stratkit.spark.rendezvous); 0: Spark's all-gather
+    rendezvous_token: str = ""
+    standby: bool = True  # keep a warm standby process in the Spark Python worker for the next run
 
     @property
     def num_tasks(self) -> int:
@@ -105,28 +129,43 @@ def _workdir() -> str:
 
 
 def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
-    """The barrier task body; yields `(rank, seq, chunk)` rows (only rank 0 yields, its pickled result)."""
-    from stratkit.spark.process import TrainingProcess
+    """The barrier task body; yields `(rank, seq, chunk)` rows: rank 0's pickled result, and one info row each."""
+    from stratkit.spark.context import CONTEXT_VAR, ContextServer
 
+    events = [{"event": "task start", "t": time.time()}]
     rank = context.partitionId()
     role = plan.roles[rank]
-    process: TrainingProcess | None = None
     aborted: list[str] = []  # set from the log client's reader thread
+
+    def note(event: str) -> None:
+        events.append({"event": event, "t": time.time()})
+
+    # First, so its TensorFlow import overlaps with everything below.
+    process, how = _training_process(plan)
+    note(how)
+    events.append({"event": "training process spawned", "t": process.spawned_at})
 
     def abort(reason: str) -> None:
         aborted.append(reason)
-        if process is not None:
-            process.kill(reason)
+        process.kill(reason)
 
-    client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort)
+    client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort,
+                       timeout=LOG_CONNECT_SECONDS)
+    note("log server connected" if client.connected else "log server unreachable")
     workdir = _workdir()
     holder = None
+    context_server = None
+    lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # kept for the driver when not live
+
+    def line(text: str) -> None:
+        lines.append(text)
+        client.line(text)
+
     try:
         host = _host_of(context.getTaskInfos()[rank].address)
         holder, port = hold_port(host)
-        gathered = context.allGather(json.dumps({"rank": rank, "address": f"{_format_host(host)}:{port}"}))
-        by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
-        addresses = [by_rank[r] for r in range(plan.num_tasks)]
+        addresses = _gather_addresses(plan, context, rank, f"{_format_host(host)}:{port}")
+        note("addresses gathered")
 
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
@@ -138,36 +177,56 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         if role.trains:
             workers = [r for r in plan.roles if r.trains]
             env[child_module.SHARD_VAR] = f"{workers.index(role)}/{len(workers)}"
+        env[timeline.TIMELINE_VAR] = os.path.join(workdir, "timeline.jsonl")
+        context_server = ContextServer(context)
+        env[CONTEXT_VAR] = context_server.address
 
         with open(os.path.join(workdir, child_module.PAYLOAD), "wb") as handle:
             handle.write(plan.payload)
-        client.line(f"[stratkit] {role.label} at {addresses[rank]} ({spec.strategy}, "
-                    f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}, attempt {plan.attempt})")
+        line(f"[stratkit] {role.label} at {addresses[rank]} ({spec.strategy}, "
+             f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}, attempt {plan.attempt})")
         if aborted:
             raise TaskFailed(f"stratkit task {role.label} was stopped before training: {aborted[0]}")
-        process = TrainingProcess(workdir, env, client.line)
+        process.start(workdir, env, line)
+        note("run handed to the process")
         if aborted:  # ABORT arrived while the process was being started
             process.kill(aborted[0])
-        code = process.stream()
-        if process.killed_because and code != 0:
-            client.exit_code(code)
-            raise TaskFailed(f"stratkit task {role.label} was stopped: {process.killed_because}")
+        # The next run's standby starts importing once this process's own import is over: a run started
+        # right after this one then finds it ready (measured: refilled only at the end, back-to-back runs
+        # waited 6-8 s for its import on the loaded 2-core test machine).
+        code = process.stream(on_started=(lambda: _refill_standby(plan)) if plan.standby else None)
+        note("process exited")
         client.exit_code(code)
+        if process.killed_because and code != 0:
+            raise TaskFailed(f"stratkit task {role.label} was stopped: {process.killed_because}"
+                             + failure_record(role, code, lines))
         if code != 0:
-            tail = "\n".join(process.tail)
             raise TaskFailed(f"stratkit task {role.label} (rank {rank}) exited with code {code}; "
-                             f"its last {len(process.tail)} lines:\n{tail}")
+                             f"its last {len(lines)} lines:\n" + "\n".join(lines) + failure_record(role, code, lines))
         if rank == 0:
             yield from _result_chunks(rank, process.result_path())
+        events.extend(timeline.read(env[timeline.TIMELINE_VAR]))
+        note("task end")
+        info: dict[str, Any] = {"label": role.label, "pid": process.pid,
+                                "events": sorted(events, key=lambda e: e["t"])}
+        if not client.connected or client.error:  # the driver saw none or only part of the output live
+            info["tail"] = list(lines)
+            info["log_error"] = client.error
+        yield rank, INFO_SEQ, json.dumps(info).encode()
     except (TaskFailed, GeneratorExit):
         raise
-    except BaseException as exc:
-        client.line(f"[stratkit] task {role.label} could not start training: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - reported with its type; Spark's own interrupts pass below
+        message = f"[stratkit] task {role.label} could not start training: {type(exc).__name__}: {exc}"
+        line(message)
+        client.exit_code(SETUP_FAILED)
+        raise TaskFailed(message + failure_record(role, SETUP_FAILED, lines)) from exc
+    except BaseException:
         client.exit_code(SETUP_FAILED)
         raise
     finally:
-        if process is not None:
-            process.close()
+        process.close()
+        if context_server is not None:
+            context_server.close()
         if holder is not None:
             holder.close()
         client.close()
@@ -176,6 +235,84 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             os.rmdir(_run_env(plan, role)[RUN_DIR_VAR])
         except OSError:
             pass
+        if plan.standby:
+            _refill_standby(plan)
+
+
+def _gather_addresses(plan: TaskPlan, context: Any, rank: int, address: str) -> list[str]:
+    """Every rank's "host:port": through the driver (no barrier wait), else Spark's all-gather."""
+    from stratkit.spark import rendezvous
+
+    addresses = rendezvous.exchange(plan.log_host, plan.rendezvous_port, plan.rendezvous_token, rank, address)
+    if addresses is not None and len(addresses) == plan.num_tasks:
+        return addresses
+    gathered = context.allGather(json.dumps({"rank": rank, "address": address}))
+    by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
+    return [by_rank[r] for r in range(plan.num_tasks)]
+
+
+def failure_record(role: TaskRole, exit_code: int, lines: Any) -> str:
+    """The machine-readable end of a task's error message: the driver rebuilds SparkTrainingError from it
+    when the log server could not deliver the task's exit code and lines (e.g. Spark Connect executors
+    that cannot reach the client)."""
+    record = {"label": role.label, "rank": role.rank, "exit_code": exit_code, "lines": list(lines)}
+    return "\n" + FAILURE_MARKER + json.dumps(record) + "\n"
+
+
+def parse_failure_record(text: str) -> dict[str, Any] | None:
+    """The first task failure record in a Spark error message, or None."""
+    start = text.find(FAILURE_MARKER)
+    while start >= 0:
+        end = text.find("\n", start)
+        try:
+            record = json.loads(text[start + len(FAILURE_MARKER): end if end >= 0 else None])
+            if isinstance(record, dict) and "label" in record:
+                return record
+        except ValueError:
+            pass
+        start = text.find(FAILURE_MARKER, start + 1)
+    return None
+
+
+# -- the training process, and the executor's warm standby ---------------------------------------
+# One standby per Spark Python worker (which runs one task at a time): a training process spawned with
+# TensorFlow and Keras imported, waiting for its run. Used once, then replaced. It is this worker's child
+# and dies with it (PR_SET_PDEATHSIG in stratkit.spark.child), so it never outlives the executor.
+_standby: dict[str, Any] = {}
+
+
+def _standby_key(plan: TaskPlan) -> tuple:
+    from stratkit.spark.process import python_path
+
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k != "TF_CONFIG"))
+    return sys.executable, python_path(), env, plan.preload
+
+
+def _training_process(plan: TaskPlan) -> tuple[Any, str]:
+    """This task's training process: the worker's standby when it fits, else a freshly spawned one."""
+    from stratkit.spark.process import TrainingProcess
+
+    process = _standby.pop("process", None)
+    key = _standby.pop("key", None)
+    if process is not None:
+        if plan.standby and key == _standby_key(plan) and process.alive():
+            return process, "standby process taken"
+        process.close()
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    return TrainingProcess.spawn(base, preload=plan.preload), "process spawned"
+
+
+def _refill_standby(plan: TaskPlan) -> None:
+    from stratkit.spark.process import TrainingProcess
+
+    if "process" in _standby:
+        return
+    try:
+        base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        _standby["process"] = TrainingProcess.spawn(base, preload=plan.preload)
+        _standby["key"] = _standby_key(plan)
+    except OSError:  # cannot start a process now: the next run spawns its own
+        _standby.clear()
 
 
 def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:

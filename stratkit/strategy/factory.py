@@ -72,6 +72,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
     elif spec.strategy == "parameter_server":
         # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
         keras_compat.install_fit_guards()
+    from stratkit import timeline
+
+    timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result
 
 

@@ -293,3 +293,28 @@ def default_verbose(is_chief: bool) -> Any:
     if not is_chief and os.environ.get("STRATKIT_VERBOSE_WORKERS", "") not in ("1", "true", "yes"):
         return 0
     return 1 if sys.stdout.isatty() else 2
+
+
+class PhaseMarks(keras.callbacks.Callback):
+    """Mark the first step and the end of training on the launcher's timeline (`stratkit.timeline`).
+
+    Only `on_train_batch_begin` for the first two batches (the second one's
+    begin is the first step done: tracing and the first collective are in it);
+    no batch-end hook, which would make Keras synchronise after every step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._batches = 0
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._batches < 2:
+            from stratkit import timeline
+
+            timeline.mark("first step begins" if self._batches == 0 else "first step done")
+            self._batches += 1
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        from stratkit import timeline
+
+        timeline.mark("training ends")

@@ -153,6 +153,10 @@ class Trainer:
                               "Fix: pass scale_learning_rate=True, or drop warmup_epochs")
         if train.global_batch_size:
             callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
+        from stratkit import timeline
+
+        if timeline.enabled():
+            callback_list.append(cb.PhaseMarks())
         if backup_dir is not None:
             from stratkit.training.backup import Backup
 

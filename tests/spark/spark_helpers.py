@@ -53,16 +53,39 @@ def start_session(master: str, confs: Mapping[str, str] = ()) -> Iterator:
 
 
 def processes_of_run(run_id: str) -> list[int]:
-    """PIDs of live processes whose environment carries this run's id (its training processes)."""
+    """PIDs of live processes of this run: its training processes (named after the run, as their run arrives
+    after they start) and anything they started (their environment carries the run's id)."""
+    from stratkit.spark.child import process_name
+
     marker = f"STRATKIT_SPARK_RUN={run_id}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if marker in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
+    name = process_name(run_id).encode()
+    return [pid for pid in _live_pids()
+            if _read(pid, "comm").strip() == name or marker in _read(pid, "environ").split(b"\0")]
+
+
+def standby_processes() -> list[int]:
+    """PIDs of live warm standby training processes (any session's)."""
+    from stratkit.spark.child import STANDBY_NAME
+
+    return [pid for pid in _live_pids() if _read(pid, "comm").strip() == STANDBY_NAME.encode()[:15]]
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _live_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""

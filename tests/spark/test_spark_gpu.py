@@ -147,6 +147,17 @@ def test_an_encrypted_cluster_is_refused_unless_the_override_is_set(spark, live_
     assert MirroredStrategyRunner(num_slots=2, use_custom_strategy=True).run(report_visible_devices)
 
 
+def test_the_ssl_override_warning_is_logged_once_on_the_peers_logger_naming_the_api_called(spark, live_conf,
+                                                                                             caplog):
+    live_conf("spark.ssl.enabled", "true")
+    live_conf("tensorflow.spark.distributor.ignoreSsl", "true")
+    with caplog.at_level("WARNING"):
+        MirroredStrategyRunner(num_slots=2, use_custom_strategy=True).run(report_visible_devices)
+    warnings = [r for r in caplog.records if "spark.ssl.enabled is true" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].name == "MirroredStrategyRunner"
+    assert "MirroredStrategyRunner sends model parameters" in warnings[0].getMessage()
+
+
 # -- SparkRunner with GPUs -------------------------------------------------------------------------
 
 def test_spark_runner_gives_each_worker_its_spark_gpus_or_only_gpus_per_worker(spark):

@@ -1,0 +1,62 @@
+"""The task context channel (stratkit.spark.context): loopback only, token first, JSON only.
+
+The server is exercised with a stand-in for pyspark's BarrierTaskContext (the Spark side is tested for real in
+test_spark_runs.py); what is under test here is the channel.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from stratkit.spark.context import ContextServer
+
+
+class RecordingContext:
+    def __init__(self):
+        self.calls = []
+
+    def partitionId(self):
+        self.calls.append("partitionId")
+        return 1
+
+    def allGather(self, message=""):
+        self.calls.append(("allGather", message))
+        return [message, "other"]
+
+
+def _ask(port, first_line, request):
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(first_line + b"\n" + json.dumps(request).encode() + b"\n")
+        return conn.makefile("rb").readline()
+
+
+def test_the_channel_listens_on_loopback_only():
+    server = ContextServer(RecordingContext())
+    try:
+        assert server._sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        server.close()
+
+
+def test_a_wrong_token_is_disconnected_before_any_call():
+    context = RecordingContext()
+    server = ContextServer(context)
+    try:
+        assert _ask(server.port, b"0" * 32, {"method": "partitionId"}) == b""
+        assert _ask(server.port, b"x" * 5000, {"method": "partitionId"}) == b""  # no unbounded read either
+        assert context.calls == []
+    finally:
+        server.close()
+
+
+def test_calls_with_the_token_reach_the_context():
+    context = RecordingContext()
+    server = ContextServer(context)
+    try:
+        token = server.token.encode()
+        reply = json.loads(_ask(server.port, token, {"method": "allGather", "args": ["hi"]}))
+        assert reply == {"value": ["hi", "other"]}
+        assert "not available" in json.loads(_ask(server.port, token, {"method": "__reduce__"}))["error"]
+    finally:
+        server.close()

@@ -1,0 +1,40 @@
+"""TensorFlow's start-up noise is hidden in training processes stratkit starts, unless the user asks for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratkit.tf_logging import StartupNoise, quiet_defaults
+
+# Measured with TensorFlow 2.21 on a CPU machine: printed before TF configures its logging.
+PRE_INIT = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+ONEDNN = ("I0000 00:00:1795432727.113016    6676 port.cc:153] oneDNN custom operations are on. You may see slightly "
+          "different numerical results")
+CUDA_STUB = "I0000 00:00:1795432727.113307    6676 cudart_stub.cc:31] Could not find cuda drivers on your machine"
+CUINIT = ("E0000 00:00:1795432730.855739    6676 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: "
+          "Failed call to cuInit: UNKNOWN ERROR (303)")
+REAL_ERROR = "E1123 11:20:01.123456   77 collective_ops.cc:12] Collective op failed: peer unreachable"
+
+
+def test_the_default_level_is_added_only_when_the_user_did_not_set_one():
+    assert quiet_defaults({}) == {"TF_CPP_MIN_LOG_LEVEL": "2"}
+    assert quiet_defaults({"TF_CPP_MIN_LOG_LEVEL": "0"}) == {}
+
+
+@pytest.mark.parametrize("line", [PRE_INIT, ONEDNN, CUDA_STUB, CUINIT])
+def test_start_up_noise_is_dropped_at_the_default_level_with_gpus_hidden(line):
+    assert not StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}).keep(line)
+
+
+def test_errors_and_user_output_are_kept():
+    noise = StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""})
+    assert noise.keep(REAL_ERROR) and noise.keep("Epoch 1/3") and noise.keep("I0000 is how my model logs")
+
+
+def test_a_cuda_error_is_kept_where_gpus_were_asked_for():
+    assert StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "0"}).keep(CUINIT)
+
+
+def test_an_explicit_level_0_shows_everything():
+    noise = StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "0", "CUDA_VISIBLE_DEVICES": ""})
+    assert all(noise.keep(line) for line in (PRE_INIT, ONEDNN, CUDA_STUB, CUINIT))
