@@ -19,7 +19,8 @@ _STARTUP_FIX = ("create the strategy before any other TensorFlow op: call stratk
                 "(or stratkit.Trainer()) at the top of the script, before building tensors, models or datasets")
 
 
-def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None, **options: Any):
+def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None,
+                  gradient_compression: str | None = None, **options: Any):
     """Build the `tf.distribute.Strategy` for `spec` (detected when None).
 
     Args:
@@ -37,6 +38,11 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
             parameter_server: `variable_partitioner` (e.g.
                 `tf.distribute.experimental.partitioners.MinSizePartitioner`).
             tpu: `tpu` (name or address; default from the spec).
+        gradient_compression: None (default), "bf16" or "fp16": cast gradients
+            to that dtype for the cross-replica all-reduce and back after it
+            (mirrored and multi_worker_mirrored; ignored with a log line on
+            parameter_server; nothing to do on one device). See
+            `stratkit.strategy.compression`.
 
     Returns:
         The strategy. On the `ps` and `worker` tasks of a parameter-server
@@ -48,6 +54,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
         ConfigError: on a bad spec/option, or when TensorFlow was already
             initialised so a multi-worker strategy can no longer be created.
     """
+    from stratkit.strategy import compression
+
+    compression.validate(gradient_compression)  # before anything is built
     if spec is None:
         spec = detect(strategy=strategy)
     elif strategy is not None:
@@ -66,6 +75,7 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
         from stratkit.strategy import keras_compat
 
         keras_compat.apply(result)
+    compression.configure(result, spec.strategy, gradient_compression)
     return result
 
 
