@@ -109,7 +109,7 @@ def test_without_compression_the_weights_are_bit_for_bit_upstreams(runs):
     assert hooked["accuracy"] == plain["accuracy"]
 
 
-@pytest.mark.parametrize("mode, tolerance", [("bf16", 0.02), ("fp16", 0.002)])
+@pytest.mark.parametrize("mode, tolerance", [("bf16", 0.02), ("fp16", 0.005)])
 def test_compressed_weights_stay_within_tolerance_of_float32(runs, mode, tolerance):
     # Tolerance: the largest weight difference, relative to the largest change float32 training made
     # (bf16 keeps 8 mantissa bits, fp16 11: each gradient is rounded to ~0.4% / ~0.05%).
