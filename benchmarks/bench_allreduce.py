@@ -126,7 +126,8 @@ def collective(sizes: list[int], quick: bool, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="stratkit-bench-allreduce-") as tmp:
         result = Path(tmp) / "result.json"
         config = {"sizes": [[s, iterations(s, quick)] for s in sizes], "result": str(result),
-                  "model": {k: (QUICK_MODEL if quick else FULL_MODEL)[k] for k in ("image", "classes", "width", "blocks")},
+                  "model": {k: (QUICK_MODEL if quick else FULL_MODEL)[k]
+                            for k in ("image", "classes", "width", "blocks")},
                   "dtypes": WIRE_DTYPES, "grad_rounds": 1 if quick else 4, "grad_iters": 3 if quick else 15}
         out = io.StringIO()
         started = time.monotonic()
@@ -195,8 +196,13 @@ def main(argv: list[str] | None = None) -> dict:
         print_table(f"Gradient list of the scaling model, one all-reduce per step, by wire dtype "
                     f"(gradient_compression; goal bf16/float32 <= {GRADIENT_GOAL})",
                     [{k: v for k, v in row.items() if k != "seconds"} for row in gradient_rows])
+        ratio = next((r["vs float32"] for r in gradient_rows if r["dtype"] == "bfloat16"), None)
+        if ratio is not None:
+            print(f"communication per step, bf16 / float32 = {ratio:.3f} "
+                  f"(goal <= {GRADIENT_GOAL}: {'met' if ratio <= GRADIENT_GOAL else 'not met'})")
     payload = {"quick": args.quick, "workers": n, "gradient_rows": gradient_rows, "gradient_goal": GRADIENT_GOAL,
-               "bf16_over_float32": next((r["vs float32"] for r in gradient_rows if r["dtype"] == "bfloat16"), None), "strategy": reduce["strategy"], "threads": reduce["threads"],
+               "bf16_over_float32": next((r["vs float32"] for r in gradient_rows if r["dtype"] == "bfloat16"), None),
+               "strategy": reduce["strategy"], "threads": reduce["threads"],
                "bus_factor": factor, "tcp_bandwidth_Bps": tcp_bandwidth, "tcp_peak_from_bytes": PEAK_FROM,
                "tcp_before": tcp_before, "tcp_after": tcp_after, "rows": rows,
                "peak_busbw_MBps": max(r["busbw_MBps"] for r in rows),

@@ -65,7 +65,8 @@ CHILD = textwrap.dedent("""
         try:
             trainer.fit(model, (x, y), epochs=1, global_batch_size=32, verbose=0)
         except Exception as exc:
-            trainer_error = {"type": type(exc).__name__, "message": str(exc), "mro": [c.__name__ for c in type(exc).__mro__]}
+            trainer_error = {"type": type(exc).__name__, "message": str(exc),
+                             "mro": [c.__name__ for c in type(exc).__mro__]}
     print(json.dumps({"collectives": collectives, "installed": compression.installed(),
                       "attr": compression.mode_of(strategy), "error": error, "trainer_error": trainer_error,
                       "before": [w.tolist() for w in before], "weights": [w.tolist() for w in model.get_weights()],
