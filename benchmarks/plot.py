@@ -64,7 +64,7 @@ def plot_scaling(data: dict, path: Path) -> Path:
     rows = data["rows"]
     names = [_wrap(r["setting"]) for r in rows]
     y = list(range(len(rows)))[::-1]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.0 + 0.75 * len(rows)), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.6 + 0.75 * len(rows)), sharey=True)
 
     h = 0.38
     two = [r["2-worker ex/s"] or 0 for r in rows]
@@ -106,9 +106,9 @@ def plot_scaling(data: dict, path: Path) -> Path:
     right.axvline(1.0, color=GREY, lw=0.8)
     right.set_xlim(0, max(1.1, max(eff) + 0.1))
     rounds = data.get("rounds")
-    right.set_xlabel("efficiency = 2-worker / (2 simultaneous single jobs)"
-                     + (f"; mean of {rounds} rounds, whisker = min-max" if rounds else ""))
-    right.set_title("Scaling efficiency (fair baseline)")
+    right.set_xlabel("efficiency = 2-worker / (2 simultaneous single jobs)")
+    right.set_title("Scaling efficiency (fair baseline)"
+                    + (f"\nmean of {rounds} alternating rounds, whisker = min-max" if rounds else ""))
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
     model = data.get("model", {})
     title = (f"2-worker MultiWorkerMirrored on loopback: ResNet-style, {model.get('params') or '?'} params, "
