@@ -14,6 +14,12 @@ collective: one receiver process, this process sending S bytes with sendall
 and waiting for a 1-byte acknowledgement (one-way, single stream, the same
 sizes). B = the median one-way bandwidth over the transfers of >= 16 MiB.
 
+Gradient list: the scaling benchmark's model's trainable variables (53
+tensors, ~2 MB as float32 in the full run), all-reduced as one list per call
+in float32, bfloat16 and float16, each call including the casts
+`gradient_compression` adds (float32 -> wire dtype -> float32). The ratio
+bf16/float32 is the communication time per step the option saves (goal <= 0.5).
+
 Anchor (nccl-tests): an all-reduce of S bytes over links of bandwidth B takes
 at least (S/B) * 2(n-1)/n, i.e. busbw <= B. busbw/B is the fraction of the
 link the collective reaches (1.0 = at the bound). Caveat: the ring sends in
@@ -39,12 +45,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
 from jobs import TASKS, clean_env, kill_all, python  # noqa: E402
+from bench_scaling import FULL as FULL_MODEL, QUICK as QUICK_MODEL  # noqa: E402
 
 TASK = TASKS / "allreduce_task.py"
 KIB, MIB = 1024, 1024 * 1024
 FULL_SIZES = [KIB, 4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 100 * MIB]
 QUICK_SIZES = [KIB, 64 * KIB, MIB, 16 * MIB]
 PEAK_FROM = 16 * MIB
+WIRE_DTYPES = ["float32", "bfloat16", "float16"]
+GRADIENT_GOAL = 0.5  # bf16 time / float32 time
 
 RECEIVER = r"""
 import socket, struct, sys
@@ -116,7 +125,10 @@ def collective(sizes: list[int], quick: bool, timeout: float) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="stratkit-bench-allreduce-") as tmp:
         result = Path(tmp) / "result.json"
-        config = {"sizes": [[s, iterations(s, quick)] for s in sizes], "result": str(result)}
+        config = {"sizes": [[s, iterations(s, quick)] for s in sizes], "result": str(result),
+                  "model": {k: (QUICK_MODEL if quick else FULL_MODEL)[k]
+                            for k in ("image", "classes", "width", "blocks")},
+                  "dtypes": WIRE_DTYPES, "grad_rounds": 1 if quick else 4, "grad_iters": 3 if quick else 15}
         out = io.StringIO()
         started = time.monotonic()
         outcome = launch([python(), str(TASK)], workers=2, timeout=timeout, stdout=out, stderr=out,
@@ -127,6 +139,21 @@ def collective(sizes: list[int], quick: bool, timeout: float) -> dict:
         data = json.loads(result.read_text())
         data["wall_seconds"] = time.monotonic() - started
         return data
+
+
+def gradient_table(gradients: list[dict]) -> list[dict]:
+    """One row per wire dtype: median time of the gradient list's all-reduce, and its ratio to float32."""
+    base = next((statistics.median(g["seconds"]) for g in gradients if g["dtype"] == "float32"), None)
+    rows = []
+    for g in gradients:
+        t = statistics.median(g["seconds"])
+        q1, _, q3 = statistics.quantiles(g["seconds"], n=4) if len(g["seconds"]) > 1 else (t, t, t)
+        rows.append({"dtype": g["dtype"], "compression": {"float32": "None", "bfloat16": "'bf16'",
+                                                          "float16": "'fp16'"}.get(g["dtype"], "?"),
+                     "tensors": g["tensors"], "MB on wire": g["bytes_on_wire"] / 1e6, "time_ms": t * 1e3,
+                     "q1_ms": q1 * 1e3, "q3_ms": q3 * 1e3, "vs float32": t / base if base else None,
+                     "max rel error": g["max_relative_error"], "calls": len(g["seconds"]), "seconds": g["seconds"]})
+    return rows
 
 
 def _size(n: int) -> str:
@@ -164,7 +191,18 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(f"MWMS all-reduce, {n} workers on loopback; TCP loopback B = {tcp_bandwidth / 1e6:,.0f} MB/s "
                 f"(bound: t >= S/B * 2(n-1)/n)",
                 [{k: v for k, v in row.items() if k not in ("bytes", "seconds")} for row in rows])
-    payload = {"quick": args.quick, "workers": n, "strategy": reduce["strategy"], "threads": reduce["threads"],
+    gradient_rows = gradient_table(reduce.get("gradients", []))
+    if gradient_rows:
+        print_table(f"Gradient list of the scaling model, one all-reduce per step, by wire dtype "
+                    f"(gradient_compression; goal bf16/float32 <= {GRADIENT_GOAL})",
+                    [{k: v for k, v in row.items() if k != "seconds"} for row in gradient_rows])
+        ratio = next((r["vs float32"] for r in gradient_rows if r["dtype"] == "bfloat16"), None)
+        if ratio is not None:
+            print(f"communication per step, bf16 / float32 = {ratio:.3f} "
+                  f"(goal <= {GRADIENT_GOAL}: {'met' if ratio <= GRADIENT_GOAL else 'not met'})")
+    payload = {"quick": args.quick, "workers": n, "gradient_rows": gradient_rows, "gradient_goal": GRADIENT_GOAL,
+               "bf16_over_float32": next((r["vs float32"] for r in gradient_rows if r["dtype"] == "bfloat16"), None),
+               "strategy": reduce["strategy"], "threads": reduce["threads"],
                "bus_factor": factor, "tcp_bandwidth_Bps": tcp_bandwidth, "tcp_peak_from_bytes": PEAK_FROM,
                "tcp_before": tcp_before, "tcp_after": tcp_after, "rows": rows,
                "peak_busbw_MBps": max(r["busbw_MBps"] for r in rows),

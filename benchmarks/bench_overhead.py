@@ -5,6 +5,10 @@ the two are run in alternating rounds so machine noise hits both alike. The
 figure is the ratio of median steps/sec (goal: stratkit >= 0.97 of hand-written,
 i.e. overhead <= 3%). One child process per strategy kind, because logical CPU
 devices for "mirrored" must be configured before TensorFlow starts.
+
+The last row is one_device with `Trainer(gradient_compression="bf16")`: on one
+device there is no all-reduce, so the option must cost nothing (stratkit does
+not even install its wrapper there; the row records that).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ CHILD = r"""
 import json, os, sys, time, statistics
 import stratkit
 kind, rounds, steps, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+compress = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None
 options = {"logical_cpus": 2} if kind == "mirrored" else {}
-trainer = stratkit.Trainer(strategy=kind, **options)
+trainer = stratkit.Trainer(strategy=kind, gradient_compression=compress, **options)
+from stratkit.strategy import compression
 import keras, numpy as np, tensorflow as tf
 
 rng = np.random.default_rng(0)
@@ -66,13 +72,14 @@ for i in range(rounds):
             rate = fn()
         (s if fn is run_stratkit else h).append(rate)
 print(json.dumps({"kind": kind, "replicas": trainer.num_replicas, "stratkit_steps_per_sec": statistics.median(s),
-                  "hand_steps_per_sec": statistics.median(h), "stratkit_all": s, "hand_all": h}))
+                  "hand_steps_per_sec": statistics.median(h), "stratkit_all": s, "hand_all": h,
+                  "gradient_compression": compress, "compression_wrapper_installed": compression.installed()}))
 """
 
 
-def measure(kind: str, rounds: int, steps: int, batch: int) -> dict:
+def measure(kind: str, rounds: int, steps: int, batch: int, compress: str | None = None) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(rounds), str(steps), str(batch)],
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(rounds), str(steps), str(batch), compress or "none"],
                          capture_output=True, text=True, env=env, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"overhead benchmark for {kind} failed:\n{out.stderr[-3000:]}")
@@ -86,9 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
     # Short rounds swing +-20% on 2 shared cores; 9 rounds of 150 steps keep the median steady.
     rounds, steps, batch = (2, 5, 32) if args.quick else (9, 150, 128)
     rows = []
-    for kind in ("one_device", "mirrored"):
-        r = measure(kind, rounds, steps, batch)
-        rows.append({"strategy": kind, "replicas": r["replicas"],
+    for kind, compress in (("one_device", None), ("mirrored", None), ("one_device", "bf16")):
+        r = measure(kind, rounds, steps, batch, compress)
+        name = kind if compress is None else f"{kind}, gradient_compression={compress!r}"
+        rows.append({"strategy": name, "replicas": r["replicas"],
                      "stratkit steps/s": r["stratkit_steps_per_sec"], "hand steps/s": r["hand_steps_per_sec"],
                      "ratio": r["stratkit_steps_per_sec"] / r["hand_steps_per_sec"], "raw": r})
     print_table("trainer.fit vs strategy.scope() + model.fit (ratio >= 0.97 is the goal)",

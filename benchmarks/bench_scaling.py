@@ -19,10 +19,22 @@ before the first job finished count (so neither job ever runs alone).
 
 Rates are steady state: per-epoch wall times from an epoch-level callback,
 epoch 0 (tracing, connection set-up) excluded, median over the measured
-epochs; the headline configuration is repeated (alternating order) and the
-median over repeats is reported.
+epochs.
 
-Knobs stratkit controls, one row each (each vs the default, otherwise equal):
+Rounds: one figure from one run cannot tell a 3% gain from noise on 2 shared
+cores (the same job measured 0.89-1.02 in four rounds). So every row is
+measured in each of >= 3 rounds (`--rounds`, default 3); a round runs every
+setting's 2-worker job next to its baseline pair, and the order of settings
+(and of the jobs inside a setting) alternates between rounds. A row's
+efficiency is the mean over rounds of (2-worker rate / baseline pair rate of
+the same round), shown with its min, max and standard deviation. The load
+average is recorded before and after the run and around every job.
+
+Rows measured by default: stratkit's defaults, and `gradient_compression`
+"bf16" and "fp16" (2-worker job only: single jobs have no all-reduce, so the
+default's pair of the same round is their baseline).
+
+Knobs stratkit controls, one row each with `--variants all` (each vs the default, otherwise equal):
   * gradient packing: `Trainer(bytes_per_pack=...)` -> CommunicationOptions
     (0 = one pack for all gradients, TF's default);
   * threads: intra-op per worker (stratkit launch: cores // tasks = 1 here; 2
@@ -66,22 +78,30 @@ class Setting:
     prefetch: bool = True
     bytes_per_pack: int = 0
     own_baseline: bool = True     # False: compare with the default's baseline pair (single jobs ignore it)
+    gradient_compression: str | None = None
 
 
 DEFAULT = Setting("stratkit default (intra 1, inter TF default, prefetch AUTOTUNE, one pack)")
+COMPRESSION = [
+    Setting("gradient_compression='bf16'", gradient_compression="bf16", own_baseline=False),
+    Setting("gradient_compression='fp16'", gradient_compression="fp16", own_baseline=False),
+]
 VARIANTS = [
+    *COMPRESSION,
     Setting("bytes_per_pack=256 KiB", bytes_per_pack=256 * 1024, own_baseline=False),
     Setting("bytes_per_pack=1 MiB", bytes_per_pack=1024 * 1024, own_baseline=False),
     Setting("intra-op 2 per worker (oversubscribed)", intra=2),
     Setting("inter-op 1 per worker", inter=1),
     Setting("no prefetch", prefetch=False),
 ]
-QUICK_VARIANTS = ["bytes_per_pack=256 KiB"]
+DEFAULT_VARIANTS = [v.name for v in COMPRESSION]
+QUICK_VARIANTS = ["gradient_compression='bf16'"]
 
 
 def _config(model: dict, setting: Setting, result: Path, barrier: bool) -> str:
     return json.dumps({**model, "prefetch": setting.prefetch, "bytes_per_pack": setting.bytes_per_pack,
-                       "barrier": barrier, "result": str(result)})
+                       "gradient_compression": setting.gradient_compression, "barrier": barrier,
+                       "result": str(result)})
 
 
 def _rates(record: dict, until: float | None = None) -> tuple[list[float], bool]:
@@ -152,68 +172,118 @@ def measure(kind: str, model: dict, setting: Setting, timeout: float) -> dict:
             return {"error": str(exc)[-4000:]}
 
 
-def _median_of(runs: list[dict]) -> float | None:
-    values = [r["examples_per_sec"] for r in runs if "examples_per_sec" in r]
-    return statistics.median(values) if values else None
+def _rate(run: dict | None) -> float | None:
+    return run.get("examples_per_sec") if run else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def _stats(values: list[float | None]) -> dict:
+    """Mean, min, max and standard deviation over the rounds that produced a figure."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"mean": None, "min": None, "max": None, "sd": None, "n": 0}
+    return {"mean": statistics.fmean(got), "min": min(got), "max": max(got),
+            "sd": statistics.stdev(got) if len(got) > 1 else 0.0, "n": len(got)}
+
+
+def run_rounds(model: dict, settings: list[Setting], rounds: int, timeout: float) -> list[dict]:
+    """Measure every setting in each round, alternating the order; returns one record per round."""
+    records = []
+    for r in range(rounds):
+        order = settings if r % 2 == 0 else settings[::-1]
+        record: dict = {"round": r, "loadavg_before": os.getloadavg(), "jobs": {}}
+        for setting in order:
+            kinds = ["two_workers"]
+            if setting is settings[0] or setting.own_baseline:
+                kinds.append("pair")
+            if setting is settings[0]:
+                kinds.append("alone")
+            jobs = {kind: measure(kind, model, setting, timeout) for kind in (kinds if r % 2 == 0 else kinds[::-1])}
+            record["jobs"][setting.name] = jobs
+            print(f"[bench_scaling] round {r + 1}/{rounds} {setting.name}: "
+                  + ", ".join(f"{k} {_rate(v) or float('nan'):.1f} ex/s" for k, v in jobs.items()), flush=True)
+        record["loadavg_after"] = os.getloadavg()
+        records.append(record)
+    return records
+
+
+def summarise(settings: list[Setting], records: list[dict]) -> list[dict]:
+    """One row per setting: means over rounds of rates and of per-round efficiency, with the spread."""
+    default = settings[0]
+    rows = []
+    for setting in settings:
+        eff, naive, vs, two, pair, alone = [], [], [], [], [], []
+        for record in records:
+            jobs, base = record["jobs"][setting.name], record["jobs"][default.name]
+            two_rate = _rate(jobs.get("two_workers"))
+            pair_rate = _rate(jobs.get("pair")) if "pair" in jobs else _rate(base.get("pair"))
+            two.append(two_rate)
+            pair.append(pair_rate)
+            eff.append(_ratio(two_rate, pair_rate))
+            vs.append(_ratio(two_rate, _rate(base.get("two_workers"))))
+            if setting is default:
+                alone_rate = _rate(jobs.get("alone"))
+                alone.append(alone_rate)
+                naive.append(_ratio(two_rate, 2 * alone_rate if alone_rate else None))
+        e = _stats(eff)
+        rows.append({"setting": setting.name, "2-worker ex/s": _stats(two)["mean"], "pair ex/s": _stats(pair)["mean"],
+                     "alone ex/s": _stats(alone)["mean"] if setting is default else None,
+                     "efficiency": e["mean"], "eff min": e["min"], "eff max": e["max"], "eff sd": e["sd"],
+                     "rounds": e["n"], "naive": _stats(naive)["mean"] if setting is default else None,
+                     "vs default": _stats(vs)["mean"],
+                     "raw": {"setting": asdict(setting), "efficiency_per_round": eff, "vs_default_per_round": vs,
+                             "baseline": "own pair" if setting is default or setting.own_baseline
+                             else "default's pair of the same round",
+                             "rounds": [record["jobs"][setting.name] for record in records]}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats of the headline configuration "
-                                                                  "(default 2; 1 with --quick)")
+    parser.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=None,
+                        help="alternating rounds, every row measured in each (default 3; 1 with --quick)")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated variant names to run, or 'all' (default: all; with --quick: "
-                             f"{', '.join(QUICK_VARIANTS)})")
+                        help="comma-separated variant names to run, or 'all' (default: "
+                             f"{', '.join(DEFAULT_VARIANTS)}; with --quick: {', '.join(QUICK_VARIANTS)})")
     args = parser.parse_args(argv)
     model = QUICK if args.quick else FULL
-    repeats = args.repeats or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     timeout = 180.0 if args.quick else 300.0
-    chosen = args.variants or ("all" if not args.quick else ",".join(QUICK_VARIANTS))
+    chosen = args.variants or ",".join(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
     variants = VARIANTS if chosen == "all" else [v for v in VARIANTS if v.name in chosen.split(",")]
     started = time.monotonic()
+    load_before = os.getloadavg()
 
-    # Headline: the 2-worker job, the simultaneous pair and one job alone, in alternating order.
-    runs: dict[str, list[dict]] = {"two_workers": [], "pair": [], "alone": []}
-    for r in range(repeats):
-        order = ["two_workers", "pair", "alone"] if r % 2 == 0 else ["alone", "pair", "two_workers"]
-        for kind in order:
-            runs[kind].append(measure(kind, model, DEFAULT, timeout))
-    default_two, default_pair, alone = (_median_of(runs[k]) for k in ("two_workers", "pair", "alone"))
-    info = next((r for r in runs["two_workers"] if "params" in r), {})
+    settings = [DEFAULT, *variants]
+    records = run_rounds(model, settings, rounds, timeout)
+    rows = summarise(settings, records)
+    info = next((job for record in records for job in [record["jobs"][DEFAULT.name].get("two_workers") or {}]
+                 if "params" in job), {})
 
-    rows = [{"setting": DEFAULT.name, "2-worker ex/s": default_two, "pair ex/s": default_pair,
-             "alone ex/s": alone, "efficiency": _ratio(default_two, default_pair),
-             "naive": _ratio(default_two, 2 * alone if alone else None), "vs default": 1.0 if default_two else None,
-             "raw": {"setting": asdict(DEFAULT), **runs}}]
-    for setting in variants:
-        two = measure("two_workers", model, setting, timeout)
-        pair = measure("pair", model, setting, timeout) if setting.own_baseline else None
-        two_rate = two.get("examples_per_sec")
-        pair_rate = pair.get("examples_per_sec") if pair else default_pair
-        rows.append({"setting": setting.name, "2-worker ex/s": two_rate, "pair ex/s": pair_rate,
-                     "alone ex/s": None, "efficiency": _ratio(two_rate, pair_rate), "naive": None,
-                     "vs default": _ratio(two_rate, default_two),
-                     "raw": {"setting": asdict(setting), "two_workers": [two], "pair": [pair] if pair else [],
-                             "baseline": "own pair" if pair else "default's pair"}})
-
-    print_table(f"2-worker MultiWorkerMirrored vs two simultaneous single-worker jobs (goal efficiency >= {GOAL})",
+    print_table(f"2-worker MultiWorkerMirrored vs two simultaneous single-worker jobs, mean of {rounds} alternating "
+                f"round(s) (goal efficiency >= {GOAL})",
                 [{k: ("-" if v is None else v) for k, v in row.items() if k != "raw"} for row in rows])
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     failed = [row["setting"] for row in rows if row["efficiency"] is None]
     if failed:
         print(f"no figure (a job failed; see stderr and the JSON): {', '.join(failed)}")
     payload = {"quick": args.quick, "model": {**model, "params": info.get("params"),
                                               "gradient_bytes": info.get("gradient_bytes"),
                                               "gradient_tensors": info.get("gradient_tensors")},
-               "repeats": repeats, "goal_efficiency": GOAL, "workers": 2,
-               "definition": {"efficiency": "2-worker examples/s / sum of 2 simultaneous single jobs' examples/s",
+               "rounds": rounds, "repeats": rounds, "goal_efficiency": GOAL, "workers": 2,
+               "loadavg_before": load_before, "loadavg_after": load_after,
+               "definition": {"efficiency": "2-worker examples/s / sum of 2 simultaneous single jobs' examples/s, "
+                                            "per round; the row shows the mean over rounds and its min/max/sd",
                               "naive": "2-worker examples/s / (2 x one single job alone)",
                               "rate": "median over epochs 1.. (epoch 0 = warm-up) of steps x global batch / epoch "
-                                      "seconds; median over repeats"},
+                                      "seconds",
+                              "rounds": "every setting measured once per round; setting order reversed every "
+                                        "other round"},
                "wall_seconds": time.monotonic() - started, "rows": rows}
     print(f"wrote {write_result('scaling' + ('-quick' if args.quick else ''), payload)}")
     headline_failed = rows[0]["efficiency"] is None

@@ -64,7 +64,7 @@ def plot_scaling(data: dict, path: Path) -> Path:
     rows = data["rows"]
     names = [_wrap(r["setting"]) for r in rows]
     y = list(range(len(rows)))[::-1]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.0 + 0.75 * len(rows)), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 2.6 + 0.75 * len(rows)), sharey=True)
 
     h = 0.38
     two = [r["2-worker ex/s"] or 0 for r in rows]
@@ -83,14 +83,20 @@ def plot_scaling(data: dict, path: Path) -> Path:
     eff = [r["efficiency"] or 0 for r in rows]
     colors = [GREEN if e >= data.get("goal_efficiency", 0.97) else RED for e in eff]
     right.barh(y, eff, 0.6, color=colors)
+    # Rounds (bench_scaling.py): the mean, with the spread over rounds as a min-max whisker.
+    spread = [(r.get("eff min"), r.get("eff max")) for r in rows]
+    for yi, e, (lo, hi) in zip(y, eff, spread):
+        if e and lo is not None and hi is not None and hi > lo:
+            right.errorbar(e, yi, xerr=[[e - lo], [hi - e]], color="black", capsize=3, lw=1)
     for yi, e, r in zip(y, eff, rows):
+        n = r.get("rounds")
+        text = f"{e:.3f}" + (f" (n={n}, {r['eff min']:.2f}-{r['eff max']:.2f})" if n and n > 1 else "")
         if not r["efficiency"]:
             right.text(0.01, yi, "failed (see JSON)", va="center", fontsize=8, color=RED)
-        elif e > 0.2:
-            right.text(e - 0.015, yi, f"{e:.3f}", va="center", ha="right", fontsize=8, color="white",
-                       fontweight="bold")
+        elif e > 0.45:
+            right.text(0.02, yi, text, va="center", ha="left", fontsize=8, color="white", fontweight="bold")
         else:
-            right.text(e + 0.015, yi, f"{e:.3f}", va="center", fontsize=8)
+            right.text(e + 0.015, yi, text, va="center", fontsize=8)
     naive = rows[0].get("naive")
     if naive:
         right.plot([naive], [y[0] + 0.38], marker="v", markersize=8, color=ORANGE, ls="none",
@@ -99,8 +105,10 @@ def plot_scaling(data: dict, path: Path) -> Path:
     right.axvline(goal, color="black", ls="--", lw=1, label=f"goal {goal}")
     right.axvline(1.0, color=GREY, lw=0.8)
     right.set_xlim(0, max(1.1, max(eff) + 0.1))
+    rounds = data.get("rounds")
     right.set_xlabel("efficiency = 2-worker / (2 simultaneous single jobs)")
-    right.set_title("Scaling efficiency (fair baseline)")
+    right.set_title("Scaling efficiency (fair baseline)"
+                    + (f"\nmean of {rounds} alternating rounds, whisker = min-max" if rounds else ""))
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
     model = data.get("model", {})
     title = (f"2-worker MultiWorkerMirrored on loopback: ResNet-style, {model.get('params') or '?'} params, "
@@ -112,8 +120,8 @@ def plot_scaling(data: dict, path: Path) -> Path:
 def plot_overhead(data: dict, path: Path) -> Path:
     plt = _pyplot()
     rows = data["rows"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
-    names = [f"{r['strategy']}\n({r['replicas']} replica{'s' if r['replicas'] != 1 else ''})" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = [f"{_wrap(r['strategy'], 18)}\n({r['replicas']} replica{'s' if r['replicas'] != 1 else ''})" for r in rows]
     x = range(len(rows))
     w = 0.38
     left.bar([i - w / 2 for i in x], [r["stratkit steps/s"] for r in rows], w, color=BLUE, label="trainer.fit")
@@ -142,7 +150,12 @@ def plot_allreduce(data: dict, path: Path) -> Path:
     plt = _pyplot()
     rows = data["rows"]
     sizes = [r["bytes"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    gradients = data.get("gradient_rows") or []
+    if gradients:
+        fig, (ax, grad_ax) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+        _plot_gradient_list(grad_ax, gradients, data.get("gradient_goal", 0.5))
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5.5))
     ax.plot(sizes, [r["busbw_MBps"] for r in rows], marker="o", color=BLUE, lw=2,
             label=f"MWMS all-reduce busbw ({data['workers']} workers, {data.get('strategy')})")
     ax.plot(sizes, [r["tcp_same_size_MBps"] for r in rows], marker=".", color=GREY, ls="--",
@@ -164,6 +177,27 @@ def plot_allreduce(data: dict, path: Path) -> Path:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1)
     return _finish(plt, fig, data, "All-reduce bus bandwidth vs loopback TCP", path)
+
+
+def _plot_gradient_list(ax, rows: list[dict], goal: float) -> None:
+    """Bars: the model's gradient list all-reduced per wire dtype (median, whisker = quartiles)."""
+    names = [f"{r['dtype']}\ngradient_compression={r['compression']}\n{r['MB on wire']:.2f} MB on wire" for r in rows]
+    t = [r["time_ms"] for r in rows]
+    err = [[max(0.0, v - r["q1_ms"]) for v, r in zip(t, rows)], [max(0.0, r["q3_ms"] - v) for v, r in zip(t, rows)]]
+    colors = [GREY if r["dtype"] == "float32" else BLUE for r in rows]
+    x = list(range(len(rows)))
+    ax.bar(x, t, 0.55, color=colors, yerr=err, capsize=4)
+    for i, r in zip(x, rows):
+        if r.get("vs float32") is not None:
+            ax.text(i, t[i] / 2, f"x{r['vs float32']:.2f}", ha="center", va="center", fontsize=9, color="white",
+                    fontweight="bold")
+    base = next((r["time_ms"] for r in rows if r["dtype"] == "float32"), None)
+    if base:
+        ax.axhline(base * goal, color="black", ls="--", lw=1, label=f"goal: {goal:g} x float32")
+        ax.legend(fontsize=7, frameon=False, loc="upper right")
+    ax.set_xticks(x, names, fontsize=7)
+    ax.set_ylabel("ms per all-reduce of the whole list (median)")
+    ax.set_title(f"The scaling model's gradients ({rows[0]['tensors']} tensors), one step's all-reduce")
 
 
 # -- spark --------------------------------------------------------------------------------------

@@ -9,6 +9,14 @@ instance set-up), a small all-reduce as a barrier, then `iters` calls each
 timed on its own (an eager call of a tf.function returns when it has run).
 Every worker runs the same sizes and counts (a collective needs all of
 them); the chief writes the timings to STRATKIT_BENCH_ALLREDUCE["result"].
+
+Gradient list (config "model"): the trainable variables' shapes of the
+scaling benchmark's model, all-reduced as ONE list per call, as Keras'
+gradient aggregation does, once per wire dtype. Each call does exactly what
+`gradient_compression` does around the all-reduce: cast the float32 list to
+the wire dtype, all-reduce it (one pack), cast the sums back to float32
+(float32: no cast). Dtypes alternate order between rounds so load drifts hit
+them alike.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ options = {"bytes_per_pack": int(config["bytes_per_pack"])} if config.get("bytes
 strategy = stratkit.make_strategy(**options)  # first: before any TensorFlow op
 spec = stratkit.detect()
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 
@@ -69,8 +78,59 @@ for size, iters in config["sizes"]:
     results.append({"bytes": size, "iters": iters, "seconds": times, "correct": correct})
     del x, out
 
+gradients = []
+if config.get("model"):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from resnet_synthetic import resnet
+
+    model = config["model"]
+    net = resnet(int(model["image"]), int(model["classes"]), int(model["width"]), [int(b) for b in model["blocks"]])
+    shapes = [tuple(v.shape) for v in net.trainable_variables]
+    rng = tf.random.Generator.from_seed(1)
+    local_grads = [rng.normal(shape) * 1e-2 for shape in shapes]  # gradient-sized values, same on every worker
+    grads = strategy.experimental_distribute_values_from_function(lambda _: list(local_grads))
+
+    def list_all_reduce(wire):
+        @tf.function
+        def run(values):
+            def replica_fn(*tensors):
+                sent = [tf.cast(tf.identity(t), wire) for t in tensors]
+                summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+                return [tf.cast(t, tf.float32) for t in summed]
+
+            return strategy.run(replica_fn, args=tuple(values))
+
+        return run
+
+    dtypes = [str(d) for d in config.get("dtypes", ["float32"])]
+    fns = {d: list_all_reduce(tf.as_dtype(d)) for d in dtypes}
+    times: dict = {d: [] for d in dtypes}
+    errors = {}
+    for d in dtypes:
+        out = [local(v) for v in fns[d](grads)]
+        out = [local(v) for v in fns[d](grads)]
+        want = [g * workers for g in local_grads]
+        # Largest error relative to the largest sum: what the cast costs in precision.
+        errors[d] = max(float(tf.reduce_max(tf.abs(o - w))) for o, w in zip(out, want)) / \
+            max(float(tf.reduce_max(tf.abs(w))) for w in want)
+    rounds, iters = int(config.get("grad_rounds", 3)), int(config.get("grad_iters", 10))
+    for r in range(rounds):
+        for d in (dtypes if r % 2 == 0 else dtypes[::-1]):
+            barrier()
+            for _ in range(iters):
+                start = time.perf_counter()
+                fns[d](grads)
+                times[d].append(time.perf_counter() - start)
+    for d in dtypes:
+        gradients.append({"dtype": d, "tensors": len(shapes), "values": int(sum(int(np.prod(s)) for s in shapes)),
+                          "bytes_on_wire": int(sum(int(np.prod(s)) for s in shapes)) * tf.as_dtype(d).size,
+                          "seconds": times[d], "max_relative_error": errors[d]})
+
 if spec.is_chief:
     with open(config["result"], "w") as handle:
-        json.dump({"workers": workers, "strategy": spec.strategy, "results": results,
+        json.dump({"workers": workers, "strategy": spec.strategy, "results": results, "gradients": gradients,
                    "threads": {k: os.environ.get(k) for k in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")}},
                   handle)

@@ -30,6 +30,8 @@ spec = stratkit.detect()
 options = {}
 if spec.strategy == "multi_worker_mirrored" and config.get("bytes_per_pack"):
     options["bytes_per_pack"] = int(config["bytes_per_pack"])
+if spec.strategy == "multi_worker_mirrored" and config.get("gradient_compression"):
+    options["gradient_compression"] = config["gradient_compression"]
 trainer = stratkit.Trainer(**options)  # first: the strategy must exist before any TensorFlow op
 
 import keras  # noqa: E402
@@ -88,6 +90,7 @@ result = {"rank": max(spec.worker_rank, 0), "strategy": spec.strategy, "replicas
           "params": int(model.count_params()),
           "gradient_bytes": int(sum(np.prod(v.shape) * 4 for v in model.trainable_variables)),
           "gradient_tensors": len(model.trainable_variables),
+          "gradient_compression": options.get("gradient_compression"),
           "threads": {k: os.environ.get(k) for k in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS",
                                                      "OMP_NUM_THREADS")}}
 with open(f"{config['result']}.{result['rank']}", "w") as handle:

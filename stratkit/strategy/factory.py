@@ -19,7 +19,8 @@ _STARTUP_FIX = ("create the strategy before any other TensorFlow op: call stratk
                 "(or stratkit.Trainer()) at the top of the script, before building tensors, models or datasets")
 
 
-def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None, **options: Any):
+def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None,
+                  gradient_compression: str | None = None, **options: Any):
     """Build the `tf.distribute.Strategy` for `spec` (detected when None).
 
     Args:
@@ -37,6 +38,11 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
             parameter_server: `variable_partitioner` (e.g.
                 `tf.distribute.experimental.partitioners.MinSizePartitioner`).
             tpu: `tpu` (name or address; default from the spec).
+        gradient_compression: None (default), "bf16" or "fp16": cast gradients
+            to that dtype for the cross-replica all-reduce and back after it
+            (mirrored and multi_worker_mirrored; ignored with a log line on
+            parameter_server; nothing to do on one device). See
+            `stratkit.strategy.compression`.
 
     Returns:
         The strategy. On the `ps` and `worker` tasks of a parameter-server
@@ -50,6 +56,9 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
             strategy with a cluster, or `logical_cpus` that differ from the
             devices TensorFlow started with.
     """
+    from stratkit.strategy import compression
+
+    compression.validate(gradient_compression)  # before anything is built
     if spec is None:
         spec = detect(strategy=strategy)
     elif strategy is not None:
@@ -72,6 +81,7 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
     elif spec.strategy == "parameter_server":
         # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
         keras_compat.install_fit_guards()
+    compression.configure(result, spec.strategy, gradient_compression)
     from stratkit import timeline
 
     timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)

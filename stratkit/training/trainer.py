@@ -24,6 +24,8 @@ class Trainer:
             "multi_worker_mirrored", "parameter_server", "tpu"); beats detection.
         spec: a `ClusterSpec` (default: `stratkit.detect(strategy=strategy)`).
         seed: shuffle seed for numpy inputs; the same on every worker.
+        gradient_compression: None (default), "bf16" or "fp16": the dtype
+            gradients are all-reduced in (see `stratkit.make_strategy`).
         **strategy_options: passed to `stratkit.make_strategy` (e.g.
             `logical_cpus=2`, `timeout_seconds=600`, `variable_partitioner=...`).
 
@@ -34,7 +36,7 @@ class Trainer:
     """
 
     def __init__(self, strategy: str | None = None, spec: ClusterSpec | None = None, *, seed: int | None = None,
-                 **strategy_options: Any) -> None:
+                 gradient_compression: str | None = None, **strategy_options: Any) -> None:
         from stratkit.strategy.factory import _override, make_strategy
 
         if spec is None:
@@ -42,7 +44,7 @@ class Trainer:
         elif strategy is not None:
             spec = _override(spec, strategy)
         self.spec: ClusterSpec = spec
-        self.strategy = make_strategy(spec, **strategy_options)
+        self.strategy = make_strategy(spec, gradient_compression=gradient_compression, **strategy_options)
         from stratkit.training.data import DEFAULT_SEED
 
         self.seed = DEFAULT_SEED if seed is None else int(seed)
@@ -166,6 +168,13 @@ class Trainer:
             return model.fit(train.dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                              validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
                              verbose=cb.default_verbose(self.is_chief) if verbose is None else verbose)
+        except Exception as exc:
+            from stratkit.strategy.compression import overflow_error
+
+            refused = overflow_error(exc)  # gradient_compression="fp16" refused a step: say so plainly
+            if refused is None:
+                raise
+            raise refused from None
         finally:
             cb.remove_dirs(temps)
 

@@ -29,11 +29,12 @@ EXPECTED = {
                  {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),
     "ps": ({"benchmark", "machine", "quick", "runs", "median_examples_per_sec", "ratio_2_vs_1"}, None,
            (pytest.mark.multiworker,)),
-    "scaling": ({"benchmark", "machine", "quick", "model", "goal_efficiency", "rows", "definition"},
+    "scaling": ({"benchmark", "machine", "quick", "model", "goal_efficiency", "rows", "definition", "rounds",
+                 "loadavg_before", "loadavg_after"},
                 {"setting", "2-worker ex/s", "pair ex/s", "alone ex/s", "efficiency", "naive", "vs default", "raw"},
                 (pytest.mark.multiworker,)),
     "allreduce": ({"benchmark", "machine", "quick", "workers", "bus_factor", "tcp_bandwidth_Bps", "rows",
-                   "tcp_before", "tcp_after", "peak_busbw_over_tcp"},
+                   "tcp_before", "tcp_after", "peak_busbw_over_tcp", "gradient_rows", "bf16_over_float32"},
                   {"size", "bytes", "time_ms", "algbw_MBps", "busbw_MBps", "tcp_same_size_MBps", "busbw/TCP",
                    "bound_ms", "correct"}, (pytest.mark.multiworker,)),
     "spark": ({"benchmark", "machine", "quick", "job", "master", "rows", "raw"},
@@ -79,6 +80,13 @@ def test_quick_run_writes_expected_json(name):
         assert data["rows"][0]["efficiency"] is not None  # the headline configuration ran
     if name == "allreduce":
         assert all(row["correct"] for row in data["rows"])  # the collective summed correctly
+        # The gradient list in each wire dtype; the 16-bit sums are within their rounding of float32's.
+        assert [r["dtype"] for r in data["gradient_rows"]] == ["float32", "bfloat16", "float16"]
+        assert [r["max rel error"] <= tol for r, tol in zip(data["gradient_rows"], (1e-6, 1e-2, 1e-3))] == [True] * 3
+    if name == "scaling":
+        assert any("gradient_compression" in row["setting"] for row in data["rows"])
+    if name == "overhead":
+        assert not data["rows"][-1]["raw"]["compression_wrapper_installed"]  # one device: nothing to compress
     if name == "spark":
         assert data["rows"][0]["status"] == "ok"  # stratkit launch, no Spark
         for row in data["rows"][1:]:  # a runner is either measured or says why not
