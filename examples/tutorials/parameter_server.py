@@ -28,10 +28,27 @@ from _digits import build_model, load_digits_split, report
 GLOBAL_BATCH = 64
 
 
-def partitioner():
+def partitioner(min_shard_bytes: int):
+    """The tutorial's partitioner: variables of more than min_shard_bytes are split over the ps tasks."""
     import tensorflow as tf
 
-    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=1)
+    num_ps = len(stratkit.detect().cluster.get("ps", ()))
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_shard_bytes,
+                                                                      max_shards=max(num_ps, 1))
+
+
+def count_sharded(model) -> int:
+    """How many of the model's weights the partitioner split over several ps tasks."""
+    return sum(type(w.value).__name__ == "ShardedVariable" for w in model.weights)
+
+
+def trainable_shards(model) -> list:
+    """model.trainable_variables, with each partitioned (sharded) weight replaced by its shards."""
+    targets = []
+    for weight in model.trainable_variables:
+        sharded = type(weight.value).__name__ == "ShardedVariable"
+        targets.extend(weight.value.variables if sharded else [weight])
+    return targets
 
 
 def compile_model(model):
@@ -44,13 +61,13 @@ def compile_model(model):
 
 def with_trainer(args) -> dict:
     # The tutorial's model.fit(DatasetCreator(dataset_fn), epochs=5, steps_per_epoch=20, callbacks=...)
-    trainer = stratkit.Trainer(seed=0, **({"variable_partitioner": partitioner()} if _is_ps() else {}))
+    trainer = stratkit.Trainer(seed=0, **({"variable_partitioner": partitioner(args.min_shard_bytes)} if _is_ps() else {}))
     x, y, x_test, y_test = load_digits_split()
     model = trainer.build(lambda: compile_model(build_model()))
     history = trainer.fit(model, (x, y), epochs=args.epochs, steps_per_epoch=args.steps,
                           global_batch_size=GLOBAL_BATCH)
     accuracy = trainer.evaluate(model, (x_test, y_test), global_batch_size=GLOBAL_BATCH)["accuracy"]
-    return dict(strategy=trainer.spec.strategy, loss=float(history.history["loss"][-1]),
+    return dict(strategy=trainer.spec.strategy, sharded=count_sharded(model), loss=float(history.history["loss"][-1]),
                 train_accuracy=float(history.history["accuracy"][-1]), eval_accuracy=float(accuracy))
 
 
@@ -62,7 +79,7 @@ def with_coordinator(args) -> dict:
     if not _is_ps():
         raise SystemExit("--mode loop needs a parameter-server cluster: "
                          "stratkit launch --chief --workers 2 --ps 1 -- python parameter_server.py --mode loop")
-    strategy = stratkit.make_strategy(variable_partitioner=partitioner())  # ps/worker tasks serve here, then exit
+    strategy = stratkit.make_strategy(variable_partitioner=partitioner(args.min_shard_bytes))  # ps/worker tasks serve here, then exit
     import keras
     import tensorflow as tf
 
@@ -83,7 +100,11 @@ def with_coordinator(args) -> dict:
 
     with strategy.scope():
         model = build_model()
-        optimizer = keras.optimizers.SGD(0.1)
+        optimizer = keras.optimizers.RMSprop(0.01)
+        # A partitioned weight holds a ShardedVariable, which Keras 3 cannot differentiate or update
+        # ("'ShardedVariable' object has no attribute 'handle'"): train its shards, one per ps.
+        targets = trainable_shards(model)
+        optimizer.build(targets)             # slots now, on the ps of each shard (not inside a closure)
         # Instead of keras.metrics.SparseCategoricalAccuracy: raw counters, atomic on the ps.
         steps = tf.Variable(0, dtype=tf.int64)
         correct = tf.Variable(0.0)
@@ -98,8 +119,8 @@ def with_coordinator(args) -> dict:
             with tf.GradientTape() as tape:
                 logits = model(features, training=True)
                 loss = tf.nn.compute_average_loss(loss_fn(labels, logits), global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            grads = tape.gradient(loss, targets)
+            optimizer.apply_gradients(zip(grads, targets))
             hits = tf.cast(tf.equal(tf.argmax(logits, axis=1, output_type=tf.int32), labels), tf.float32)
             return tf.reduce_sum(hits), tf.cast(tf.size(labels), tf.float32), loss
 
@@ -120,7 +141,7 @@ def with_coordinator(args) -> dict:
               f"loss {float(loss_sum.numpy()) / args.steps:.4f}", flush=True)
 
     predicted = tf.argmax(model(x_test, training=False), axis=1).numpy()   # on the coordinator
-    return dict(strategy="parameter_server", steps=int(steps.numpy()), scheduled=args.epochs * args.steps,
+    return dict(strategy="parameter_server", sharded=count_sharded(model), steps=int(steps.numpy()), scheduled=args.epochs * args.steps,
                 loss=float(loss_sum.numpy()) / args.steps, train_accuracy=float(correct.numpy() / seen.numpy()),
                 eval_accuracy=float((predicted == y_test).mean()))
 
@@ -130,6 +151,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("fit", "loop"), default="fit")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20, help="steps_per_epoch (the tutorial uses 20)")
+    parser.add_argument("--min-shard-bytes", type=int, default=256 << 10,
+                        help="partition variables larger than this over the ps tasks (the tutorial's 256 KiB)")
     args = parser.parse_args()
     numbers = with_coordinator(args) if args.mode == "loop" else with_trainer(args)
     report(tutorial="parameter_server", mode=args.mode, **numbers)

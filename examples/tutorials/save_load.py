@@ -52,10 +52,11 @@ def main() -> None:
 
     # Only the chief writes where asked; another worker writes a private copy (same bytes).
     out = args.out if strategy.extended.should_checkpoint else tempfile.mkdtemp()
+    os.makedirs(out, exist_ok=True)             # Keras's model.save does not create folders
     keras_path = os.path.join(out, "model.keras")
     saved_model_path = os.path.join(out, "saved_model")
     model.save(keras_path)
-    model.export(saved_model_path)              # was: tf.saved_model.save(model, path)
+    model.export(saved_model_path, verbose=False)  # was: tf.saved_model.save(model, path)
 
     # (1) Load without a strategy and keep training.
     restored = keras.models.load_model(keras_path)
