@@ -25,6 +25,7 @@ def build_model():
     """The tutorials' small classifier, for 64 inputs (uncompiled: each tutorial compiles its own way)."""
     import keras
 
+    keras.utils.set_random_seed(0)   # the same initial weights in every run and on every worker
     return keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(64, activation="relu"),
