@@ -235,9 +235,10 @@ def _worker_dataset_fn(data: Any, global_batch_size: int | None, num_workers: in
             dataset = dataset.repeat() if batch == global_batch else dataset.repeat().rebatch(batch)
             return dataset.prefetch(tf.data.AUTOTUNE)
         if shuffle:
-            # A different order on every worker (seeded by its index), reshuffled each pass.
-            dataset = dataset.shuffle(4096, seed=seed + tf.cast(ctx.input_pipeline_id, tf.int64),
-                                      reshuffle_each_iteration=True)
+            # Each worker shuffles its own shard, reshuffled each pass. The seed is a Python int:
+            # a tensor seed (e.g. seed + the worker's index) crashes TF's get_seed when the global
+            # seed is 0, as after keras.utils.set_random_seed(0) (it tests `seeds == (0, 0)`).
+            dataset = dataset.shuffle(4096, seed=seed, reshuffle_each_iteration=True)
         return dataset.repeat().batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
     return from_data
