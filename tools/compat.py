@@ -197,16 +197,26 @@ def _junit_results(path: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def run_supported_row(tf_version: str, keras_version: str, cache: Path, fresh: bool,
-                      timeout: float) -> dict[str, Any]:
-    started = time.monotonic()
-    row: dict[str, Any] = {"tensorflow": tf_version, "keras": keras_version, "kind": "supported",
+def _prepare_row(tf_version: str, keras_version: str, kind: str, cache: Path,
+                 fresh: bool) -> tuple[dict[str, Any], Any, Any]:
+    """A result row and the pair's (python, Keras overlay); python is None when set-up failed (row says why)."""
+    row: dict[str, Any] = {"tensorflow": tf_version, "keras": keras_version, "kind": kind,
                            "date": _dt.date.today().isoformat()}
     try:
         python, row["environment"] = tf_python(tf_version, cache, fresh)
         overlay = keras_overlay(python, keras_version, cache, fresh)
     except subprocess.CalledProcessError as exc:
-        return {**row, "status": "error", "error": f"environment setup failed: {exc} (see {cache}/install.log)"}
+        error = f"environment setup failed: {exc} (see {cache}/install.log)"
+        return {**row, "status": "error", "error": error}, None, None
+    return row, python, overlay
+
+
+def run_supported_row(tf_version: str, keras_version: str, cache: Path, fresh: bool,
+                      timeout: float) -> dict[str, Any]:
+    started = time.monotonic()
+    row, python, overlay = _prepare_row(tf_version, keras_version, "supported", cache, fresh)
+    if python is None:
+        return row
     force = keras_version not in keras_compat.TESTED_KERAS_VERSIONS
     row["gate"] = f"{keras_compat.ENV_VAR}=force (not yet in TESTED_KERAS_VERSIONS)" if force else "as shipped"
     env = _env(overlay, force)
@@ -235,13 +245,9 @@ def run_supported_row(tf_version: str, keras_version: str, cache: Path, fresh: b
 
 def run_refused_row(tf_version: str, keras_version: str, cache: Path, fresh: bool) -> dict[str, Any]:
     started = time.monotonic()
-    row: dict[str, Any] = {"tensorflow": tf_version, "keras": keras_version, "kind": "below floor",
-                           "date": _dt.date.today().isoformat()}
-    try:
-        python, row["environment"] = tf_python(tf_version, cache, fresh)
-        overlay = keras_overlay(python, keras_version, cache, fresh)
-    except subprocess.CalledProcessError as exc:
-        return {**row, "status": "error", "error": f"environment setup failed: {exc} (see {cache}/install.log)"}
+    row, python, overlay = _prepare_row(tf_version, keras_version, "below floor", cache, fresh)
+    if python is None:
+        return row
     out, error = _probe_json(python, REFUSED_PROBE, _env(overlay, force=False), timeout=300)
     checks = ("import", "refused_auto", "refused_force", "ps_refused")
     row["tests"] = {c: {"outcome": "passed" if out.get(c) == "ok" else "failed", "message": out.get(c, error)}
