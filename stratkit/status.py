@@ -1,0 +1,59 @@
+"""Status lines for people ("[stratkit] resumed from ...") go through `logging`.
+
+Every line stratkit writes for a person is a record on a `stratkit.*` logger, so
+a user can filter, redirect or silence it like any library's output. Two
+audiences, one rule:
+
+- a user who never configured logging keeps today's console: the `stratkit`
+  logger has one handler that writes `[stratkit] message` to the *current*
+  `sys.stdout` (warnings and errors, as `[stratkit] warning: message`, to
+  `sys.stderr`), looked up per record so redirected or captured streams work;
+- a user whose root logger already writes to the console (`logging.basicConfig()`,
+  absl, a notebook's handler) gets the records from that handler, once: ours
+  then stays quiet instead of printing every line twice.
+
+`logging.getLogger("stratkit").setLevel(logging.WARNING)` silences the status
+lines and keeps the warnings. Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_ROOT = "stratkit"
+
+
+class _Console(logging.Handler):
+    """Today's console output, unless a console handler of the user's already shows the record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _user_console():
+            return
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            message = record.getMessage()
+            if record.levelno >= logging.WARNING and not message.startswith(("warning:", "error:")):
+                message = f"{record.levelname.lower()}: {message}"
+            stream.write(f"[stratkit] {message}\n")
+            stream.flush()
+        except (OSError, ValueError):  # a closed or vanished stream must never fail training
+            pass
+
+
+def _user_console() -> bool:
+    for handler in logging.getLogger().handlers:
+        stream = getattr(handler, "stream", None)
+        if stream is not None and stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            return True
+    return False
+
+
+def logger(name: str) -> logging.Logger:
+    """The logger for a stratkit module (`status.logger(__name__)`), with the console handler installed."""
+    root = logging.getLogger(_ROOT)
+    if not any(isinstance(h, _Console) for h in root.handlers):
+        root.addHandler(_Console())
+        if root.level == logging.NOTSET:
+            root.setLevel(logging.INFO)
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
