@@ -1,0 +1,59 @@
+"""Status lines: today's console for users who never configured logging, one copy for those who did."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=60, check=True)
+
+
+def test_without_logging_config_status_goes_to_stdout_and_warnings_to_stderr():
+    out = _run("""
+        from stratkit import status
+        log = status.logger("stratkit.training.backup")
+        log.info("resumed from /x at epoch 3")
+        log.warning("backup is older than the model")
+        log.debug("not shown")
+    """)
+    assert out.stdout == "[stratkit] resumed from /x at epoch 3\n"
+    assert out.stderr == "[stratkit] warning: backup is older than the model\n"
+
+
+def test_a_users_console_handler_gets_each_record_once():
+    out = _run("""
+        import logging, sys
+        logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(name)s|%(message)s")
+        from stratkit import status
+        status.logger("stratkit.strategy.server").info("worker:0 serving")
+    """)
+    assert out.stdout == "stratkit.strategy.server|worker:0 serving\n"
+    assert out.stderr == ""
+
+
+def test_the_user_can_silence_status_lines_and_keep_warnings():
+    out = _run("""
+        import logging
+        from stratkit import status
+        log = status.logger("evaluator")
+        logging.getLogger("stratkit").setLevel(logging.WARNING)
+        log.info("hidden")
+        log.warning("kept")
+    """)
+    assert out.stdout == ""
+    assert out.stderr == "[stratkit] warning: kept\n"
+
+
+def test_a_closed_stdout_never_fails_the_caller():
+    out = _run("""
+        import sys
+        from stratkit import status
+        sys.stdout.close()
+        status.logger("x").info("into a closed stream")
+        sys.stderr.write("survived\\n")
+    """)
+    assert out.stderr.endswith("survived\n")
