@@ -101,7 +101,7 @@ def configure_coordinator(spec: ClusterSpec) -> None:
     """Size the chief's own thread pools before the coordinator connects."""
     import tensorflow as tf
 
-    from stratkit.strategy.factory import runtime_initialized
+    from stratkit.strategy.keras_compat import runtime_initialized
 
     if not runtime_initialized():
         tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads(spec))

@@ -43,6 +43,7 @@ from typing import Any
 import keras
 
 from stratkit.errors import ConfigError
+from stratkit.strategy import keras_compat
 from stratkit.training import files
 
 log = logging.getLogger(__name__)
@@ -369,8 +370,8 @@ class Backup(keras.callbacks.Callback):
             if local.note and point is local:
                 warn(local.note)
             load(self.model, point)
-            # Keras' own BackupAndRestore resumes through this attribute; fit() reads it once.
-            self.model._initial_epoch = epoch
+            # Keras' own BackupAndRestore resumes the same way; fit() reads it once.
+            keras_compat.set_resume_epoch(self.model, epoch)
             print(f"[stratkit] resumed from {point.path} at epoch {epoch}", flush=True)
         elif local.note:
             warn(local.note)
@@ -383,7 +384,7 @@ class Backup(keras.callbacks.Callback):
         save_epoch(self.model, self.directory, epoch + 1, keep=self.keep)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.model._initial_epoch = None
+        keras_compat.set_resume_epoch(self.model, None)
         if self._past_end:
             return  # nothing was trained: the backup stays (every worker decides the same)
         # Training finished: the backup has served its purpose (Keras semantics). Each

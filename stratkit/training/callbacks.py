@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import keras
 
 from stratkit.errors import ConfigError
+from stratkit.strategy import keras_compat
 
 
 class Throughput(keras.callbacks.Callback):
@@ -80,10 +81,10 @@ def _learning_rate_variable(model: Any) -> Any:
     if optimizer is None:
         raise ConfigError("scale_learning_rate=True needs a compiled model. Fix: call model.compile(optimizer=...) "
                           "in the function passed to trainer.build")
-    if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
-            optimizer._learning_rate):
+    configured = keras_compat.configured_learning_rate(optimizer)
+    if isinstance(configured, keras.optimizers.schedules.LearningRateSchedule) or callable(configured):
         raise ConfigError(f"scale_learning_rate=True needs a constant learning rate, but the optimizer uses "
-                          f"{type(optimizer._learning_rate).__name__}. Fix: scale the schedule's initial rate by "
+                          f"{type(configured).__name__}. Fix: scale the schedule's initial rate by "
                           "trainer.num_replicas yourself and pass scale_learning_rate=False")
     return optimizer.learning_rate
 
@@ -210,9 +211,7 @@ class AgreeOnResume(keras.callbacks.Callback):
         self.backup_dir = backup_dir
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from stratkit.strategy.keras_compat import resume_epoch
-
-        epochs = _gather_ints(self.model.distribute_strategy, resume_epoch(self.model))
+        epochs = _gather_ints(self.model.distribute_strategy, keras_compat.resume_epoch(self.model))
         if min(epochs) != max(epochs):
             raise ConfigError(f"BackupAndRestore(backup_dir={self.backup_dir!r}): the workers would resume at "
                               f"different epochs {epochs} (one per worker, chief first): some worker cannot read "
