@@ -8,7 +8,6 @@ import copy
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 from typing import Any, Iterable
@@ -17,6 +16,7 @@ import keras
 
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
+from stratkit.training import scratch
 
 
 class Throughput(keras.callbacks.Callback):
@@ -150,7 +150,7 @@ def _private_copy(callback: Any, temps: list[str], prefix: str, attribute: str, 
     The user's object is left as it was made, so a later `fit`, and the chief's
     files, are unaffected. `value(temp_dir)` gives the new attribute value.
     """
-    temps.append(tempfile.mkdtemp(prefix=prefix))
+    temps.append(scratch.make(prefix))
     private = copy.copy(callback)
     setattr(private, attribute, value(temps[-1]))
     _PRIVATE_COPIES.add(private)
@@ -165,7 +165,7 @@ def _private_backup(callback: Any, temps: list[str]) -> Any:
     tf_keras's multi-worker BackupAndRestore reads the chief's files. Keras says
     the backup directory holds nothing else, so the whole directory is copied.
     """
-    temps.append(tempfile.mkdtemp(prefix="stratkit-backup-worker-"))
+    temps.append(scratch.make("stratkit-backup-worker-"))
     private_dir = os.path.join(temps[-1], "backup")
     source = os.fspath(callback.backup_dir)
     if os.path.isdir(source):
@@ -278,8 +278,8 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
 
 
 def remove_dirs(paths: Iterable[str]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove the private directories `route_side_effects` made (they go anyway when the worker ends)."""
+    scratch.remove(paths)
 
 
 def default_verbose(is_chief: bool) -> Any:
