@@ -14,13 +14,16 @@ from typing import Any, Iterable
 
 import keras
 
+from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
 from stratkit.training import scratch
 
+log = status.logger(__name__)
+
 
 class Throughput(keras.callbacks.Callback):
-    """Report examples/sec per epoch (printed on the chief; added to the epoch logs).
+    """Report examples/sec per epoch (a status line on the chief; added to the epoch logs).
 
     It has no per-batch hook on purpose: any `on_train_batch_end` makes Keras
     synchronise with the device after every step (measured: ~20% fewer
@@ -72,8 +75,8 @@ class Throughput(keras.callbacks.Callback):
         if logs is not None:
             logs["examples_per_sec"] = rate
         if self.verbose:
-            print(f"[stratkit] epoch {epoch + 1}: {rate:,.0f} examples/sec "
-                  f"({steps} steps x global batch {self.global_batch_size}, {seconds:.2f}s)", flush=True)
+            log.info("epoch %d: %s examples/sec (%d steps x global batch %d, %.2fs)", epoch + 1, f"{rate:,.0f}",
+                     steps, self.global_batch_size, seconds)
 
 
 def _learning_rate_variable(model: Any) -> Any:
