@@ -42,8 +42,8 @@ def make(prefix: str) -> str:
     """A new private directory `<tempdir>/<prefix>XXXXXXXX` (0700), removed at the latest when this process ends."""
     path = tempfile.mkdtemp(prefix=prefix)
     with _lock:
-        _live.add(path)
         _tell(f"+{path}")
+        _live.add(path)
     return path
 
 
@@ -60,9 +60,11 @@ def remove(paths: Iterable[str]) -> None:
 def _tell(line: str) -> None:
     """Send one line to the sweeper, starting it (and the exit handler) first; never raises."""
     global _sweeper, _owner_pid
-    if _owner_pid != os.getpid():  # first use in this process (or in a fork of one that used it)
+    if _owner_pid != os.getpid():  # first use in this process, or in a fork of one that used it
+        if _owner_pid is None:
+            atexit.register(_remove_all)  # a fork inherits the registration
+        _live.clear()  # a fork's parent removes its own directories
         _owner_pid, _sweeper = os.getpid(), _start_sweeper()
-        atexit.register(_remove_all)
     if _sweeper is None or "\n" in line:
         return
     try:
