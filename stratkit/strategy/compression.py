@@ -43,7 +43,9 @@ Choices
 Gate
 ----
 Wrapping a private Keras method is the same kind of change as
-:mod:`stratkit.strategy.keras_compat`, and sits behind the same gate: it is
+:mod:`stratkit.strategy.keras_compat`, and sits behind the same gate: the
+wrapping itself lives there (:mod:`stratkit.strategy.keras_compat.all_reduce`;
+this module holds only what the hook does, with public TensorFlow), and it is
 installed only when :func:`keras_compat.apply` patched Keras (a tested
 version, or ``STRATKIT_KERAS_COMPAT=force``), or when a self-check of an
 untested Keras 3 finds the method where the wrapper expects it. With
@@ -61,12 +63,11 @@ This module imports neither TensorFlow nor Keras at import time.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import threading
 from typing import Any
 
 from stratkit.errors import ConfigError, KerasCompatError
+from stratkit.strategy.keras_compat import all_reduce as _all_reduce
 
 __all__ = ["ATTR", "MODES", "configure", "install", "installed", "mode_of", "revert", "self_check", "validate"]
 
@@ -78,14 +79,8 @@ MODES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16"}
 #: Attribute stratkit sets on a strategy that should compress its gradient all-reduce.
 ATTR = "stratkit_gradient_compression"
 
-_OPTIMIZER_MODULE = "keras.src.backend.tensorflow.optimizer"
-_METHOD = "_all_reduce_sum_gradients"
-_PATCH_MARK = "__stratkit_gradient_compression__"
 #: Marks TensorFlow's error for a refused fp16 step (no quotes: TensorFlow escapes them in its message).
 OVERFLOW_MESSAGE = "stratkit gradient_compression=fp16: the all-reduced gradients are not finite"
-
-_lock = threading.Lock()
-_originals: dict[str, Any] = {}
 
 
 def validate(value: Any) -> str | None:
@@ -145,86 +140,47 @@ def _was_compressed(grad: Any) -> bool:
     return isinstance(grad, tf.Tensor) and grad.dtype == tf.float32
 
 
-def _all_reduce_sum_gradients(self: Any, grads_and_vars: Any) -> Any:
-    """Replacement for ``TFOptimizer._all_reduce_sum_gradients``: compress when the strategy asks for it.
+def _compressed_all_reduce(all_reduce: Any, grads_and_vars: Any) -> Any:
+    """The hook around Keras's gradient all-reduce: compress when the strategy asks for it.
 
     Without a compression mode on the current strategy (or with one replica)
-    it calls the original with the original arguments. Otherwise it casts dense
-    float32 gradients to the wire dtype, lets the original do the (same,
-    packed) all-reduce, and casts the sums back to float32.
+    it calls Keras's all-reduce with the original arguments. Otherwise it casts
+    dense float32 gradients to the wire dtype, lets Keras do the (same, packed)
+    all-reduce, and casts the sums back to float32.
     """
     import tensorflow as tf
 
-    original = _originals[_METHOD]
     context = tf.distribute.get_replica_context()
     mode = mode_of(context.strategy) if context is not None else None
     if mode is None or context.num_replicas_in_sync <= 1:
-        return original(self, grads_and_vars)
+        return all_reduce(grads_and_vars)
     pairs = list(grads_and_vars)
     wire = tf.as_dtype(MODES[mode])
-    reduced = original(self, [(_compress(g, wire), v) for g, v in pairs])
+    reduced = all_reduce([(_compress(g, wire), v) for g, v in pairs])
     restored = [(tf.cast(r, g.dtype) if _was_compressed(g) else r, v) for (r, v), (g, _) in zip(reduced, pairs)]
     if mode == "fp16":
         restored = _checked_fp16(restored, [g for g, _ in pairs])
     return restored
 
 
-setattr(_all_reduce_sum_gradients, _PATCH_MARK, True)
-
-
-def _optimizer_class() -> Any:
-    import importlib
-
-    return importlib.import_module(_OPTIMIZER_MODULE).TFOptimizer
-
-
 def installed() -> bool:
     """True when the wrapper is in place in this process."""
-    try:
-        return bool(getattr(_optimizer_class().__dict__.get(_METHOD), _PATCH_MARK, False))
-    except ImportError:
-        return False
+    return _all_reduce.installed()
 
 
 def install() -> None:
     """Put the wrapper in place (idempotent). Strategies without :data:`ATTR` are unaffected."""
-    with _lock:
-        cls = _optimizer_class()
-        if not getattr(cls.__dict__.get(_METHOD), _PATCH_MARK, False):
-            _originals[_METHOD] = cls.__dict__[_METHOD]
-            setattr(cls, _METHOD, _all_reduce_sum_gradients)
+    _all_reduce.install(_compressed_all_reduce)
 
 
 def revert() -> None:
     """Restore Keras' own method (for tests, and for a bit-for-bit upstream comparison)."""
-    with _lock:
-        if _METHOD in _originals:
-            setattr(_optimizer_class(), _METHOD, _originals.pop(_METHOD))
+    _all_reduce.revert()
 
 
 def self_check() -> list[str]:
-    """What stops the wrapper from working on the installed Keras (empty: nothing).
-
-    Fails closed. The wrapper needs ``TFOptimizer._all_reduce_sum_gradients(self,
-    grads_and_vars)`` to exist, to be what ``_backend_update_step`` calls with
-    the gradients, and to all-reduce them through the replica context.
-    """
-    problems: list[str] = []
-    try:
-        cls = _optimizer_class()
-        method = cls.__dict__.get(_METHOD)
-        method = _originals.get(_METHOD, method) if getattr(method, _PATCH_MARK, False) else method
-        if method is None:
-            return [f"{_OPTIMIZER_MODULE}.TFOptimizer.{_METHOD} does not exist"]
-        if list(inspect.signature(method).parameters) != ["self", "grads_and_vars"]:
-            problems.append(f"TFOptimizer.{_METHOD} has the signature {inspect.signature(method)}")
-        if f"self.{_METHOD}(" not in inspect.getsource(cls._backend_update_step):
-            problems.append(f"TFOptimizer._backend_update_step no longer calls self.{_METHOD}")
-        if "all_reduce(" not in inspect.getsource(method):
-            problems.append(f"TFOptimizer.{_METHOD} no longer calls replica_context.all_reduce")
-    except Exception as exc:  # noqa: BLE001 - anything unexpected means "cannot verify"
-        problems.append(f"self-check failed: {exc!r}")
-    return problems
+    """What stops the wrapper from working on the installed Keras (empty: nothing); fails closed."""
+    return _all_reduce.self_check()
 
 
 # --------------------------------------------------------------------------

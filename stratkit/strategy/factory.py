@@ -12,6 +12,8 @@ from typing import Any
 
 from stratkit.cluster import ClusterSpec, detect
 from stratkit.errors import ConfigError
+# A private TensorFlow read, so it lives behind the gate; still importable from here as before.
+from stratkit.strategy.keras_compat import runtime_initialized
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +102,6 @@ def _tf():
     import tensorflow as tf
 
     return tf
-
-
-def runtime_initialized() -> bool:
-    """True when TensorFlow's eager runtime already started (devices and collectives are fixed)."""
-    try:
-        from tensorflow.python.eager import context
-    except ImportError:  # pragma: no cover - TF is a hard dependency
-        return False
-    return getattr(context.context(), "_context_handle", None) is not None
 
 
 def _build_one_device(spec: ClusterSpec, device: str | None = None):

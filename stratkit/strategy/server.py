@@ -28,17 +28,17 @@ restarts the job, which resumes from `backup_dir`).
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import socket
 import sys
 import tempfile
 import time
 
+from stratkit import status
 from stratkit.cluster import ClusterSpec
 from stratkit.errors import ConfigError
 
-log = logging.getLogger(__name__)
+log = status.logger(__name__)
 
 #: The private directory of the done markers, agreed by every task of a run (see the module docstring).
 RUN_DIR_VAR = "STRATKIT_RUN_DIR"
@@ -101,7 +101,7 @@ def configure_coordinator(spec: ClusterSpec) -> None:
     """Size the chief's own thread pools before the coordinator connects."""
     import tensorflow as tf
 
-    from stratkit.strategy.factory import runtime_initialized
+    from stratkit.strategy.keras_compat import runtime_initialized
 
     if not runtime_initialized():
         tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads(spec))
@@ -139,8 +139,8 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
     server = tf.distribute.Server(tf.train.ClusterSpec(spec.cluster), job_name=spec.task_type,
                                   task_index=spec.task_index, protocol="grpc", config=_server_config(spec),
                                   start=True)
-    print(f"[stratkit] {spec.task_type}:{spec.task_index} serving at {spec.address()}; "
-          "waiting for the chief to finish training", flush=True)
+    log.info("%s:%s serving at %s; waiting for the chief to finish training", spec.task_type, spec.task_index,
+             spec.address())
     chief = spec.cluster["chief"][0]
     seen_chief, gone_since = False, None
     while True:
@@ -148,10 +148,10 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
             status = _read_quietly(marker)
             _remove_quietly(marker)
             if status == _FAILED:
-                print(f"[stratkit] {spec.task_type}:{spec.task_index}: the chief failed; exiting 1 so the job "
-                      "can be restarted (it resumes from backup_dir)", file=sys.stderr, flush=True)
+                log.error("%s:%s: the chief failed; exiting 1 so the job can be restarted (it resumes from "
+                          "backup_dir)", spec.task_type, spec.task_index)
             else:
-                print(f"[stratkit] {spec.task_type}:{spec.task_index} done: the chief finished training", flush=True)
+                log.info("%s:%s done: the chief finished training", spec.task_type, spec.task_index)
             sys.stdout.flush()
             # Serve until the chief's process is gone: on exit its runtime still releases functions
             # on every task, and logs an error for each task that vanished first.
@@ -163,15 +163,14 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
         if _chief_reachable(chief):
             seen_chief, gone_since = True, None
         elif not seen_chief and time.monotonic() - started > startup:
-            print(f"[stratkit] {spec.task_type}:{spec.task_index}: chief {chief} never came up in {startup:.0f}s; "
-                  f"exiting. Set {STARTUP_VAR} to wait longer.", file=sys.stderr, flush=True)
+            log.error("%s:%s: chief %s never came up in %.0fs; exiting. Set %s to wait longer.", spec.task_type,
+                      spec.task_index, chief, startup, STARTUP_VAR)
             os._exit(1)
         elif seen_chief:
             gone_since = gone_since or time.monotonic()
             if time.monotonic() - gone_since > grace:
-                print(f"[stratkit] {spec.task_type}:{spec.task_index}: chief {chief} gone for {grace:.0f}s "
-                      f"without ending training; exiting. Set {GRACE_VAR} to wait longer.", file=sys.stderr,
-                      flush=True)
+                log.error("%s:%s: chief %s gone for %.0fs without ending training; exiting. Set %s to wait "
+                          "longer.", spec.task_type, spec.task_index, chief, grace, GRACE_VAR)
                 os._exit(1)
         time.sleep(poll_seconds)
     del server  # pragma: no cover

@@ -31,21 +31,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
+from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.strategy import keras_compat
 from stratkit.training import files
 
-log = logging.getLogger(__name__)
+log = status.logger(__name__)
 
 METADATA = "checkpoint.json"
 _EPOCH_FILE = re.compile(r"^epoch-(\d{5,})\.weights\.h5$")
@@ -76,8 +76,8 @@ def weights_path(directory: str, epoch: int) -> str:
 
 
 def warn(message: str) -> None:
-    """One line on stderr, the same on every path (Trainer, parameter server)."""
-    print(f"[stratkit] warning: {message}", file=sys.stderr, flush=True)
+    """One warning line ("[stratkit] warning: ..." on stderr by default), the same on every path (Trainer, PS)."""
+    log.warning("%s", message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,9 +369,9 @@ class Backup(keras.callbacks.Callback):
             if local.note and point is local:
                 warn(local.note)
             load(self.model, point)
-            # Keras' own BackupAndRestore resumes through this attribute; fit() reads it once.
-            self.model._initial_epoch = epoch
-            print(f"[stratkit] resumed from {point.path} at epoch {epoch}", flush=True)
+            # Keras' own BackupAndRestore resumes the same way; fit() reads it once.
+            keras_compat.set_resume_epoch(self.model, epoch)
+            log.info("resumed from %s at epoch %d", point.path, epoch)
         elif local.note:
             warn(local.note)
         self.resumed_epoch = epoch
@@ -383,7 +383,7 @@ class Backup(keras.callbacks.Callback):
         save_epoch(self.model, self.directory, epoch + 1, keep=self.keep)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.model._initial_epoch = None
+        keras_compat.set_resume_epoch(self.model, None)
         if self._past_end:
             return  # nothing was trained: the backup stays (every worker decides the same)
         # Training finished: the backup has served its purpose (Keras semantics). Each

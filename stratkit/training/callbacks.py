@@ -8,18 +8,22 @@ import copy
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 from typing import Any, Iterable
 
 import keras
 
+from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.strategy import keras_compat
+from stratkit.training import scratch
+
+log = status.logger(__name__)
 
 
 class Throughput(keras.callbacks.Callback):
-    """Report examples/sec per epoch (printed on the chief; added to the epoch logs).
+    """Report examples/sec per epoch (a status line on the chief; added to the epoch logs).
 
     It has no per-batch hook on purpose: any `on_train_batch_end` makes Keras
     synchronise with the device after every step (measured: ~20% fewer
@@ -71,8 +75,8 @@ class Throughput(keras.callbacks.Callback):
         if logs is not None:
             logs["examples_per_sec"] = rate
         if self.verbose:
-            print(f"[stratkit] epoch {epoch + 1}: {rate:,.0f} examples/sec "
-                  f"({steps} steps x global batch {self.global_batch_size}, {seconds:.2f}s)", flush=True)
+            log.info("epoch %d: %s examples/sec (%d steps x global batch %d, %.2fs)", epoch + 1, f"{rate:,.0f}",
+                     steps, self.global_batch_size, seconds)
 
 
 def _learning_rate_variable(model: Any) -> Any:
@@ -80,10 +84,10 @@ def _learning_rate_variable(model: Any) -> Any:
     if optimizer is None:
         raise ConfigError("scale_learning_rate=True needs a compiled model. Fix: call model.compile(optimizer=...) "
                           "in the function passed to trainer.build")
-    if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
-            optimizer._learning_rate):
+    configured = keras_compat.configured_learning_rate(optimizer)
+    if isinstance(configured, keras.optimizers.schedules.LearningRateSchedule) or callable(configured):
         raise ConfigError(f"scale_learning_rate=True needs a constant learning rate, but the optimizer uses "
-                          f"{type(optimizer._learning_rate).__name__}. Fix: scale the schedule's initial rate by "
+                          f"{type(configured).__name__}. Fix: scale the schedule's initial rate by "
                           "trainer.num_replicas yourself and pass scale_learning_rate=False")
     return optimizer.learning_rate
 
@@ -149,7 +153,7 @@ def _private_copy(callback: Any, temps: list[str], prefix: str, attribute: str, 
     The user's object is left as it was made, so a later `fit`, and the chief's
     files, are unaffected. `value(temp_dir)` gives the new attribute value.
     """
-    temps.append(tempfile.mkdtemp(prefix=prefix))
+    temps.append(scratch.make(prefix))
     private = copy.copy(callback)
     setattr(private, attribute, value(temps[-1]))
     _PRIVATE_COPIES.add(private)
@@ -164,7 +168,7 @@ def _private_backup(callback: Any, temps: list[str]) -> Any:
     tf_keras's multi-worker BackupAndRestore reads the chief's files. Keras says
     the backup directory holds nothing else, so the whole directory is copied.
     """
-    temps.append(tempfile.mkdtemp(prefix="stratkit-backup-worker-"))
+    temps.append(scratch.make("stratkit-backup-worker-"))
     private_dir = os.path.join(temps[-1], "backup")
     source = os.fspath(callback.backup_dir)
     if os.path.isdir(source):
@@ -210,9 +214,7 @@ class AgreeOnResume(keras.callbacks.Callback):
         self.backup_dir = backup_dir
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from stratkit.strategy.keras_compat import resume_epoch
-
-        epochs = _gather_ints(self.model.distribute_strategy, resume_epoch(self.model))
+        epochs = _gather_ints(self.model.distribute_strategy, keras_compat.resume_epoch(self.model))
         if min(epochs) != max(epochs):
             raise ConfigError(f"BackupAndRestore(backup_dir={self.backup_dir!r}): the workers would resume at "
                               f"different epochs {epochs} (one per worker, chief first): some worker cannot read "
@@ -279,8 +281,8 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
 
 
 def remove_dirs(paths: Iterable[str]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove the private directories `route_side_effects` made (they go anyway when the worker ends)."""
+    scratch.remove(paths)
 
 
 def default_verbose(is_chief: bool) -> Any:

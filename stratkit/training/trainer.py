@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from typing import Any, Callable, Iterable
 
 from stratkit.cluster import ClusterSpec, detect
@@ -270,11 +268,13 @@ class Trainer:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             return path
-        scratch = tempfile.mkdtemp(prefix="stratkit-save-worker-")
+        from stratkit.training import scratch  # removed even if this worker is killed mid-save
+
+        private = scratch.make("stratkit-save-worker-")
         try:
-            self._write(model, os.path.join(scratch, "model" + suffix))
+            self._write(model, os.path.join(private, "model" + suffix))
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.remove([private])
         return None
 
     @staticmethod

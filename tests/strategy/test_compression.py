@@ -187,7 +187,9 @@ def test_untested_keras_is_checked_and_refused_when_the_optimizer_changed(fresh,
     assert compression.self_check() == []  # the installed Keras has the method where the wrapper expects it
     monkeypatch.setattr(keras_compat, "installed_keras_version", lambda: "3.99.0")
     monkeypatch.setenv("STRATKIT_KERAS_COMPAT", "force")  # the bug fixes are forced; the wrapper is still checked
-    monkeypatch.setattr(compression, "_METHOD", "_no_such_method")
+    from stratkit.strategy.keras_compat import all_reduce  # the gate module that wraps the private method
+
+    monkeypatch.setattr(all_reduce, "_METHOD", "_no_such_method")
     assert "does not exist" in compression.self_check()[0]
     keras_compat.revert()
     monkeypatch.delenv("STRATKIT_KERAS_COMPAT")

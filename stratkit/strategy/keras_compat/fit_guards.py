@@ -1,0 +1,190 @@
+"""Guards for the user's own ``model.fit`` / ``evaluate`` / ``predict`` under a stratkit strategy.
+
+Users who take only the strategy from stratkit (``make_strategy()``) and keep
+calling Keras's ``model.fit`` get the checks ``Trainer`` makes, at the one
+place every such call passes: the Keras 3 TensorFlow trainer's ``fit``,
+``evaluate`` and ``predict``. The wrappers read only the public surface of
+those calls (their ``callbacks`` and ``verbose`` arguments, the model's
+``distribute_strategy``). Installed by ``keras_compat.apply`` (and by
+``make_strategy`` for parameter-server strategies):
+
+* ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
+  instead of failing deep inside Keras.
+* ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
+  (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
+* Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
+  on non-chief workers, file-writing Keras callbacks write to private
+  temporary directories and the progress bar is off unless the call passes
+  ``verbose=``; on every worker, callbacks whose files cannot be moved are
+  refused, and the workers check they resume a ``BackupAndRestore`` at the
+  same epoch. One process, or one worker, is left exactly as Keras does it.
+
+A second guard catches Keras metrics updated in a parameter-server step
+(:mod:`.metric_guard`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from typing import Any
+
+from stratkit.errors import ConfigError
+from stratkit.strategy.keras_compat import metric_guard
+from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
+from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
+from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
+
+log = logging.getLogger(__name__)
+
+_FIT_METHODS = ("fit", "evaluate", "predict")
+_guards_lock = threading.Lock()
+_guard_originals: dict[str, Any] = {}
+_inside_guarded_call = threading.local()
+
+
+def _num_replicas(strategy: Any) -> int:
+    return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+
+
+def check_steps_per_execution(model: Any, strategy: Any) -> None:
+    """Refuse ``steps_per_execution > 1`` with more than one replica.
+
+    Keras 3 fails with Mirrored/MultiWorkerMirrored strategies and more than
+    one replica when ``steps_per_execution > 1`` (keras-team/keras#19246).
+
+    Decision: raise :class:`~stratkit.errors.ConfigError` rather than quietly
+    resetting it to 1. ``steps_per_execution`` also decides how often
+    batch-level callbacks run and was chosen for throughput; changing it
+    behind the user's back changes behaviour they configured, and a compiled
+    model may already hold a train function built for the old value. The
+    message names the value and the one-line fix.
+    """
+    import tensorflow as tf
+
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    replicas = _num_replicas(strategy)
+    mirrored = isinstance(
+        strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    )
+    if mirrored and replicas > 1 and spe > 1:
+        raise ConfigError(
+            f"steps_per_execution={spe} does not work in Keras 3 with "
+            f"{type(strategy).__name__} and {replicas} replicas (keras-team/keras#19246). "
+            f"Fix: compile the model with steps_per_execution=1 "
+            f"(model.compile(..., steps_per_execution=1))."
+        )
+
+
+def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
+    """Refuse a global batch size that does not split evenly across replicas.
+
+    Upstream Keras 3 with MirroredStrategy fails on an uneven first batch with
+    ``AddN must have the same size and shape`` deep inside TensorFlow; this
+    says why up front. (Measured on Keras 3.15.1: that AddN is the
+    cross-replica MEAN in ``_maybe_symbolic_build``, so with ``apply``
+    active the fit no longer crashes. The check still stands: each replica
+    averages its own share, so unequal shares weigh samples unequally, and
+    with the compat layer off or not needed the crash is back.)
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ConfigError(f"num_replicas={num_replicas!r} must be a positive integer.")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(
+            f"global batch size {global_batch_size!r} must be a positive integer "
+            f"(the GLOBAL batch, split across {num_replicas} replicas)."
+        )
+    if global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % num_replicas
+        upper = lower + num_replicas
+        choices = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ConfigError(
+            f"global batch size {global_batch_size} does not split evenly across "
+            f"{num_replicas} replicas (MirroredStrategy then fails with 'AddN must "
+            f"have the same size and shape'). Fix: use a global batch size that is a "
+            f"multiple of {num_replicas}, e.g. {choices}."
+        )
+
+
+def _is_chief(strategy: Any) -> bool:
+    """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
+    try:
+        return bool(strategy.extended.should_checkpoint)
+    except Exception:  # noqa: BLE001 - an exotic strategy: behave as the single-process default
+        return True
+
+
+def _guarded(name: str, original: Any) -> Any:
+    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside_guarded_call, "active", False):
+            # fit's own evaluate() for validation data: the outer call already decided.
+            return original(self, *args, **kwargs)
+        strategy = self.distribute_strategy
+        if is_parameter_server(strategy):
+            raise parameter_server_refusal(f"model.{name}")
+        check_steps_per_execution(self, strategy)
+        temps: list[str] = []
+        if _is_multi_worker_collective(strategy):
+            from stratkit.training import callbacks as cb
+
+            is_chief = _is_chief(strategy)
+            bound = signature.bind(self, *args, **kwargs)
+            given = bound.arguments.get("callbacks")
+            if isinstance(given, (list, tuple)):
+                bound.arguments["callbacks"], temps = cb.route_side_effects(given, is_chief=is_chief,
+                                                                            multi_worker=True)
+            if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
+                bound.arguments["verbose"] = cb.default_verbose(is_chief=False)
+            args, kwargs = bound.args[1:], bound.kwargs
+        _inside_guarded_call.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _inside_guarded_call.active = False
+            if temps:
+                from stratkit.training.callbacks import remove_dirs
+
+                remove_dirs(temps)
+
+    setattr(method, _PATCH_MARK, True)
+    return method
+
+
+def install(version: str, mode: str) -> bool:
+    """``keras_compat.install_fit_guards`` for a known Keras ``version`` and gate ``mode``."""
+    with _guards_lock:
+        if mode == "off" or _major(version) < 3:
+            return False
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            return False
+        cls = _trainer_module().TensorFlowTrainer
+        for name in _FIT_METHODS:
+            current = cls.__dict__[name]
+            if not getattr(current, _PATCH_MARK, False):
+                _guard_originals[name] = current
+                setattr(cls, name, _guarded(name, current))
+        if version in TESTED_KERAS_VERSIONS or mode == "force":
+            metric_guard.install()
+        else:
+            log.warning("Keras %s is untested: Keras metrics updated in parameter-server steps are not "
+                        "checked (their updates are not atomic); %s.", version, PS_FIX)
+        return True
+
+
+def revert_fit_guards() -> None:
+    """Remove what :func:`install` installed (for tests)."""
+    with _guards_lock:
+        if _guard_originals:
+            cls = _trainer_module().TensorFlowTrainer
+            for name in _FIT_METHODS:
+                if name in _guard_originals:
+                    setattr(cls, name, _guard_originals.pop(name))
+        metric_guard.revert()
