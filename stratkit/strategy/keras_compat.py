@@ -55,7 +55,6 @@ __all__ = [
     "apply",
     "check_parameter_server",
     "check_supported",
-    "check_first_batch",
     "check_steps_per_execution",
     "install_fit_guards",
     "installed_keras_version",
@@ -556,36 +555,6 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
             f"{type(strategy).__name__} and {replicas} replicas (keras-team/keras#19246). "
             f"Fix: compile the model with steps_per_execution=1 "
             f"(model.compile(..., steps_per_execution=1))."
-        )
-
-
-def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
-    """Refuse a global batch size that does not split evenly across replicas.
-
-    Upstream Keras 3 with MirroredStrategy fails on an uneven first batch with
-    ``AddN must have the same size and shape`` deep inside TensorFlow; this
-    says why up front. (Measured on Keras 3.15.1: that AddN is the
-    cross-replica MEAN in ``_maybe_symbolic_build``, so with :func:`apply`
-    active the fit no longer crashes. The check still stands: each replica
-    averages its own share, so unequal shares weigh samples unequally, and
-    with the compat layer off or not needed the crash is back.)
-    """
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ConfigError(f"num_replicas={num_replicas!r} must be a positive integer.")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(
-            f"global batch size {global_batch_size!r} must be a positive integer "
-            f"(the GLOBAL batch, split across {num_replicas} replicas)."
-        )
-    if global_batch_size % num_replicas:
-        lower = global_batch_size - global_batch_size % num_replicas
-        upper = lower + num_replicas
-        choices = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ConfigError(
-            f"global batch size {global_batch_size} does not split evenly across "
-            f"{num_replicas} replicas (MirroredStrategy then fails with 'AddN must "
-            f"have the same size and shape'). Fix: use a global batch size that is a "
-            f"multiple of {num_replicas}, e.g. {choices}."
         )
 
 
