@@ -48,8 +48,8 @@ from stratkit.training.inputs.rules import (DEFAULT_SEED, batch_size_of, batched
                                             check_divisible, is_dataset, is_dataset_fn, resolve_global_batch_size)
 
 __all__ = ["DEFAULT_SEED", "InputAdapter", "PreparedData", "adapter_for", "batch_size_of", "batched_element_spec",
-           "check_batched", "check_divisible", "is_dataset", "is_dataset_fn", "local_dataset", "predict_data", "predict_dataset",
-           "prepare", "resolve_global_batch_size"]
+           "check_batched", "check_divisible", "is_dataset", "is_dataset_fn", "local_dataset", "predict_data",
+           "predict_dataset", "prepare", "resolve_global_batch_size"]
 
 
 def adapter_for(data: Any) -> InputAdapter:

@@ -54,7 +54,8 @@ class DatasetAdapter(InputAdapter):
             # Keras builds the model from the first batch; an uneven one fails in AddN on several replicas.
             raise ConfigError(f"data has {num_examples} examples, fewer than global_batch_size={global_batch_size}, "
                               f"so its only batch does not split evenly over {num_replicas} replicas. Fix: pass a "
-                              f"multiple of {num_replicas} examples (e.g. {num_examples - num_examples % num_replicas})")
+                              f"multiple of {num_replicas} examples "
+                              f"(e.g. {num_examples - num_examples % num_replicas})")
         if training and steps_per_epoch is not None:  # the steps rule: every step asked for runs
             dataset = dataset.repeat()  # before batching: batches run on across passes, all full
         dataset = dataset.batch(global_batch_size, drop_remainder=drop)

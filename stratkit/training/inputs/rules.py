@@ -114,9 +114,10 @@ def check_divisible(global_batch_size: int, num_replicas: int, tpu: bool = False
     if num_replicas > 1 and global_batch_size % num_replicas:
         lower = global_batch_size - global_batch_size % num_replicas
         choices = f"{lower} or {lower + num_replicas}" if lower else f"{num_replicas}"
+        why = ("TPU cores need equal shards" if tpu else
+               "Keras 3 fails on an uneven first batch: AddN must have the same size and shape")
         raise ConfigError(
-            f"global_batch_size={global_batch_size} does not split evenly over {num_replicas} replicas "
-            f"({'TPU cores need equal shards' if tpu else 'Keras 3 fails on an uneven first batch: AddN must have the same size and shape'}). "
+            f"global_batch_size={global_batch_size} does not split evenly over {num_replicas} replicas ({why}). "
             f"Fix: use a multiple of {num_replicas}, e.g. {choices}, or pass per_replica_batch_size")
 
 

@@ -20,6 +20,9 @@ repeated); the private Keras/TensorFlow pieces the loop runs on are in
 
 from __future__ import annotations
 
+from typing import Any
+
+from stratkit.training import inputs
 from stratkit.training.ps.checkpoints import DONE_FILE, ChiefCheckpoints, read_done_marker
 from stratkit.training.ps.evaluator import run_sidecar_evaluation, summary_dir
 from stratkit.training.ps.fit import check_steps_per_epoch, evaluate_locally, fit_parameter_server
@@ -28,9 +31,8 @@ from stratkit.training.ps.fit import check_steps_per_epoch, evaluate_locally, fi
 _ChiefCheckpoints = ChiefCheckpoints
 
 
-def _check_shards(data, global_batch_size, num_workers, num_replicas):  # noqa: ANN001, ANN202
-    from stratkit.training import inputs
-
+def _check_shards(data: Any, global_batch_size: int | None, num_workers: int, num_replicas: int) -> None:
+    """Every worker's shard must hold a step (`InputAdapter.check_worker_shards`, under its old name)."""
     inputs.adapter_for(data).check_worker_shards(global_batch_size, num_workers, num_replicas)
 
 
