@@ -17,3 +17,7 @@ class ConfigError(StratkitError, ValueError):
 
 class KerasCompatError(StratkitError, RuntimeError):
     """The installed Keras version is not one stratkit's compatibility layer was tested on."""
+
+
+class ChiefGoneError(StratkitError, RuntimeError):
+    """A task waiting on the chief (the parameter-server evaluator) lost it before training ended."""

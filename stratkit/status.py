@@ -12,6 +12,12 @@ audiences, one rule:
   absl, a notebook's handler) gets the records from that handler, once: ours
   then stays quiet instead of printing every line twice.
 
+absl's logging calls a bare `logging.basicConfig()` by itself the first time
+anything logs through it with no root handler (TensorFlow's ClusterCoordinator
+watchdog does, on every parameter-server chief). That default handler (stderr,
+`logging.BASIC_FORMAT`) is not taken as the user's console: the lines stay
+`[stratkit] ...` on stdout and do not reach it a second time.
+
 `logging.getLogger("stratkit").setLevel(logging.WARNING)` silences the status
 lines and keeps the warnings. Imports no TensorFlow.
 """
@@ -28,7 +34,10 @@ class _Console(logging.Handler):
     """Today's console output, unless a console handler of the user's already shows the record."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _user_console():
+        user, implicit = _root_consoles()
+        # Checked by logging after this logger's handlers: keep the record from a bare default handler.
+        logging.getLogger(_ROOT).propagate = user or not implicit
+        if user:
             return
         stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
         try:
@@ -41,12 +50,24 @@ class _Console(logging.Handler):
             pass
 
 
-def _user_console() -> bool:
+def _root_consoles() -> tuple[bool, bool]:
+    """(a console handler the user configured, a bare `basicConfig()` default) on the root logger."""
+    user = implicit = False
     for handler in logging.getLogger().handlers:
         stream = getattr(handler, "stream", None)
         if stream is not None and stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-            return True
-    return False
+            if _bare_default(handler):
+                implicit = True
+            else:
+                user = True
+    return user, implicit
+
+
+def _bare_default(handler: logging.Handler) -> bool:
+    """The handler `logging.basicConfig()` makes with no arguments, as absl calls it by itself."""
+    formatter = handler.formatter
+    return (type(handler) is logging.StreamHandler and type(formatter) is logging.Formatter
+            and formatter._fmt == logging.BASIC_FORMAT)  # noqa: SLF001 - the stdlib's own format string
 
 
 def logger(name: str) -> logging.Logger:

@@ -43,7 +43,7 @@ class Trainer:
             spec = _override(spec, strategy)
         self.spec: ClusterSpec = spec
         self.strategy = make_strategy(spec, gradient_compression=gradient_compression, **strategy_options)
-        from stratkit.training.data import DEFAULT_SEED
+        from stratkit.training.inputs import DEFAULT_SEED
 
         self.seed = DEFAULT_SEED if seed is None else int(seed)
 
@@ -117,16 +117,15 @@ class Trainer:
             count; see `stratkit.training.ps.fit_parameter_server`).
         """
         from stratkit.training import callbacks as cb
-        from stratkit.training.data import prepare, resolve_global_batch_size
+        from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size
 
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs must be a positive integer: got {epochs!r}. Fix: e.g. epochs=3")
         if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
-        is_fn = callable(data) and not hasattr(data, "element_spec")
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
-                                                 required=not is_fn, data=data)
+                                                 required=not is_dataset_fn(data), data=data)
         if self._ps:
             from stratkit.training.ps import fit_parameter_server
 
@@ -189,10 +188,10 @@ class Trainer:
                  per_replica_batch_size: int | None = None, steps: int | None = None, verbose: Any = 0,
                  return_dict: bool = True) -> Any:
         """Evaluate over the whole of `data`, sharded across workers; every worker gets the same result."""
-        from stratkit.training.data import prepare, resolve_global_batch_size
+        from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
-                                                 required=not callable(data), data=data)
+                                                 required=not is_dataset_fn(data), data=data)
         if self._ps:
             # Keras' evaluate refuses ParameterServerStrategy datasets: evaluate in this process instead.
             from stratkit.training.ps import evaluate_locally
@@ -211,36 +210,18 @@ class Trainer:
         `x`: numpy array(s), or a `tf.data.Dataset` of inputs (unbatched, or
         batched with the global batch; `(x, y)` elements are read as in Keras).
         """
-        from stratkit.training.data import _is_dataset, prepare, resolve_global_batch_size
+        from stratkit.training.inputs import predict_data, predict_dataset, prepare, resolve_global_batch_size
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=True, data=x)
         if self._ps or (self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1):
             # Keras' distributed predict returns only this worker's shard (padded), and refuses
             # ParameterServerStrategy datasets; inference needs no collective, so run it locally.
-            return self._predict_locally(model, x, global_batch)
-        prepared = prepare(x if isinstance(x, tuple) or _is_dataset(x) else (x,), strategy=self.strategy,
+            return _predict_locally(model, predict_dataset(x, global_batch))
+        prepared = prepare(predict_data(x), strategy=self.strategy,
                            num_replicas=self.num_replicas, global_batch_size=global_batch, training=False,
                            shuffle=False, shard=False, tpu=self.spec.strategy == "tpu")
         return model.predict(prepared.dataset, verbose=verbose)
-
-    @staticmethod
-    def _predict_locally(model: Any, x: Any, batch_size: int) -> Any:
-        import keras
-        import numpy as np
-        import tensorflow as tf
-
-        from stratkit.training.data import _is_dataset, local_batches
-
-        if _is_dataset(x):
-            dataset = local_batches(x, batch_size).map(lambda *element: keras.utils.unpack_x_y_sample_weight(
-                element[0] if len(element) == 1 else element)[0])
-        else:
-            inputs = x[0] if isinstance(x, tuple) and len(x) == 1 else x
-            dataset = tf.data.Dataset.from_tensor_slices(inputs).batch(batch_size)
-        forward = tf.function(lambda batch: model(batch, training=False), reduce_retracing=True)
-        outputs = [forward(batch) for batch in dataset]
-        return tf.nest.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
 
     # -- save -----------------------------------------------------------------------
     def save(self, model: Any, path: str | os.PathLike[str]) -> str | None:
@@ -283,6 +264,16 @@ class Trainer:
             model.save_weights(path, overwrite=True)
         else:
             model.save(path, overwrite=True)
+
+
+def _predict_locally(model: Any, dataset: Any) -> Any:
+    """`model` over every batch of `dataset` in this process, outputs concatenated in order."""
+    import numpy as np
+    import tensorflow as tf
+
+    forward = tf.function(lambda batch: model(batch, training=False), reduce_retracing=True)
+    outputs = [forward(batch) for batch in dataset]
+    return tf.nest.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *outputs)
 
 
 def _check_not_legacy_keras(model: Any) -> None:

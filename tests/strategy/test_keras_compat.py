@@ -177,6 +177,7 @@ MIRRORED = textwrap.dedent(
     import keras
     from stratkit.errors import ConfigError
     from stratkit.strategy import keras_compat
+    from stratkit.training.inputs import check_divisible  # the one divisibility check, as Trainer uses it
 
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
@@ -207,7 +208,7 @@ MIRRORED = textwrap.dedent(
     out["spe_upstream"] = outcome(m, 16)
     m = make_model()
     out["spe1_guard"] = guard(keras_compat.check_steps_per_execution, m, strategy)
-    out["first_batch_guard"] = guard(keras_compat.check_first_batch, 15, strategy.num_replicas_in_sync)
+    out["first_batch_guard"] = guard(check_divisible, 15, strategy.num_replicas_in_sync)
     out["uneven_upstream"] = outcome(make_model(), 15)
     out["status"] = keras_compat.apply(strategy)
     out["uneven_patched"] = outcome(make_model(), 15)
@@ -232,7 +233,7 @@ def test_mirrored_guards_match_what_keras_really_does():
     assert rep["spe1_guard"] is None
 
     # Uneven first batch: the guard names it; upstream Keras fails with AddN.
-    assert "15" in rep["first_batch_guard"] and "14 or 16" in rep["first_batch_guard"]
+    assert "global_batch_size=15" in rep["first_batch_guard"] and "14 or 16" in rep["first_batch_guard"]
     assert not rep["uneven_upstream"]["ok"]
     assert "AddN must have the same size and shape" in rep["uneven_upstream"]["error"]
 
@@ -366,27 +367,6 @@ def test_legacy_keras_env_reads_the_tf_keras_version(fresh, monkeypatch):
 # --------------------------------------------------------------------------
 # Cheap guards and import hygiene
 # --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("batch", "replicas"), [(16, 2), (8, 8), (7, 1), (96, 3)])
-def test_first_batch_that_splits_evenly_passes(batch: int, replicas: int):
-    keras_compat.check_first_batch(batch, replicas)
-
-
-@pytest.mark.parametrize(
-    ("batch", "replicas", "hint"), [(15, 2, "14 or 16"), (3, 4, "e.g. 4"), (10, 4, "8 or 12")]
-)
-def test_uneven_first_batch_is_refused_with_the_fix(batch: int, replicas: int, hint: str):
-    with pytest.raises(ConfigError) as info:
-        keras_compat.check_first_batch(batch, replicas)
-    msg = str(info.value)
-    assert f"global batch size {batch}" in msg and f"{replicas} replicas" in msg and hint in msg
-
-
-@pytest.mark.parametrize(("batch", "replicas"), [(0, 2), (16, 0), (16.0, 2)])
-def test_first_batch_rejects_nonsense(batch, replicas):
-    with pytest.raises(ConfigError):
-        keras_compat.check_first_batch(batch, replicas)
 
 
 def test_steps_per_execution_with_one_replica_is_fine(fresh):

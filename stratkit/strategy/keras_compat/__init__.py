@@ -51,7 +51,6 @@ from stratkit.strategy.keras_compat import parameter_server as _parameter_server
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
     _is_chief,
-    check_first_batch,
     check_steps_per_execution,
     revert_fit_guards,
 )
@@ -106,7 +105,6 @@ __all__ = [
     "apply",
     "check_parameter_server",
     "check_supported",
-    "check_first_batch",
     "check_steps_per_execution",
     "install_fit_guards",
     "installed_keras_version",

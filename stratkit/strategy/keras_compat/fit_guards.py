@@ -78,36 +78,6 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
         )
 
 
-def check_first_batch(global_batch_size: int, num_replicas: int) -> None:
-    """Refuse a global batch size that does not split evenly across replicas.
-
-    Upstream Keras 3 with MirroredStrategy fails on an uneven first batch with
-    ``AddN must have the same size and shape`` deep inside TensorFlow; this
-    says why up front. (Measured on Keras 3.15.1: that AddN is the
-    cross-replica MEAN in ``_maybe_symbolic_build``, so with ``apply``
-    active the fit no longer crashes. The check still stands: each replica
-    averages its own share, so unequal shares weigh samples unequally, and
-    with the compat layer off or not needed the crash is back.)
-    """
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ConfigError(f"num_replicas={num_replicas!r} must be a positive integer.")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(
-            f"global batch size {global_batch_size!r} must be a positive integer "
-            f"(the GLOBAL batch, split across {num_replicas} replicas)."
-        )
-    if global_batch_size % num_replicas:
-        lower = global_batch_size - global_batch_size % num_replicas
-        upper = lower + num_replicas
-        choices = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ConfigError(
-            f"global batch size {global_batch_size} does not split evenly across "
-            f"{num_replicas} replicas (MirroredStrategy then fails with 'AddN must "
-            f"have the same size and shape'). Fix: use a global batch size that is a "
-            f"multiple of {num_replicas}, e.g. {choices}."
-        )
-
-
 def _is_chief(strategy: Any) -> bool:
     """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
     try:

@@ -31,7 +31,6 @@ skips epochs rather than falling behind.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import warnings
@@ -39,11 +38,15 @@ from typing import Any, Iterable
 
 import keras
 
-from stratkit.errors import ConfigError
+from stratkit import status
+from stratkit.errors import ChiefGoneError, ConfigError
 from stratkit.training import backup as backup_lib
-from stratkit.training import ps
+from stratkit.training import files, inputs
+from stratkit.training.ps import variables
+from stratkit.training.ps.checkpoints import DONE_FILE, read_done_marker
+from stratkit.training.ps.metrics import Metrics
 
-log = logging.getLogger(__name__)
+log = status.logger(__name__)
 
 STARTED_FILE = "evaluator-started"
 
@@ -68,7 +71,7 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
 
     Raises:
         ConfigError: `backup_dir` or `validation_data` is missing.
-        RuntimeError: the chief vanished for the grace period without ending training.
+        ChiefGoneError: the chief vanished for the grace period without ending training.
     """
     import tensorflow as tf
 
@@ -83,10 +86,10 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
         raise ConfigError("validation_data=None on the evaluator task: it has nothing to evaluate. Fix: pass "
                           "validation_data=(x_val, y_val) (or a dataset) to trainer.fit")
     directory = os.fspath(backup_dir)
-    dataset = ps._local_dataset(validation_data, global_batch_size, validation_steps)  # noqa: SLF001
+    dataset = inputs.local_dataset(validation_data, global_batch_size, validation_steps)
     with trainer.strategy.scope():
-        ps._build(model, ps._batched_spec(dataset.element_spec, batched=True))  # noqa: SLF001
-    metrics = ps._Metrics.of(model)  # noqa: SLF001
+        variables.build(model, inputs.batched_element_spec(dataset.element_spec, batched=True))
+    metrics = Metrics.of(model)
 
     out_dir = summary_dir(directory, callbacks)
     os.makedirs(out_dir, exist_ok=True)
@@ -99,7 +102,7 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
     history.on_train_begin()
     quiet = verbose == 0
     if not quiet:
-        print(f"[stratkit] evaluator: watching {directory} for checkpoints; summaries in {out_dir}", flush=True)
+        log.info("evaluator: watching %s for checkpoints; summaries in %s", directory, out_dir)
 
     chief = trainer.spec.cluster.get("chief", [None])[0]
     grace = float(os.environ.get(GRACE_VAR, DEFAULT_GRACE))
@@ -117,7 +120,7 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
         except (OSError, ValueError) as exc:  # pruned since it was named (then the next one comes), or broken
             log.warning("evaluator: could not load %s: %r", path, exc)
             return False
-        logs = {f"val_{name}": value for name, value in metrics.evaluate(dataset, tf).items()}
+        logs = {f"val_{name}": value for name, value in metrics.evaluate(dataset).items()}
         with writer.as_default(step=epoch):
             for name, value in logs.items():
                 if isinstance(value, float):
@@ -126,7 +129,7 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
         history.on_epoch_end(epoch, logs)
         if not quiet:
             values = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items() if isinstance(v, float))
-            print(f"[stratkit] evaluator: epoch {epoch} ({os.path.basename(path)}) - {values}", flush=True)
+            log.info("evaluator: epoch %d (%s) - %s", epoch, os.path.basename(path), values)
         return True
 
     while True:
@@ -147,13 +150,15 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
             if not seen_chief or time.monotonic() - gone_since > grace:
                 writer.close()
                 waited, var = (grace, GRACE_VAR) if seen_chief else (startup, STARTUP_VAR)
-                raise RuntimeError(f"the chief {chief} has been unreachable for {waited:.0f}s and did not mark the "
-                                   f"end of training in {directory}; the evaluator stops. Set {var} to wait "
-                                   "longer")
+                raise ChiefGoneError(
+                    f"the chief {chief} has been unreachable for {waited:.0f}s and did not mark the end of "
+                    f"training in {directory}; the evaluator stops. Fix: see the chief's log for why it stopped "
+                    f"and restart the job (the chief resumes from backup_dir), or set {var}=<seconds> to wait "
+                    "longer")
         time.sleep(poll_seconds)
     writer.close()
     if not quiet:
-        print(f"[stratkit] evaluator: training ended; evaluated {len(history.epoch)} checkpoint(s)", flush=True)
+        log.info("evaluator: training ended; evaluated %d checkpoint(s)", len(history.epoch))
     return history
 
 
@@ -162,8 +167,6 @@ def _touch(path: str) -> int:
 
     The mtime is on the shared directory's own clock, as the chief's marker's is.
     """
-    from stratkit.training import files
-
     files.check_dir(os.path.dirname(path) or ".", "backup_dir")
     files.write_bytes(path, str(os.getpid()).encode())
     return os.lstat(path).st_mtime_ns
@@ -171,11 +174,11 @@ def _touch(path: str) -> int:
 
 def _current_done_marker(directory: str, started_ns: int) -> dict | None:
     """This run's end-of-training marker, or None (absent, or older than this evaluation)."""
-    marker = ps.read_done_marker(directory)
+    marker = read_done_marker(directory)
     if marker is None:
         return None
     try:
-        written = os.lstat(os.path.join(directory, ps.DONE_FILE)).st_mtime_ns
+        written = os.lstat(os.path.join(directory, DONE_FILE)).st_mtime_ns
     except OSError:
         return None
     return marker if written >= started_ns else None

@@ -1,0 +1,155 @@
+"""The input rules every input kind shares: batch sizes, divisibility, an already-batched dataset's batch.
+
+One place for each check, so `fit`, `evaluate`, `predict` and the
+parameter-server loop refuse the same inputs with the same words.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from stratkit.errors import ConfigError
+
+DEFAULT_SEED = 20170601  # the same on every worker: DATA sharding needs one shuffle order everywhere
+
+DatasetFn = Callable[[Any], Any]
+
+
+def is_dataset(obj: Any) -> bool:
+    """True for a `tf.data.Dataset` (imports TensorFlow only for objects that might be one)."""
+    if obj is None or isinstance(obj, (tuple, list, dict)) or hasattr(obj, "__array__"):
+        return False  # the cheap cases first: no TensorFlow import for them
+    import tensorflow as tf
+
+    return isinstance(obj, tf.data.Dataset)
+
+
+def is_dataset_fn(data: Any) -> bool:
+    """True for a `dataset_fn(input_context)` (any callable that is not a dataset or a container)."""
+    return callable(data) and not isinstance(data, (tuple, list, dict)) and not is_dataset(data)
+
+
+def batch_size_of(data: Any) -> int | None:
+    """The batch size of `data` if it is an already-batched `tf.data.Dataset` (-1: size unknown), else None."""
+    if not is_dataset(data):
+        return None
+    from stratkit.strategy import keras_compat
+
+    return keras_compat.dataset_batch_size(data)
+
+
+def resolve_global_batch_size(global_batch_size: int | None, per_replica_batch_size: int | None,
+                              num_replicas: int, *, required: bool, data: Any = None) -> int | None:
+    """Exactly one of the two sizes; global = per_replica x num_replicas.
+
+    With `data` already batched (a `tf.data.Dataset` batched with B): no size
+    given means the global batch is B; a size given must be B.
+    """
+    batched = batch_size_of(data)
+    if batched is None:
+        return _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=required)
+    resolved = _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=False)
+    if resolved is None:
+        if batched < 1:
+            raise unreadable_batch()
+        return batched
+    check_batched(batched, resolved)
+    return resolved
+
+
+def _resolve_sizes(global_batch_size: int | None, per_replica_batch_size: int | None, num_replicas: int, *,
+                   required: bool) -> int | None:
+    for name, value in (("global_batch_size", global_batch_size), ("per_replica_batch_size", per_replica_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name} must be a positive integer: got {value!r}. Fix: e.g. {name}=64")
+    if global_batch_size is not None and per_replica_batch_size is not None:
+        if global_batch_size != per_replica_batch_size * num_replicas:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} and per_replica_batch_size={per_replica_batch_size} "
+                f"disagree with {num_replicas} replica(s) (global = per_replica x replicas = "
+                f"{per_replica_batch_size * num_replicas}). Fix: give exactly one of them")
+        return global_batch_size
+    if per_replica_batch_size is not None:
+        return per_replica_batch_size * num_replicas
+    if global_batch_size is None and required:
+        raise no_batch_size(num_replicas)
+    return global_batch_size
+
+
+def no_batch_size(num_replicas: int) -> ConfigError:
+    return ConfigError("neither global_batch_size nor per_replica_batch_size was given. Fix: give exactly one, "
+                       f"e.g. per_replica_batch_size=32 (the global batch is then 32 x {num_replicas} replica(s))")
+
+
+def need_batch(global_batch_size: int | None, what: str, fix: str = "global_batch_size=N or "
+               "per_replica_batch_size=N") -> int:
+    """`global_batch_size` as an int, or a `ConfigError` saying `what` needs one."""
+    if global_batch_size is None:
+        raise ConfigError(f"{what} needs a batch size. Fix: pass {fix}")
+    return int(global_batch_size)
+
+
+def unreadable_batch() -> ConfigError:
+    return ConfigError("data is a tf.data.Dataset that is already batched, with a batch size stratkit cannot read. "
+                       "Fix: pass global_batch_size=<its batch size>")
+
+
+def check_batched(batched: int, global_batch_size: int | None) -> None:
+    """A batched dataset is used as it is: its batch must be the global batch."""
+    if batched > 0 and global_batch_size is not None and batched != global_batch_size:
+        raise ConfigError(
+            f"data is a tf.data.Dataset that is already batched (batch size {batched}), but the global batch is "
+            f"global_batch_size={global_batch_size} (examples per step over all replicas). Fix: batch it with "
+            f"{global_batch_size} (the global batch, not the per-replica one), or pass it unbatched (stratkit "
+            f"batches and shards it), or give no batch size to train with its own batch of {batched}")
+
+
+def check_divisible(global_batch_size: int, num_replicas: int, tpu: bool = False) -> None:
+    """The global batch must split evenly over the replicas (the one place this is checked).
+
+    Keras 3 fails on an uneven first batch with `AddN must have the same size
+    and shape`; TPU cores need equal shards. (With the compat patch active the
+    AddN crash is gone, but unequal shares would still weigh samples unequally.)
+    """
+    if num_replicas > 1 and global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % num_replicas
+        choices = f"{lower} or {lower + num_replicas}" if lower else f"{num_replicas}"
+        why = ("TPU cores need equal shards" if tpu else
+               "Keras 3 fails on an uneven first batch: AddN must have the same size and shape")
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} does not split evenly over {num_replicas} replicas ({why}). "
+            f"Fix: use a multiple of {num_replicas}, e.g. {choices}, or pass per_replica_batch_size")
+
+
+def check_static_shapes(element_spec: Any) -> None:
+    import tensorflow as tf
+
+    for spec in tf.nest.flatten(element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and not shape.is_fully_defined():
+            raise ConfigError(f"TPU needs static shapes, but the dataset has an element of shape {shape}. "
+                              "Fix: pad or resize to a fixed shape before batching (e.g. padded_batch or "
+                              "tf.image.resize), so XLA can compile one program")
+
+
+def shard_by(dataset: Any, policy: str = "DATA") -> Any:
+    """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    current = dataset.options().experimental_distribute.auto_shard_policy
+    if current != tf.data.experimental.AutoShardPolicy.AUTO:
+        return dataset  # the user chose a policy on purpose (e.g. FILE over many files)
+    options.experimental_distribute.auto_shard_policy = getattr(tf.data.experimental.AutoShardPolicy, policy)
+    return dataset.with_options(options)
+
+
+def batched_element_spec(element_spec: Any, *, batched: bool) -> Any:
+    """`element_spec` as TensorSpecs of batches (a batch dimension added unless `batched`)."""
+    import tensorflow as tf
+
+    def one(spec: Any) -> Any:
+        shape = spec.shape if batched else tf.TensorShape([None]).concatenate(spec.shape)
+        return tf.TensorSpec(shape, spec.dtype)
+
+    return tf.nest.map_structure(one, element_spec)
