@@ -186,9 +186,10 @@ def check_task(cluster: Mapping[str, Sequence[str]], task: Task, *, launcher: st
         raise ConfigError(f"stratkit.detect() read task {spec.task_type}:{spec.task_index} ({spec.strategy}, source "
                           f"{spec.source!r}: {'; '.join(spec.reasons)}) from the TF_CONFIG written for "
                           f"{task.name}{expected}. Fix: {fix}")
-    if chief is not None and spec.is_chief != (task.name == chief.name):
-        raise ConfigError(f"{task.name} would{' not' if task.name == chief.name else ''} be the chief, but the plan's chief "
-                          f"is {chief.name}. This is a stratkit bug: please report it")
+    planned_chief = chief is not None and task.name == chief.name
+    if chief is not None and spec.is_chief != planned_chief:
+        raise ConfigError(f"{task.name} would{' not' if planned_chief else ''} be the chief, but the plan's chief is "
+                          f"{chief.name}. This is a stratkit bug: please report it")
     return spec
 
 

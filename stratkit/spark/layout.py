@@ -94,10 +94,12 @@ def validate(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int,
              environ: Mapping[str, str] | None = None) -> ClusterSpec:
     """Run `stratkit.detect` on exactly the environment the task's process will get.
 
-    The runner decides the strategy (a preset on the executors may not change
-    it, though `stratkit launch` lets a user's explicit choice win). Returns the `ClusterSpec` the training process will see; raises `ConfigError`
-    when detection disagrees with the layout (e.g. a preset STRATKIT_STRATEGY
-    that contradicts the cluster), so the task fails before TensorFlow starts.
+    Returns the `ClusterSpec` the training process will see; raises
+    `ConfigError` when detection disagrees with the layout (e.g. a preset
+    STRATKIT_STRATEGY that contradicts the cluster), so the task fails before
+    TensorFlow starts. The runner decides the strategy: a preset on the
+    executors may not change it (`stratkit launch` lets a user's explicit
+    choice win).
     """
     tasks = [r.task for r in roles]
     return cluster_layout.check_task(cluster_of(roles, addresses), roles[rank].task, launcher=LAUNCHER, fix=_FIX,
