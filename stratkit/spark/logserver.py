@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from stratkit import status
 from stratkit.process import pump
 from stratkit.process.tracebacks import ExceptionScanner
 
@@ -75,6 +76,8 @@ _RETRY_NOW = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, err
               getattr(errno, "ENONET", errno.ENETDOWN)}
 _RETRY_LATER = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _BUSY = b"BUSY\n"
+
+log = status.logger(__name__)
 
 
 @dataclass
@@ -462,7 +465,7 @@ class LogClient:
                 self.error = f"cannot reach the driver's log server at {host}:{port}: {exc}"
                 break
         if self._sock is None:
-            sys.stderr.write(f"[stratkit] {self.error}; task output stays in this executor's stderr\n")
+            log.warning("%s; task output stays in this executor's stderr", self.error)
             return
         self.connected = True
         threading.Thread(target=self._read_loop, name="stratkit-log-abort", daemon=True).start()
