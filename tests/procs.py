@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from stratkit.process.children import kill_group, start_child
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -154,40 +155,9 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the child's process group (it was started as a group leader).
 
     The group is killed even if the child itself already exited, so anything it
-    spawned goes too; a group with no members left raises ProcessLookupError.
+    spawned goes too.
     """
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _load_prctl() -> Any:
-    """libc's prctl on Linux, looked up once in the parent (None elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the parent dies (Linux only).
-
-    Covers what no ``finally`` can: the test runner itself being killed. prctl is
-    resolved in the parent so the forked child imports nothing (the parent may
-    have threads, e.g. TensorFlow's, holding import locks).
-    """
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    kill_group(proc.pid)  # start_child made it the leader: while it lives, its group exists
 
 
 def run_cluster(
@@ -238,19 +208,10 @@ def run_cluster(
                 out = stack.enter_context(open(workdir / f"{i}.out", "w+b"))
                 err = stack.enter_context(open(workdir / f"{i}.err", "w+b"))
                 files.append((out, err))
-                procs.append(
-                    subprocess.Popen(
-                        argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=err,
-                        env=child_env(cfg, extra),
-                        cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
-                        start_new_session=True,
-                        # Safe with threads: it calls one preloaded C function, takes no lock.
-                        preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509
-                    )
-                )
+                # Own session (its group is killed as one) and die-with-parent: no child outlives a killed
+                # test runner either (stratkit's own guarantee for launched tasks).
+                procs.append(start_child(argv, child_env(cfg, extra), stdout=out, stderr=err,
+                                         cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT)))
             deadline = time.monotonic() + timeout
             grace = grace_after_failure
             while True:

@@ -26,10 +26,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.console import Console
 from stratkit.launch.isolation import PrivateNetwork
-from stratkit.launch.plan import LaunchPlan, Task, build_cluster, family_of, format_address, reserve_ports
+from stratkit.launch.plan import LaunchPlan, Task, family_of, reserve_ports
 from stratkit.launch.results import Attempt, TaskExit
 from stratkit.process.children import kill_group, start_child, stop_groups
 from stratkit.process.ports import is_listening, listening_ports

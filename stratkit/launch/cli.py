@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
 from stratkit.launch.plan import (
@@ -22,8 +23,6 @@ from stratkit.launch.plan import (
     DEFAULT_HOST,
     DEFAULT_STOP_GRACE,
     Task,
-    build_cluster,
-    format_address,
     plan_tasks,
     task_tf_config,
 )

@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from stratkit.cluster import layout
 from stratkit.cluster.detect import LAUNCHER_VAR
-from stratkit.cluster.layout import detect_task, group_by_role
+from stratkit.cluster.layout import primary_task
 from stratkit.errors import ConfigError
 from stratkit.launch.checks import (
     check_command,
@@ -32,6 +33,8 @@ from stratkit.launch.checks import (
 from stratkit.launch.isolation import is_loopback
 from stratkit.process.ports import address_family, hold_port
 
+#: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
+LAUNCHER = "launch"
 #: 0 on the first attempt, 1 after the first restart, ... (like torchrun's TORCHELASTIC_RESTART_COUNT).
 RESTART_VAR = "STRATKIT_RESTART_COUNT"
 DEFAULT_HOST = "127.0.0.1"
@@ -39,81 +42,34 @@ DEFAULT_EXIT_GRACE = 30.0
 DEFAULT_STOP_GRACE = 10.0
 
 
-@dataclass(frozen=True)
-class Task:
-    """One process of the cluster: a TF_CONFIG role and index."""
-
-    role: str
-    index: int
-
-    @property
-    def name(self) -> str:
-        """`worker:1`: how the task is named in prefixes and reports."""
-        return f"{self.role}:{self.index}"
+class Task(layout.Task):
+    """One process of a local launch: a TF_CONFIG role and index (`stratkit.cluster.layout.Task`), and its log file."""
 
     @property
     def log_name(self) -> str:
         """`worker-1.log`: the task's file in `log_dir`."""
         return f"{self.role}-{self.index}.log"
 
-    @property
-    def serves(self) -> bool:
-        """True when the task runs a gRPC server and so needs a port in the cluster.
 
-        The evaluator is left out of `cluster` (as TensorFlow's estimator rule
-        and Google AI Platform do): it only reads checkpoints, and no training
-        task ever waits for it or dials it.
-        """
-        return self.role != "evaluator"
+#: How `stratkit launch` writes the layout settings in its messages.
+FLAGS = layout.Spelling(workers="--workers", ps="--ps", chief="--chief", assign=" ")
+#: What to change when a launched task would not see its place: its environment comes from the launcher's.
+_FIX = "unset STRATKIT_CLUSTER_ENV (or set it to auto or tf_config) for stratkit launch"
 
 
 def plan_tasks(workers: int = 1, chief: bool = False, ps: int = 0, evaluator: bool = False) -> list[Task]:
-    """The tasks of a layout, in TF_CONFIG order: chief, workers, ps, evaluator.
+    """The tasks of a layout, in TF_CONFIG order: chief, workers, ps, evaluator (`stratkit.cluster.layout`).
 
     Raises:
         ConfigError: naming the flag, when the layout cannot train.
     """
     check_count(workers, "--workers", 0, "2")
     check_count(ps, "--ps", 0, "1")
-    if workers == 0 and not chief:
-        raise ConfigError("--workers 0 without --chief leaves no task to train. Fix: --workers 1 or more "
-                          "(or add --chief)")
-    if ps and not chief:
-        raise ConfigError(f"--ps {ps} needs a coordinator: parameter-server training is driven from a chief. "
-                          "Fix: add --chief (e.g. --chief --workers 2 --ps 1), or drop --ps for synchronous "
-                          "multi-worker training")
-    if ps and workers == 0:
-        raise ConfigError(f"--ps {ps} with --workers 0 leaves no worker to run the steps. Fix: --workers 1 or more")
-    tasks = [Task("chief", 0)] if chief else []
-    tasks += [Task("worker", i) for i in range(workers)]
-    tasks += [Task("ps", i) for i in range(ps)]
-    if evaluator:
-        tasks.append(Task("evaluator", 0))
-    return tasks
+    return [Task(t.role, t.index) for t in layout.plan_tasks(workers, chief, ps, evaluator, spelling=FLAGS)]
 
 
-def primary_task(tasks: Sequence[Task]) -> Task:
-    """The task whose success ends training: the chief, else worker 0 (TensorFlow's rule)."""
-    for task in tasks:
-        if task.role == "chief":
-            return task
-    return Task("worker", 0)
-
-
-def format_address(host: str, port: int) -> str:
-    """`host:port`, with IPv6 literals bracketed as TF_CONFIG needs."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def build_cluster(tasks: Sequence[Task], addresses: Sequence[str]) -> dict[str, list[str]]:
-    """The TF_CONFIG `cluster` dict: one address per serving task, in task order."""
-    serving = [t for t in tasks if t.serves]
-    if len(serving) != len(addresses):
-        raise ValueError(f"{len(serving)} serving tasks but {len(addresses)} addresses")
-    return group_by_role((t.role for t in serving), addresses)
-
-
-def task_tf_config(cluster: Mapping[str, Sequence[str]], task: Task, environ: Mapping[str, str] | None = None) -> str:
+def task_tf_config(cluster: Mapping[str, Sequence[str]], task: layout.Task,
+                   environ: Mapping[str, str] | None = None) -> str:
     """This task's TF_CONFIG string, decided by `stratkit.detect()` -- not re-derived here.
 
     `environ` is the task's environment without TF_CONFIG (default: empty), so
@@ -123,12 +79,7 @@ def task_tf_config(cluster: Mapping[str, Sequence[str]], task: Task, environ: Ma
     Raises:
         ConfigError: when detection rejects the layout or would not see a cluster.
     """
-    spec = detect_task(cluster, task.role, task.index, launcher="launch", environ=environ)
-    if spec.task_type != task.role or spec.task_index != task.index or dict(spec.cluster) != dict(cluster):
-        raise ConfigError(f"the launched {task.name} would not see its cluster: detection chose source "
-                          f"{spec.source!r} ({'; '.join(spec.reasons)}). Fix: unset STRATKIT_CLUSTER_ENV "
-                          "(or set it to auto or tf_config) for stratkit launch")
-    return spec.to_tf_config()
+    return layout.check_task(cluster, task, launcher=LAUNCHER, fix=_FIX, environ=environ).to_tf_config()
 
 
 def thread_env(num_tasks: int, cores: int | None = None) -> dict[str, str]:
@@ -230,7 +181,7 @@ class LaunchPlan:
         return self.max_restarts + 1
 
     @property
-    def primary(self) -> Task:
+    def primary(self) -> layout.Task:
         return primary_task(self.tasks)
 
     @property
@@ -243,7 +194,7 @@ class LaunchPlan:
         env = dict(self.env)
         env.pop("TF_CONFIG", None)
         env["TF_CONFIG"] = task_tf_config(cluster, task, env)
-        env[LAUNCHER_VAR] = "launch"
+        env[LAUNCHER_VAR] = LAUNCHER
         env[RESTART_VAR] = str(attempt)
         env.update(self.extra_env)
         return env
@@ -276,9 +227,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     defaults = {**thread_env(len(tasks)), "PYTHONUNBUFFERED": "1"}
     extra = {k: v for k, v in defaults.items() if k not in base_env}
     # Validate every TF_CONFIG before starting anything (ports do not change validity).
-    probe = build_cluster(tasks, [format_address(host, 1 + i) for i in range(serving)])
-    for task in tasks:
-        task_tf_config(probe, task, {k: v for k, v in base_env.items() if k != "TF_CONFIG"})
+    layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,
+                      environ={k: v for k, v in base_env.items() if k != "TF_CONFIG"})
     return LaunchPlan(
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),

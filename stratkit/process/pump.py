@@ -53,6 +53,11 @@ def prefixed(name: str, text: str) -> str:
     return f"[{name}] {text}"
 
 
+def cut_line(text: str, chars: int = TAIL_LINE_CHARS) -> str:
+    """`text`, or its first `chars` characters and a marker when it is longer (the tail's rule for one line)."""
+    return text if len(text) <= chars else text[:chars] + _TRUNCATED
+
+
 class Tail:
     """The last `lines` lines seen, each cut to `chars` characters."""
 
@@ -61,7 +66,7 @@ class Tail:
         self._chars = chars
 
     def add(self, text: str) -> None:
-        self._lines.append(text if len(text) <= self._chars else text[:self._chars] + _TRUNCATED)
+        self._lines.append(cut_line(text, self._chars))
 
     def lines(self) -> tuple[str, ...]:
         return tuple(self._lines)

@@ -25,11 +25,20 @@ import socket
 import threading
 from typing import Any
 
+from stratkit.errors import StratkitError
+
 #: "port:token" of the task's context server, in the training process's environment.
 CONTEXT_VAR = "STRATKIT_SPARK_CONTEXT"
 _TOKEN_BYTES = 64
 _HELLO_TIMEOUT = 10.0
 _MAX_REQUEST = 16 << 20  # an allGather message can be large, but not unbounded
+#: The `BarrierTaskContext` methods the training process can call (`_call` answers them).
+FORWARDED = ("partitionId", "attemptNumber", "stageId", "stageAttemptNumber", "taskAttemptId", "cpus",
+             "getLocalProperty", "resources", "allGather", "barrier", "getTaskInfos")
+
+
+class TaskContextError(StratkitError, RuntimeError):
+    """A `BarrierTaskContext` call in the training process that its Spark task could not answer."""
 
 
 class ContextServer:
@@ -106,9 +115,10 @@ def _call(context: Any, method: str, args: list) -> Any:
         return None
     if method == "getLocalProperty":
         return context.getLocalProperty(str(args[0]))
-    if method in ("partitionId", "attemptNumber", "stageId", "stageAttemptNumber", "taskAttemptId", "cpus"):
+    if method in FORWARDED:
         return getattr(context, method)()
-    raise ValueError(f"BarrierTaskContext.{method} is not available inside stratkit's training process")
+    raise ValueError(f"BarrierTaskContext.{method} is not available inside stratkit's training process "
+                     f"(available: {', '.join(FORWARDED)})")
 
 
 # -- the training process's end ---------------------------------------------------------------
@@ -126,10 +136,15 @@ class _Channel:
             self._sock.sendall((json.dumps({"method": method, "args": list(args)}) + "\n").encode())
             raw = self._reader.readline()
         if not raw:
-            raise RuntimeError(f"BarrierTaskContext.{method}: the Spark task's context channel closed")
+            raise TaskContextError(f"BarrierTaskContext.{method}: the Spark task's context channel closed, so the "
+                                   "task is ending (another task failed, or the run was stopped or timed out). Fix: "
+                                   "see the driver's SparkTrainingError for why; call BarrierTaskContext only "
+                                   "while train_fn runs")
         reply = json.loads(raw)
         if "error" in reply:
-            raise RuntimeError(f"BarrierTaskContext.{method} failed in the Spark task: {reply['error']}")
+            raise TaskContextError(f"BarrierTaskContext.{method} failed in the Spark task: {reply['error']}. Fix: "
+                                   "check the call's arguments (e.g. allGather takes one str, and every task must "
+                                   "make the same barrier/allGather calls in the same order)")
         return reply["value"]
 
 

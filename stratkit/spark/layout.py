@@ -5,7 +5,11 @@ without a JVM. The role -> strategy rule itself is not re-derived here: the
 TF_CONFIG built for each task is handed to `stratkit.detect`, the one place
 that maps a TF_CONFIG to a `ClusterSpec`.
 
-Rank order (the barrier task's partition id):
+The roles, the TF_CONFIG and the checks are `stratkit.cluster.layout`'s, as
+for `stratkit launch`; what is the Spark runner's own is the rank (the
+barrier task's partition id) and which tasks read a data shard (`trains`).
+
+Rank order (the position in `cluster.layout.plan_tasks`'s TF_CONFIG order):
   * synchronous (num_ps == 0): every task is a "worker"; worker 0 (rank 0) is
     the chief by TensorFlow's rule, so no separate chief task is needed.
   * parameter server (num_ps > 0): rank 0 is the "chief" (the coordinator),
@@ -20,11 +24,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stratkit.cluster import ClusterSpec
-from stratkit.cluster.layout import detect_task, group_by_role, tf_config_json
+from stratkit.cluster import layout as cluster_layout
+from stratkit.cluster.layout import Task, tf_config_json
 from stratkit.errors import ConfigError
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "spark".
 LAUNCHER = "spark"
+#: How the Spark runner's arguments are written in layout messages (it adds the chief itself).
+ARGUMENTS = cluster_layout.Spelling(workers="num_workers", ps="num_ps")
+#: What to change when a task would not see its place: its environment comes from the executor's.
+_FIX = "do not set STRATKIT_STRATEGY or STRATKIT_CLUSTER_ENV on the executors; the Spark runner decides them"
 
 # Spark GPU addresses must be plain CUDA ordinals: "0", "1", ..., no padding ("01" is another device to CUDA).
 _GPU_ADDRESS = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -32,16 +41,20 @@ _GPU_ADDRESS = re.compile(r"^(0|[1-9][0-9]*)$")
 
 @dataclass(frozen=True)
 class TaskRole:
-    """The TF task one barrier task (its `rank`) becomes."""
+    """The TF task (`stratkit.cluster.layout.Task`) one barrier task (its `rank`) becomes."""
 
     rank: int
     task_type: str
     task_index: int
 
     @property
+    def task(self) -> Task:
+        return Task(self.task_type, self.task_index)
+
+    @property
     def label(self) -> str:
         """`worker:1`, `ps:0`, ...: the prefix of this task's log lines on the driver."""
-        return f"{self.task_type}:{self.task_index}"
+        return self.task.name
 
     @property
     def trains(self) -> bool:
@@ -59,12 +72,8 @@ def plan_roles(num_workers: int, num_ps: int = 0) -> list[TaskRole]:
     """One `TaskRole` per barrier task, in rank order (see the module docstring)."""
     _positive_int("num_workers", num_workers)
     _positive_int("num_ps", num_ps, minimum=0, example="1")
-    if num_ps == 0:
-        return [TaskRole(rank, "worker", rank) for rank in range(num_workers)]
-    roles = [TaskRole(0, "chief", 0)]
-    roles += [TaskRole(1 + i, "worker", i) for i in range(num_workers)]
-    roles += [TaskRole(1 + num_workers + j, "ps", j) for j in range(num_ps)]
-    return roles
+    tasks = cluster_layout.plan_tasks(num_workers, chief=num_ps > 0, ps=num_ps, spelling=ARGUMENTS)
+    return [TaskRole(rank, task.role, task.index) for rank, task in enumerate(tasks)]
 
 
 def cluster_of(roles: Sequence[TaskRole], addresses: Sequence[str]) -> dict[str, list[str]]:
@@ -72,7 +81,7 @@ def cluster_of(roles: Sequence[TaskRole], addresses: Sequence[str]) -> dict[str,
     if len(addresses) != len(roles):
         raise ConfigError(f"got {len(addresses)} task address(es) for {len(roles)} task(s). "
                           "Fix: every barrier task must report exactly one address")
-    return group_by_role((r.task_type for r in roles), [addresses[r.rank] for r in roles])
+    return cluster_layout.build_cluster([r.task for r in roles], [addresses[r.rank] for r in roles])
 
 
 def tf_config(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int) -> str:
@@ -85,30 +94,22 @@ def validate(roles: Sequence[TaskRole], addresses: Sequence[str], rank: int,
              environ: Mapping[str, str] | None = None) -> ClusterSpec:
     """Run `stratkit.detect` on exactly the environment the task's process will get.
 
-    Returns the `ClusterSpec` the training process will see; raises `ConfigError`
-    when detection disagrees with the layout (e.g. a preset STRATKIT_STRATEGY
-    that contradicts the cluster), so the task fails before TensorFlow starts.
+    Returns the `ClusterSpec` the training process will see; raises
+    `ConfigError` when detection disagrees with the layout (e.g. a preset
+    STRATKIT_STRATEGY that contradicts the cluster), so the task fails before
+    TensorFlow starts. The runner decides the strategy: a preset on the
+    executors may not change it (`stratkit launch` lets a user's explicit
+    choice win).
     """
-    role = roles[rank]
-    spec = detect_task(cluster_of(roles, addresses), role.task_type, role.task_index, launcher=LAUNCHER,
-                       environ=environ)
-    expected = "parameter_server" if any(r.task_type == "ps" for r in roles) else "multi_worker_mirrored"
-    if (spec.task_type, spec.task_index) != (role.task_type, role.task_index) or spec.source != LAUNCHER \
-            or spec.strategy != expected:
-        raise ConfigError(f"stratkit.detect() read task {spec.task_type}:{spec.task_index} ({spec.strategy}, source "
-                          f"{spec.source}) from the TF_CONFIG built for {role.label} ({expected}). Fix: do not set "
-                          "STRATKIT_STRATEGY or STRATKIT_CLUSTER_ENV on the executors; the Spark runner decides them")
-    if spec.is_chief != (rank == 0):
-        raise ConfigError(f"rank {rank} ({role.label}) would{' not' if rank == 0 else ''} be the chief. "
-                          "This is a stratkit bug: rank 0 must be the only chief")
-    return spec
+    tasks = [r.task for r in roles]
+    return cluster_layout.check_task(cluster_of(roles, addresses), roles[rank].task, launcher=LAUNCHER, fix=_FIX,
+                                     environ=environ, chief=cluster_layout.primary_task(tasks),
+                                     allow_preset=False)
 
 
 def check_layout(roles: Sequence[TaskRole]) -> None:
     """Validate the layout on the driver, before any Spark job, with placeholder addresses."""
-    placeholders = [f"127.0.0.1:{20000 + role.rank}" for role in roles]
-    for role in roles:
-        validate(roles, placeholders, role.rank)
+    cluster_layout.check_plan([r.task for r in roles], launcher=LAUNCHER, fix=_FIX, allow_preset=False)
 
 
 # -- GPUs ---------------------------------------------------------------------------------------

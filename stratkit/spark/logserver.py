@@ -35,7 +35,6 @@ authenticated, and one client cannot stop the server or starve the run:
 
 from __future__ import annotations
 
-import collections
 import errno
 import hmac
 import secrets
@@ -48,10 +47,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
-#: Lines kept per task for error messages (the brief of SparkTrainingError: "its last 100 lines").
-TAIL_LINES = 100
-#: Longer lines are cut: a progress bar without newlines must not become one 100 MB "line".
-MAX_LINE = 8000
+from stratkit import status
+from stratkit.process import pump
+from stratkit.process.tracebacks import ExceptionScanner
+
+#: Lines kept per task for error messages: the one tail rule of `stratkit.process.pump` (also the launcher's).
+TAIL_LINES = pump.TAIL_LINES
+#: Longer lines are cut (the tail's rule too): a progress bar without newlines must not become one 100 MB "line".
+MAX_LINE = pump.TAIL_LINE_CHARS
 #: The same bound in bytes, as read from a socket (a UTF-8 character is at most 4 bytes).
 MAX_LINE_BYTES = 4 * MAX_LINE
 #: Longest HELLO line ("HELLO <32 hex digits> <rank> <label>" is under 100 bytes).
@@ -74,18 +77,22 @@ _RETRY_NOW = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, err
 _RETRY_LATER = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _BUSY = b"BUSY\n"
 
-
-def _truncate(text: str) -> str:
-    return text if len(text) <= MAX_LINE else text[:MAX_LINE] + " ...(truncated)"
+log = status.logger(__name__)
 
 
 @dataclass
 class TaskLog:
-    """What the driver knows about one task of the current attempt."""
+    """What the driver knows about one task of the current attempt.
+
+    `tail` holds its last lines (`stratkit.process.pump.Tail`, the launcher's
+    rule); `scanner` the last exception it printed, however far back, for the
+    root-cause report.
+    """
 
     rank: int
     label: str
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    tail: pump.Tail = field(default_factory=pump.Tail)
+    scanner: ExceptionScanner = field(default_factory=ExceptionScanner)
     exit_code: int | None = None
     lines: int = 0
     first_line_at: float | None = None
@@ -315,7 +322,7 @@ class LogServer:
             for raw in _bounded_lines(conn, rest, MAX_LINE_BYTES):
                 kind, _, text = raw.decode("utf-8", errors="replace").partition(" ")
                 if kind == "L":
-                    self._line(task, _truncate(text))
+                    self._line(task, pump.cut_line(text))
                 elif kind == "X":
                     try:
                         task.exit_code = int(text) if len(text) <= 20 else -1
@@ -334,7 +341,8 @@ class LogServer:
 
     def _line(self, task: TaskLog, text: str) -> None:
         text = text.rstrip("\r")
-        task.tail.append(text)
+        task.tail.add(text)
+        task.scanner.feed(text)
         task.lines += 1
         if task.first_line_at is None:
             task.first_line_at = time.time()
@@ -457,7 +465,7 @@ class LogClient:
                 self.error = f"cannot reach the driver's log server at {host}:{port}: {exc}"
                 break
         if self._sock is None:
-            sys.stderr.write(f"[stratkit] {self.error}; task output stays in this executor's stderr\n")
+            log.warning("%s; task output stays in this executor's stderr", self.error)
             return
         self.connected = True
         threading.Thread(target=self._read_loop, name="stratkit-log-abort", daemon=True).start()
@@ -517,7 +525,7 @@ class LogClient:
 
     def line(self, text: str) -> None:
         """Send one output line (no newline inside); falls back to stderr."""
-        text = _truncate(text.replace("\n", " "))
+        text = pump.cut_line(text.replace("\n", " "))
         if not self._send(f"L {text}\n"):
             sys.stderr.write(f"[{self.label}] {text}\n")
 

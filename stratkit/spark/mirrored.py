@@ -40,14 +40,16 @@ from collections.abc import Callable
 from typing import Any
 
 from stratkit.errors import ConfigError
+from stratkit.process.pump import prefixed
+from stratkit.process.report import TaskFailure, format_failure_report
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.runner import (
+    REPORT_TITLE,
     SparkRunner,
     SparkTrainingError,
     _confs,
     _pickle_payload,
-    _say,
     _spark_context,
 )
 
@@ -167,13 +169,13 @@ class MirroredStrategyRunner:
         try:
             with open(os.path.join(workdir, child_module.PAYLOAD), "wb") as handle:
                 handle.write(_pickle_payload(train_fn, (), kwargs))
-            process = TrainingProcess(workdir, env, lambda text: _say(f"[local:0] {text}"))
+            process = TrainingProcess(workdir, env, lambda text: print(prefixed("local:0", text), flush=True))
             code = process.stream()
             if code != 0:
                 lines = list(process.tail)
-                raise SparkTrainingError(f"local training on the driver failed with exit code {code}; its last "
-                                         f"{len(lines)} lines:\n" + "\n".join(lines), task="local:0", rank=0,
-                                         exit_code=code, lines=lines, attempt=1)
+                report = format_failure_report(TaskFailure("local:0", code, tuple(lines)), title=REPORT_TITLE)
+                raise SparkTrainingError(f"local training on the driver failed with exit code {code}.\n{report}",
+                                         task="local:0", rank=0, exit_code=code, lines=lines, attempt=1)
             path = process.result_path()
             if not os.path.exists(path):
                 return None

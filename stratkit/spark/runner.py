@@ -9,14 +9,16 @@ The driver side of the Spark adapter. One `run()`:
      (`DataFrame.mapInArrow(..., barrier=True)`, or an RDD barrier stage where
      that is unavailable) -- each task runs `stratkit.spark.task.run_task`;
   4. returns the chief's (rank 0's) return value; or raises
-     `SparkTrainingError` with the first failing task's last lines, after
-     stopping every other task; `max_retries` re-runs the whole stage.
+     `SparkTrainingError` -- a summary line, then the root-cause report in the
+     launcher's format (`stratkit.process.report`) -- after stopping every
+     other task; `max_retries` re-runs the whole stage.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import signal
 import sys
 import threading
 import time
@@ -26,7 +28,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stratkit import status
 from stratkit.errors import ConfigError, StratkitError
+from stratkit.process.pump import TAIL_LINES, prefixed
+from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
 from stratkit.spark import data as data_module
 from stratkit.spark import layout, slots
 from stratkit.spark.layout import TaskRole
@@ -40,7 +45,9 @@ from stratkit.spark.task import (
     rdd_partition_function,
 )
 
-log = logging.getLogger(__name__)
+log = status.logger(__name__)
+#: Who reports in the root-cause report (the launcher's says "stratkit launch").
+REPORT_TITLE = "stratkit spark"
 
 #: Conf choosing the barrier stage: "auto" (an RDD barrier stage where there is a SparkContext, measured
 #: ~1.6 s to set up against ~5 s for mapInArrow; mapInArrow on Spark Connect), "arrow" or "rdd".
@@ -60,7 +67,7 @@ class SparkTrainingError(StratkitError, RuntimeError):
         rank: its barrier rank, or None.
         exit_code: its training process's exit code (negative: killed by that
             signal), or None.
-        lines: its last output lines (up to 100).
+        lines: its last output lines (up to `stratkit.process.pump.TAIL_LINES`, 50: the launcher's tail).
         attempt: the attempt that failed (1-based).
         timed_out: True when `timeout` ended the run.
     """
@@ -221,8 +228,8 @@ class SparkRunner:
                 except SparkTrainingError as error:
                     if error.timed_out or attempt > self.max_retries:
                         raise
-                    _say(f"[stratkit] attempt {attempt} of {self.max_retries + 1} failed ({_first_line(error)}); "
-                         "re-running the whole barrier stage")
+                    log.info("attempt %d of %d failed (%s); re-running the whole barrier stage", attempt,
+                             self.max_retries + 1, _first_line(error))
                     continue
                 report.succeeded = True
                 return result
@@ -321,8 +328,8 @@ class SparkRunner:
             timer = threading.Timer(max(0.0, deadline - time.monotonic()), on_timeout)
             timer.daemon = True
             timer.start()
-        _say(f"[stratkit] {plan.run_id}: attempt {plan.attempt}, {plan.num_tasks} barrier task(s) "
-             f"({', '.join(r.label for r in plan.roles)}) via {stage}")
+        log.info("%s: attempt %d, %d barrier task(s) (%s) via %s", plan.run_id, plan.attempt, plan.num_tasks,
+                 ", ".join(r.label for r in plan.roles), stage)
         started = time.time()
         error: BaseException | None = None
         rows: list[tuple[int, int, bytes]] = []
@@ -359,41 +366,63 @@ class SparkRunner:
 
     def _explain(self, error: BaseException, state: _AttemptState, server: LogServer,
                  plan: TaskPlan) -> SparkTrainingError:
+        """The attempt's failure as a SparkTrainingError: a one-line summary, then the root-cause report.
+
+        The report is `stratkit.process.report.format_failure_report`, the
+        launcher's format: the failed task, how it ended, the exception it died
+        of, its last lines (`stratkit.process.pump`'s tail), what became of the others.
+        """
         attempts = f"attempt {plan.attempt} of {self.max_retries + 1}"
+
+        def report(failure: TaskFailure, others: Sequence[str] = ()) -> str:
+            return format_failure_report(failure, others, attempts=self.max_retries + 1, title=REPORT_TITLE)
+
         if state.timed_out:
-            tails = "\n".join(f"--- {t.label} (last {min(len(t.tail), 20)} lines):\n" + "\n".join(list(t.tail)[-20:])
-                              for t in sorted(server.tasks.values(), key=lambda t: t.rank))
+            primary = server.tasks.get(0)
+            failure = TaskFailure(self.roles[0].label, None, primary.tail.lines() if primary else (),
+                                  attempt=plan.attempt - 1, timed_out_after=self.timeout, timeout_setting="timeout=",
+                                  exception=primary.scanner.exception if primary else ())
             return SparkTrainingError(f"training did not finish within timeout={self.timeout}s ({attempts}); every "
-                                      f"task was killed and the Spark job cancelled.\n{tails}",
+                                      f"task was killed and the Spark job cancelled.\n"
+                                      + report(failure, _other_tasks(self.roles, server, 0, "at the timeout")),
                                       attempt=plan.attempt, timed_out=True)
-        failure = state.failure
         if state.server_failure is not None:
             return SparkTrainingError(f"{attempts} was stopped (every task killed, the Spark job cancelled) because "
                                       f"{state.server_failure}", attempt=plan.attempt)
         text = str(error)
-        if failure is not None:
-            label, rank, code, lines = failure.label, failure.rank, failure.exit_code, list(failure.tail)
-        else:  # the log server never heard the exit: the task's own record travels in Spark's error
-            record = parse_failure_record(text)
-            if record is None:
-                label = None
-            else:
-                label, rank, code, lines = record["label"], record["rank"], record["exit_code"], record["lines"]
-        if label is not None:
-            return SparkTrainingError(
-                f"task {label} (rank {rank}) failed with exit code {code} "
-                f"({_describe_code(code)}; {attempts}); the other tasks were stopped. "
-                f"Its last {len(lines)} lines:\n" + "\n".join(lines),
-                task=label, rank=rank, exit_code=code, lines=lines, attempt=plan.attempt)
+        failed = state.failure
+        if failed is not None:
+            label, rank, code = failed.label, failed.rank, failed.exit_code
+            lines, exception = list(failed.tail), failed.scanner.exception
+        elif (record := parse_failure_record(text)) is not None:
+            # the log server never heard the exit: the task's own record travels in Spark's error
+            label, rank, code = record["label"], record["rank"], record["exit_code"]
+            lines, exception = list(record["lines"])[-TAIL_LINES:], ()
+        else:
+            return self._stage_failed(text, plan)
+        failure = TaskFailure(label, code, tuple(lines), attempt=plan.attempt - 1, exception=exception,
+                              ended=_ended(code))
+        how = "failed before its training process started" if code == SETUP_FAILED else \
+            f"failed with exit code {code}"
+        return SparkTrainingError(
+            f"task {label} (rank {rank}) {how} ({attempts}); the other tasks were stopped.\n"
+            + report(failure, _other_tasks(self.roles, server, rank, f"after {label} failed")),
+            task=label, rank=rank, exit_code=code, lines=lines, attempt=plan.attempt)
+
+    def _stage_failed(self, text: str, plan: TaskPlan) -> SparkTrainingError:
+        """Spark failed the stage before any training process reported: what Spark said, in the report's format."""
         hint = ""
         if "ModuleNotFoundError" in text or "No module named" in text:
             hint = (f"\nFix: the executors' Python cannot import a module (see above). Point them at the "
                     f"interpreter that has stratkit installed: set PYSPARK_PYTHON={sys.executable} before the "
                     "SparkSession starts (spark.pyspark.python with spark-submit), or install the module there")
-        lines = _tail_lines(text, 100)
+        lines = _tail_lines(text, TAIL_LINES)
+        failure = TaskFailure("the Spark stage", None, tuple(lines), attempt=plan.attempt - 1,
+                              ended="Spark failed the barrier stage before a training process reported its exit")
+        report = format_failure_report(failure, attempts=self.max_retries + 1, title=REPORT_TITLE)
         return SparkTrainingError(f"the Spark barrier stage failed before a training process reported its exit "
-                                  f"({attempts}). Spark said (last {len(lines)} lines):\n" + "\n".join(lines) + hint,
-                                  lines=lines, attempt=plan.attempt)
+                                  f"(attempt {plan.attempt} of {self.max_retries + 1}); what Spark said:\n"
+                                  + report + hint, lines=lines, attempt=plan.attempt)
 
 
 @dataclass
@@ -407,28 +436,37 @@ class _AttemptState:
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def _say(message: str) -> None:
-    print(message, file=sys.stdout, flush=True)
-
-
 def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _describe_code(code: int | None) -> str:
+def _ended(code: int | None) -> str | None:
+    """How a task ended in words, where the return code's wording (`describe_returncode`) does not apply."""
     if code is None:
-        return "unknown"
+        return "ended without reporting an exit code"
     if code == SETUP_FAILED:
         return "the task failed before its training process started"
-    if code < 0:
-        import signal
+    return None
 
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"killed by {name}" + (", e.g. out of memory" if name == "SIGKILL" else "")
-    return "train_fn raised; traceback below" if code == 1 else "non-zero exit"
+
+def _other_tasks(roles: Sequence[TaskRole], server: LogServer, failed_rank: int | None, when: str) -> list[str]:
+    """One line per task but the failed one for the report: how it ended, as the driver heard it."""
+    lines = []
+    for role in roles:
+        if role.rank == failed_rank:
+            continue
+        task = server.tasks.get(role.rank)
+        head = f"{role.label} (rank {role.rank}): "
+        if task is None:
+            lines.append(head + "never connected to the driver's log server")
+        elif task.exit_code is None:
+            last = list(task.tail)[-1:] or ["(no output)"]
+            lines.append(head + f"still running {when}: stopped by the runner; its last line: {last[0]}")
+        elif task.exit_code == -signal.SIGKILL:  # how a task kills its process tree on the driver's ABORT
+            lines.append(head + f"stopped by the runner {when} (SIGKILL)")
+        else:
+            lines.append(head + (_ended(task.exit_code) or describe_returncode(task.exit_code)))
+    return lines
 
 
 def _tail_lines(text: str, count: int) -> list[str]:
@@ -643,10 +681,10 @@ def _print_undelivered(label: str, lines: Sequence[str], server: LogServer, why:
     missing = [text for text in lines if text not in seen]
     if not missing:
         return
-    _say(f"[stratkit] {label}'s output did not reach the driver live ({why or 'its log server was unreachable'}); "
-         f"its last {len(missing)} lines:")
-    for text in missing:
-        _say(f"[{label}] {text}")
+    log.info("%s's output did not reach the driver live (%s); its last %d lines:", label,
+             why or "its log server was unreachable", len(missing))
+    for text in missing:  # the task's own lines, prefixed as the log server prints them live
+        print(prefixed(label, text), file=sys.stdout, flush=True)
 
 
 def _assemble_result(rows: list[tuple[int, int, bytes]]) -> Any:

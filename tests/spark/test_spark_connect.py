@@ -160,7 +160,7 @@ def test_a_failing_task_over_connect_raises_with_its_last_lines(spark):
     with pytest.raises(SparkTrainingError) as info:
         runner.run(fail_on_rank_1)
     assert (info.value.task, info.value.exit_code) == ("worker:1", 1)
-    assert info.value.lines[-1] == "ValueError: injected failure on worker 1" and len(info.value.lines) == 100
+    assert info.value.lines[-1] == "ValueError: injected failure on worker 1" and len(info.value.lines) == 50
     assert time.monotonic() - started < 30
     deadline = time.monotonic() + 10
     while processes_of_run(runner.last_run.run_id) and time.monotonic() < deadline:

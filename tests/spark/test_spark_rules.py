@@ -329,3 +329,64 @@ def test_importing_stratkit_spark_loads_neither_pyspark_nor_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- the failure message: the launcher's root-cause report ------------------------------------------
+
+def test_a_task_failure_reads_as_the_launchers_root_cause_report_with_the_exception_out_of_the_tail():
+    from stratkit.process.pump import TAIL_LINES
+    from stratkit.process.report import TaskFailure, format_failure_report
+    from stratkit.spark.runner import SparkRunner, _AttemptState
+    from stratkit.spark.task import TaskPlan
+
+    runner = SparkRunner(2, max_retries=1)
+    state = _AttemptState()
+    def on_exit(task):  # as the runner: the first failure is the root cause
+        if task.exit_code and state.failure is None:
+            state.failure = task
+
+    server = LogServer("127.0.0.1", stream=_Sink(), on_exit=on_exit)
+    clients = [LogClient("127.0.0.1", server.port, server.token, rank, f"worker:{rank}") for rank in (0, 1)]
+    try:
+        for text in ["Traceback (most recent call last):", '  File "train.py", line 3', "ValueError: bad batch"]:
+            clients[1].line(text)
+        for i in range(TAIL_LINES + 10):  # e.g. TensorFlow's shutdown noise: the exception leaves the tail
+            clients[1].line(f"noise {i}")
+        clients[1].exit_code(1)
+        assert _wait(lambda: state.failure is not None)
+        clients[0].exit_code(-9)  # what a task reports after killing its process on the driver's ABORT
+        assert _wait(lambda: server.tasks[0].exit_code == -9)
+    finally:
+        for client in clients:
+            client.close()
+        server.shutdown()
+    plan = TaskPlan(run_id="r", attempt=1, roles=tuple(runner.roles), payload=b"", log_host="127.0.0.1", log_port=0,
+                    log_token="", use_gpu=False, gpu_counts=(None, None))
+    error = runner._explain(RuntimeError("barrier stage failed"), state, server, plan)
+    summary, *report = str(error).splitlines()
+    assert summary == "task worker:1 (rank 1) failed with exit code 1 (attempt 1 of 2); the other tasks were stopped."
+    assert (error.task, error.rank, error.exit_code, error.attempt) == ("worker:1", 1, 1, 1)
+    assert len(error.lines) == TAIL_LINES and error.lines[-1] == f"noise {TAIL_LINES + 9}"
+    expected = format_failure_report(
+        TaskFailure("worker:1", 1, tuple(error.lines), exception=("ValueError: bad batch", "noise 0", "noise 1",
+                                                                  "noise 2", "noise 3")),
+        ["worker:0 (rank 0): stopped by the runner after worker:1 failed (SIGKILL)"], attempts=2,
+        title="stratkit spark")
+    assert "\n".join(report) == expected
+
+
+def test_a_stage_that_fails_before_any_task_reports_shows_what_spark_said_in_the_same_report():
+    from stratkit.spark.runner import SparkRunner, _AttemptState
+    from stratkit.spark.task import TaskPlan
+
+    runner = SparkRunner(2)
+    server = LogServer("127.0.0.1", stream=_Sink())
+    server.shutdown()
+    plan = TaskPlan(run_id="r", attempt=1, roles=tuple(runner.roles), payload=b"", log_host="127.0.0.1", log_port=0,
+                    log_token="", use_gpu=False, gpu_counts=(None, None))
+    spark_said = "Job aborted\n\tat org.apache.spark.Foo(Foo.scala:1)\nModuleNotFoundError: No module named 'stratkit'"
+    message = str(runner._explain(RuntimeError(spark_said), _AttemptState(), server, plan))
+    assert message.splitlines()[2] == "stratkit spark: root cause (first observed failure)"
+    assert "failure: Spark failed the barrier stage before a training process reported its exit" in message
+    assert "  | ModuleNotFoundError: No module named 'stratkit'" in message and "Foo.scala" not in message
+    assert "Fix: the executors' Python cannot import a module" in message

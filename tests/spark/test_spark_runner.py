@@ -19,6 +19,7 @@ import pytest
 from spark_helpers import processes_of_run, start_session
 
 from stratkit.errors import ConfigError
+from stratkit.process.pump import TAIL_LINES
 from stratkit.spark import DataFrameInput, SparkRunner, SparkTrainingError
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
@@ -244,9 +245,14 @@ def test_a_failing_task_raises_with_its_last_lines_within_seconds_and_stops_the_
     seconds = time.monotonic() - started
     error = info.value
     assert (error.task, error.rank, error.exit_code) == ("worker:1", 1, 1)
-    assert len(error.lines) == 100 and error.lines[-1] == "ValueError: injected failure on worker 1"
-    assert "task worker:1 (rank 1) failed with exit code 1" in str(error)
-    assert "worker 1 line 149" in str(error) and "worker 1 line 10\n" not in str(error)  # only the last 100
+    # the launcher's tail (stratkit.process.pump: the last 50 lines) and its root-cause report format
+    assert len(error.lines) == TAIL_LINES == 50 and error.lines[-1] == "ValueError: injected failure on worker 1"
+    assert str(error).startswith("task worker:1 (rank 1) failed with exit code 1")
+    report = str(error).splitlines()
+    assert report[2] == "stratkit spark: root cause (first observed failure)"
+    assert "failure: exited with code 1" in report and "exception: ValueError: injected failure on worker 1" in report
+    assert "  | worker 1 line 149" in report and "  | worker 1 line 10" not in report  # only the last 50
+    assert report[report.index("other tasks:") + 1].startswith("  worker:0 (rank 0): ")
     assert seconds < 30, f"took {seconds:.1f}s to report the failure"
     assert runner.last_run.exit_codes["worker:0"] == -9  # killed, not left hanging
     deadline = time.monotonic() + 10
