@@ -17,3 +17,7 @@ class ConfigError(StratkitError, ValueError):
 
 class KerasCompatError(StratkitError, RuntimeError):
     """The installed Keras version is not one stratkit's compatibility layer was tested on."""
+
+
+class PayloadError(StratkitError, RuntimeError):
+    """A training process cannot load the function (and its arguments) it was sent to run."""
