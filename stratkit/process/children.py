@@ -22,6 +22,7 @@ Imports no TensorFlow.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -129,6 +130,7 @@ def fork_child(run: Callable[[], int], *, output_fd: int, close_fds: Sequence[in
             os.dup2(output_fd, 2)
             for fd in (output_fd, *close_fds):
                 os.close(fd)
+            _write_to_fds()
             code = run()
         except BaseException:  # noqa: BLE001 - the child must leave here, whatever happened
             import traceback
@@ -141,6 +143,18 @@ def fork_child(run: Callable[[], int], *, output_fd: int, close_fds: Sequence[in
     except OSError:  # the child got there first, or already ended
         pass
     return pid
+
+
+def _write_to_fds() -> None:
+    """Point sys.stdout and sys.stderr at fds 1 and 2 where they write elsewhere (e.g. a test's capture)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            if getattr(sys, name).fileno() == fd:
+                continue
+        except (AttributeError, OSError, ValueError):
+            pass
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                            errors="backslashreplace", line_buffering=True, write_through=True))
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
