@@ -108,8 +108,12 @@ def _preload() -> None:
     Imports only: no TensorFlow context, server or device is created, so the
     run's TF_CONFIG and CUDA_VISIBLE_DEVICES (set in the forked child) still take effect.
     """
-    for name in ("tensorflow", "keras", "cloudpickle", "pyspark.taskcontext", "stratkit", "stratkit.training",
-                 "stratkit.strategy.factory", "stratkit.spark.context", "stratkit.spark.data", "stratkit.timeline"):
+    # stratkit's training modules too: the trainer imports them only when a run uses it (measured: the rest of a
+    # run's imports is one tf.data module).
+    for name in ("tensorflow", "keras", "cloudpickle", "pyspark.taskcontext", "stratkit", "stratkit.timeline",
+                 "stratkit.strategy.factory", "stratkit.strategy.keras_compat", "stratkit.strategy.compression",
+                 "stratkit.training.trainer", "stratkit.training.data", "stratkit.training.callbacks",
+                 "stratkit.spark.context", "stratkit.spark.data"):
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - the run imports what it needs and reports its own errors

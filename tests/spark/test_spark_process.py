@@ -51,6 +51,14 @@ def describe(tag):
             "numpy": float(np.random.rand()), "random": random.random()}
 
 
+def configure_tensorflow():
+    import tensorflow as tf
+
+    # Raises RuntimeError once TensorFlow's context exists: it must not exist in the standby we are forked from.
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    return tf.config.threading.get_inter_op_parallelism_threads()
+
+
 def sleep_forever():
     import os
     import time
@@ -84,20 +92,22 @@ def test_one_standby_forks_a_fresh_process_per_run_with_that_runs_environment(st
     assert first["pid"] != second["pid"] and standby.pid not in (first["pid"], second["pid"])
 
 
-def test_forks_of_a_standby_with_numpy_imported_draw_different_random_numbers(tmp_path):
+def test_forks_of_a_preloaded_standby_configure_tensorflow_and_draw_different_random_numbers(tmp_path):
     standby = Standby.spawn({**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, preload=True)  # numpy seeded here, once
     try:
-        draws = []
-        for tag in ("a", "b"):
+        results, lines = [], []
+        for tag, fn in (("a", describe), ("b", describe), ("tf", configure_tensorflow)):
             env = {**os.environ, child_module.RESULT_VAR: "1"}
-            process = standby.start(_workdir(tmp_path, tag, describe, tag), env, lambda text: None)
-            assert process.stream() == 0
+            process = standby.start(_workdir(tmp_path, tag, fn, *((tag,) if fn is describe else ())), env,
+                                    lines.append)
+            assert process.stream() == 0, lines
             with open(process.result_path(), "rb") as handle:
-                draws.append(cloudpickle.load(handle))
+                results.append(cloudpickle.load(handle))
             process.close()
     finally:
         standby.close()
-    first, second = draws
+    first, second, threads = results
+    assert threads == 1  # TensorFlow imported in the standby, its context created only in the fork
     # As two new interpreters would: numpy's global generator is re-seeded in each fork (Python's re-seeds itself).
     assert first["numpy"] != second["numpy"] and first["random"] != second["random"]
 
