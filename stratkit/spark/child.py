@@ -38,6 +38,7 @@ wanted, the result is cloudpickled to `result.pkl`.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -144,6 +145,11 @@ def main(argv: list[str]) -> int:
     from stratkit.process.children import fork_child
 
     _set_name(STANDBY_NAME)
+    # No garbage collection here, and everything imported frozen: the forks' collections then never walk
+    # (and copy, page by page) the standby's million import-time objects. Measured in forked 2-worker runs:
+    # a full collection took 1.4 s of a run's time without the freeze; with it, every run's collections
+    # together took 0.03-0.14 s (the pattern gc.freeze's documentation describes for fork servers).
+    gc.disable()
     preloaded = None
     if os.environ.get(PRELOAD_VAR) == "1":
         _preload()
@@ -157,6 +163,7 @@ def main(argv: list[str]) -> int:
         if not message or not fds:  # the task closed the channel (the executor is going away, or no more runs)
             os._exit(0)  # nothing to tear down: no TensorFlow context was ever created here
         workdir = json.loads(message)["workdir"]
+        gc.freeze()
         forked = time.time()
         pid = fork_child(lambda: _run(workdir, preloaded, forked), output_fd=fds[0])
         os.close(fds[0])
@@ -170,6 +177,7 @@ def main(argv: list[str]) -> int:
 
 def _run(workdir: str, preloaded: float | None, forked: float) -> int:
     """The forked training process: take the run's environment, call train_fn, write its result."""
+    gc.enable()  # for what the run allocates; the standby's objects stay frozen
     with open(os.path.join(workdir, RUN), encoding="utf-8") as handle:
         env = json.load(handle)["env"]
     for key in [k for k in os.environ if k not in env]:

@@ -56,7 +56,9 @@ def configure_tensorflow():
 
     # Raises RuntimeError once TensorFlow's context exists: it must not exist in the standby we are forked from.
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    return tf.config.threading.get_inter_op_parallelism_threads()
+    import gc
+
+    return tf.config.threading.get_inter_op_parallelism_threads(), gc.isenabled(), gc.get_freeze_count()
 
 
 def sleep_forever():
@@ -106,8 +108,10 @@ def test_forks_of_a_preloaded_standby_configure_tensorflow_and_draw_different_ra
             process.close()
     finally:
         standby.close()
-    first, second, threads = results
+    first, second, (threads, collecting, frozen) = results
     assert threads == 1  # TensorFlow imported in the standby, its context created only in the fork
+    # The fork collects its own garbage; the standby's import-time objects are frozen, never walked.
+    assert collecting and frozen > 100_000
     # As two new interpreters would: numpy's global generator is re-seeded in each fork (Python's re-seeds itself).
     assert first["numpy"] != second["numpy"] and first["random"] != second["random"]
 
