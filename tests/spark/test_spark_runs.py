@@ -218,7 +218,7 @@ def test_the_next_run_is_forked_from_the_warm_standby_and_the_conf_turns_it_off(
         assert events["task start"] < events["process forked"] < events["function starts"]
     # Every run has its own fresh process, and the standbys stay (they are not training processes).
     assert second_pid != first_pid and not set(runner.last_run.pids.values()) & standbys
-    # (Spark ends a Python worker idle for a minute, and its standby with it: only those that served stay.)
+    # (Spark ends idle Python workers -- PythonWorkerFactory, after a minute -- and their standbys with them.)
     assert len(standbys & _our_standbys()) >= len(taken), "a standby ended with the run it forked"
     assert processes_of_run(runner.last_run.run_id) == []
     spark.conf.set("spark.stratkit.standby", "false")
