@@ -34,6 +34,11 @@ gives the mean and the spread (sample standard deviation) over all cold and
 all warm runs, and the load average before and after each round is recorded.
 SparkRunner's per-phase timeline (`RunReport.timeline`) of every run is kept
 in the JSON; the row's "timeline" holds one cold and one warm run's phases.
+
+`--compare NAME=SRC` also measures SparkRunner from another source tree (SRC:
+a checkout's root, put first on the driver's and executors' PYTHONPATH) in
+the same alternating rounds, so a change is compared with what it replaces
+under the same load.
 """
 
 from __future__ import annotations
@@ -90,15 +95,23 @@ def availability() -> dict[str, str | None]:
     return missing
 
 
-def run_driver(runner: str, master: str, job: dict, timeout: float, work: Path) -> dict:
+def run_driver(runner: str, master: str, job: dict, timeout: float, work: Path, source: str | None = None) -> dict:
+    """One driver process and SparkSession running `runner` ("stratkit" or "peer") `repeats` times.
+
+    `source`: a source tree whose stratkit the driver and its executors import instead of this one.
+    """
     result = work / f"{runner}.json"
     log = work / f"{runner}.log"
     legacy = runner == "peer"
     config = {**job, "master": master, "workers": WORKERS, "timeout": 300.0, "executor_env": _training_env(legacy)}
-    env = clean_env(**_training_env(legacy), PYSPARK_PYTHON=python())
+    extra = {}
+    if source is not None:  # Spark's Python workers keep the PYTHONPATH they inherit, after pyspark's own
+        extra["PYTHONPATH"] = source
+    env = clean_env(**_training_env(legacy), PYSPARK_PYTHON=python(), **extra)
     started = time.monotonic()
     with open(log, "w") as handle:
-        proc = subprocess.Popen([python(), str(TASKS / "spark_driver.py"), runner, json.dumps(config), str(result)],
+        proc = subprocess.Popen([python(), str(TASKS / "spark_driver.py"), "peer" if legacy else "stratkit",
+                                 json.dumps(config), str(result)],
                                 env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -195,14 +208,13 @@ def summarize(name: str, drivers: list[dict]) -> dict:
 
 
 def _versus(rows: list[dict]) -> None:
-    """SparkRunner's mean walls over the peer's (< 1: SparkRunner is faster)."""
-    ours = next((r for r in rows if r["way"] == "stratkit SparkRunner"), None)
+    """Each SparkRunner row's mean walls over the peer's (< 1: SparkRunner is faster)."""
     peer = next((r for r in rows if r["way"] == "spark-tensorflow-distributor"), None)
-    for key in ("cold", "warm"):
-        value = None
-        if ours and peer and ours.get(f"{key} wall s") and peer.get(f"{key} wall s"):
-            value = ours[f"{key} wall s"] / peer[f"{key} wall s"]
-        if ours is not None:
+    for ours in (r for r in rows if r["way"].startswith("stratkit SparkRunner")):
+        for key in ("cold", "warm"):
+            value = None
+            if peer and ours.get(f"{key} wall s") and peer.get(f"{key} wall s"):
+                value = ours[f"{key} wall s"] / peer[f"{key} wall s"]
             ours[f"{key} vs peer"] = value
 
 
@@ -210,8 +222,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
     parser.add_argument("--master", default=None, help=f"Spark master (default {LOCAL_CLUSTER}, else {FALLBACK})")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=SRC",
+                        help="also measure SparkRunner from the source tree SRC, as 'stratkit SparkRunner (NAME)'")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default: 3, 1 with --quick)")
+    parser.add_argument("--no-launch", action="store_true", help="skip the `stratkit launch` baseline")
     args = parser.parse_args(argv)
-    job = QUICK if args.quick else FULL
+    job = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        job["rounds"] = args.rounds
+    sources = {}
+    for item in args.compare:
+        name, _, source = item.partition("=")
+        if not name or not Path(source, "stratkit").is_dir():
+            parser.error(f"--compare {item!r}: expected NAME=SRC, SRC a source tree with stratkit/ in it")
+        sources[f"stratkit@{name}"] = str(Path(source).resolve())
     driver_timeout = 240.0 if args.quick else 600.0
     started = time.monotonic()
     available = availability()
@@ -219,22 +243,26 @@ def main(argv: list[str] | None = None) -> dict:
     # --quick only checks the machinery: local[2] starts in a fraction of local-cluster's time.
     master_used = args.master or (FALLBACK if args.quick else LOCAL_CLUSTER)
     fallback_reason = None
-    ways = {"stratkit": "stratkit SparkRunner", "peer": "spark-tensorflow-distributor"}
+    ways = {"stratkit": "stratkit SparkRunner", "peer": "spark-tensorflow-distributor",
+            **{key: f"stratkit SparkRunner ({key.partition('@')[2]})" for key in sources}}
+    for key in sources:
+        available[ways[key]] = available["stratkit SparkRunner"]
     loads = []
     with tempfile.TemporaryDirectory(prefix="stratkit-bench-spark-") as tmp:
         work = Path(tmp)
-        raw["launch"] = run_launch(job, driver_timeout, work)
-        rows.append(summarize("stratkit launch (no Spark)", raw["launch"]))
+        if not args.no_launch:
+            raw["launch"] = run_launch(job, driver_timeout, work)
+            rows.append(summarize("stratkit launch (no Spark)", raw["launch"]))
         drivers: dict[str, list[dict]] = {runner: [] for runner in ways if not available[ways[runner]]}
         for round_index in range(job["rounds"]):
             order = list(drivers) if round_index % 2 == 0 else list(drivers)[::-1]
             for runner in order:
                 load_before = os.getloadavg()
-                data = run_driver(runner, master_used, job, driver_timeout, work)
+                data = run_driver(runner, master_used, job, driver_timeout, work, sources.get(runner))
                 if "session_seconds" not in data and args.master is None and master_used == LOCAL_CLUSTER:
                     fallback_reason = f"{LOCAL_CLUSTER} did not start: {data.get('error', '')[:500]}"
                     master_used = FALLBACK
-                    data = run_driver(runner, master_used, job, driver_timeout, work)
+                    data = run_driver(runner, master_used, job, driver_timeout, work, sources.get(runner))
                 data["round"] = round_index
                 drivers[runner].append(data)
                 loads.append({"round": round_index, "runner": runner, "load_before": load_before,
@@ -259,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
                "master": master_used, "master_fallback_reason": fallback_reason, "rows": rows, "raw": raw,
                "wall_seconds": time.monotonic() - started}
     print(f"wrote {write_result('spark' + ('-quick' if args.quick else ''), payload)}")
-    if rows[0]["status"] != "ok":
+    if not args.no_launch and rows[0]["status"] != "ok":
         raise SystemExit("the stratkit launch baseline failed")
     return payload
 

@@ -21,3 +21,7 @@ class KerasCompatError(StratkitError, RuntimeError):
 
 class ChiefGoneError(StratkitError, RuntimeError):
     """A task waiting on the chief (the parameter-server evaluator) lost it before training ended."""
+
+
+class PayloadError(StratkitError, RuntimeError):
+    """A training process cannot load the function (and its arguments) it was sent to run."""

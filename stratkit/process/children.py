@@ -12,11 +12,17 @@ Three guarantees, each for a different way the parent can end:
 - the child's own children, which PR_SET_PDEATHSIG does not reach, are left
   to the reaper (`stratkit.process.reaper`).
 
+`start_child` executes a program; `fork_child` forks the calling process
+instead, for a single-threaded parent that has already imported what its
+children need (the Spark executor's standby, `stratkit.spark.process`): the
+child starts with those imports done, and with the same three guarantees.
+
 Imports no TensorFlow.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -93,6 +99,62 @@ def start_child(argv: Sequence[str], env: Mapping[str, str], *, stdout: int | IO
         # preloaded C calls only, no locks: safe in a threaded parent despite the general warning
         preexec_fn=_before_exec(os.getpid(), enter),  # noqa: PLW1509
     )
+
+
+def fork_child(run: Callable[[], int], *, output_fd: int, close_fds: Sequence[int] = ()) -> int:
+    """Fork; the child calls `run()` in a new process group, dying with us, and exits with its return value.
+
+    The child's stdout and stderr are `output_fd` (the write end of a pipe the
+    caller's reader follows); `close_fds` are closed in the child (the
+    parent's own channels). The child ends with `os._exit`: it never returns
+    into the caller's code, and an exception escaping `run` is printed and
+    exits 1. Returns the child's PID, which is also its process group's.
+
+    Fork only from a process with no thread that may hold a lock the child
+    needs: the child has only the forking thread. Python's own locks are fine
+    when the parent runs nothing else meanwhile.
+    """
+    parent = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # buffered output must not be written twice
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child, which leaves through os._exit
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            die_with_parent(parent)
+            os.dup2(output_fd, 1)
+            os.dup2(output_fd, 2)
+            for fd in (output_fd, *close_fds):
+                os.close(fd)
+            _write_to_fds()
+            code = run()
+        except BaseException:  # noqa: BLE001 - the child must leave here, whatever happened
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+    try:  # also from this side: the group exists before the caller can signal it, whoever runs first
+        os.setpgid(pid, pid)
+    except OSError:  # the child got there first, or already ended
+        pass
+    return pid
+
+
+def _write_to_fds() -> None:
+    """Point sys.stdout and sys.stderr at fds 1 and 2 where they write elsewhere (e.g. a test's capture)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            if getattr(sys, name).fileno() == fd:
+                continue
+        except (AttributeError, OSError, ValueError):
+            pass
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                            errors="backslashreplace", line_buffering=True, write_through=True))
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:

@@ -1,9 +1,9 @@
 """What each barrier task does on its executor (runs inside Spark's Python worker).
 
 Steps, in order:
-  1. get the training process: the Python worker's warm standby (TensorFlow
-     and Keras already imported), else spawn one now -- it imports them while
-     the steps below run;
+  1. get the standby that forks the training process: the Python worker's
+     warm standby (TensorFlow and Keras already imported), else spawn one
+     now -- it imports them while the steps below run;
   2. connect to the driver's log server (token-authenticated);
   3. hold a free port on this task's host (the address Spark's task infos
      give) until TensorFlow binds it;
@@ -12,24 +12,18 @@ Steps, in order:
   5. build this task's TF_CONFIG and validate it with `stratkit.detect`;
      export this task's Spark GPUs as CUDA_VISIBLE_DEVICES (or hide GPUs);
      serve the task's BarrierTaskContext to the process (`stratkit.spark.context`);
-  6. hand the process its run (environment, payload), stream every line to
-     the driver; kill the process tree on ABORT from the driver;
+  6. have the standby fork the run's training process (environment,
+     payload), stream every line to the driver; kill the process group on
+     ABORT from the driver;
   7. report the exit code; on the chief, send the pickled return value back
      as output rows, in chunks; every task also returns one info row (its
      timeline, and its last lines when the driver could not see them live);
-  8. the next warm standby is spawned once train_fn starts (its TF import
-     then competes only with training, not with this process's import), or
-     at the end (unless spark.stratkit.standby=false).
+  8. keep the standby for the next run (unless spark.stratkit.standby=false):
+     it forks that run's process too, so no TensorFlow import runs beside
+     training and none is left to wait for.
 
-Why the port is held with SO_REUSEADDR, bound but not listening: measured
-with TensorFlow 2.21, its gRPC server binds WITHOUT SO_REUSEPORT (TensorFlow
-disables it), so a socket holding the port with SO_REUSEPORT makes
-`tf.distribute.Server` fail ("Could not start gRPC server"). A SO_REUSEADDR
-socket that never listens lets TensorFlow's SO_REUSEADDR listener bind, while
-plain binds, other processes' `bind(port 0)` and outgoing connections' ephemeral
-ports all stay off the port -- closing the probe socket before TensorFlow
-starts (spark-tensorflow-distributor) leaves a window where any of them can
-take it.
+The task's port is held until TensorFlow binds it (`stratkit.process.ports`
+says why and how).
 """
 
 from __future__ import annotations
@@ -48,6 +42,7 @@ from typing import Any
 
 from stratkit import timeline
 from stratkit.cluster.detect import LAUNCHER_VAR
+from stratkit.process import ports
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
@@ -95,16 +90,12 @@ class TaskFailed(RuntimeError):
 
 
 def hold_port(host: str) -> tuple[socket.socket, int]:
-    """Bind (never listen) a SO_REUSEADDR socket on a free port of `host`; see the module docstring."""
-    holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """A free port of `host` held for this task's TensorFlow server (`stratkit.process.ports.hold_port`), and its
+    number; a host Spark names that is not an address of this machine: any interface's."""
     try:
-        holder.bind((host, 0))
-    except OSError:  # a host name that does not resolve to a local interface: any interface will do
-        holder.close()
-        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("", 0))
+        holder = ports.hold_port(host)
+    except OSError:
+        holder = ports.hold_port("0.0.0.0")
     return holder, holder.getsockname()[1]
 
 
@@ -141,13 +132,15 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         events.append({"event": event, "t": time.time()})
 
     # First, so its TensorFlow import overlaps with everything below.
-    process, how = _training_process(plan)
+    standby, how = _standby_for(plan)
     note(how)
-    events.append({"event": "training process spawned", "t": process.spawned_at})
+    events.append({"event": "standby spawned", "t": standby.spawned_at})
+    process = None
 
     def abort(reason: str) -> None:
         aborted.append(reason)
-        process.kill(reason)
+        if process is not None:
+            process.kill(reason)
 
     client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort,
                        timeout=LOG_CONNECT_SECONDS)
@@ -187,14 +180,11 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
              f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}, attempt {plan.attempt})")
         if aborted:
             raise TaskFailed(f"stratkit task {role.label} was stopped before training: {aborted[0]}")
-        process.start(workdir, env, line)
+        process = standby.start(workdir, env, line)
         note("run handed to the process")
         if aborted:  # ABORT arrived while the process was being started
             process.kill(aborted[0])
-        # The next run's standby starts importing once this process's own import is over: a run started
-        # right after this one then finds it ready (measured: refilled only at the end, back-to-back runs
-        # waited 6-8 s for its import on the loaded 2-core test machine).
-        code = process.stream(on_started=(lambda: _refill_standby(plan)) if plan.standby else None)
+        code = process.stream()
         note("process exited")
         client.exit_code(code)
         if process.killed_because and code != 0:
@@ -224,7 +214,9 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         client.exit_code(SETUP_FAILED)
         raise
     finally:
-        process.close()
+        if process is not None:
+            process.close()
+        _keep_or_close(plan, standby, process)
         if context_server is not None:
             context_server.close()
         if holder is not None:
@@ -235,8 +227,6 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             os.rmdir(_run_env(plan, role)[RUN_DIR_VAR])
         except OSError:
             pass
-        if plan.standby:
-            _refill_standby(plan)
 
 
 def _gather_addresses(plan: TaskPlan, context: Any, rank: int, address: str) -> list[str]:
@@ -274,10 +264,11 @@ def parse_failure_record(text: str) -> dict[str, Any] | None:
     return None
 
 
-# -- the training process, and the executor's warm standby ---------------------------------------
-# One standby per Spark Python worker (which runs one task at a time): a training process spawned with
-# TensorFlow and Keras imported, waiting for its run. Used once, then replaced. It is this worker's child
-# and dies with it (PR_SET_PDEATHSIG in stratkit.spark.child), so it never outlives the executor.
+# -- the executor's warm standby -------------------------------------------------------------------
+# One standby per Spark Python worker (which runs one task at a time): an interpreter with TensorFlow and
+# Keras imported that forks each run's training process (`stratkit.spark.process`). It is this worker's
+# child and dies with it (`stratkit.process.children.start_child`), so it never outlives the executor; a
+# process it forked dies with it.
 _standby: dict[str, Any] = {}
 
 
@@ -288,31 +279,27 @@ def _standby_key(plan: TaskPlan) -> tuple:
     return sys.executable, python_path(), env, plan.preload
 
 
-def _training_process(plan: TaskPlan) -> tuple[Any, str]:
-    """This task's training process: the worker's standby when it fits, else a freshly spawned one."""
-    from stratkit.spark.process import TrainingProcess
+def _standby_for(plan: TaskPlan) -> tuple[Any, str]:
+    """The standby to fork this task's training process from: the worker's when it fits, else a new one."""
+    from stratkit.spark.process import Standby
 
-    process = _standby.pop("process", None)
+    standby = _standby.pop("standby", None)
     key = _standby.pop("key", None)
-    if process is not None:
-        if plan.standby and key == _standby_key(plan) and process.alive():
-            return process, "standby process taken"
-        process.close()
+    if standby is not None:
+        if plan.standby and key == _standby_key(plan) and standby.alive():
+            return standby, "standby process taken"
+        standby.close()
     base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    return TrainingProcess.spawn(base, preload=plan.preload), "process spawned"
+    return Standby.spawn(base, preload=plan.preload), "process spawned"
 
 
-def _refill_standby(plan: TaskPlan) -> None:
-    from stratkit.spark.process import TrainingProcess
-
-    if "process" in _standby:
-        return
-    try:
-        base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        _standby["process"] = TrainingProcess.spawn(base, preload=plan.preload)
+def _keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
+    """Keep the standby for the next run when it is wanted and idle again (it reported this run's exit)."""
+    if plan.standby and standby.alive() and (process is None or process.finished) and "standby" not in _standby:
+        _standby["standby"] = standby
         _standby["key"] = _standby_key(plan)
-    except OSError:  # cannot start a process now: the next run spawns its own
-        _standby.clear()
+    else:
+        standby.close()
 
 
 def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:

@@ -6,6 +6,7 @@ The tests run in file order on one session; the last one stops it.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -26,6 +27,26 @@ def spark():
 
     spark_cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the peer pickles with pyspark's copy
     yield from start_session("local-cluster[2,2,1024]")
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _our_standbys() -> set[int]:
+    """This session's standbys (other sessions on the machine have their own): our descendants."""
+    ours = set()
+    for pid in standby_processes():
+        ancestor = _parent(pid)
+        while ancestor > 1 and ancestor != os.getpid():
+            ancestor = _parent(ancestor)
+        if ancestor == os.getpid():
+            ours.add(pid)
+    return ours
 
 
 def _gone(pids, seconds=10.0):
@@ -176,32 +197,38 @@ def test_all_gather_in_train_fn_returns_what_spark_tensorflow_distributor_return
     assert ours == theirs == ["partition 0", "partition 1"]
 
 
-def test_the_next_run_takes_the_warm_standby_and_the_conf_turns_it_off(spark):
+def test_the_next_run_is_forked_from_the_warm_standby_and_the_conf_turns_it_off(spark):
     runner = SparkRunner(num_workers=2)
     first_pid = runner.run(report_pid)
     deadline = time.monotonic() + 10
-    while len(standby_processes()) < 2 and time.monotonic() < deadline:
+    while len(_our_standbys()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(standby_processes()) >= 2
-    runner.run(report_pid)
+    standbys = _our_standbys()
+    assert len(standbys) >= 2
+    second_pid = runner.run(report_pid)
     # A task takes the standby of the Python worker Spark runs it in (an executor with 2 cores may pick the
-    # other, idle worker, which has none yet). A standby is a process that started before this run did.
+    # other, idle worker, which has none yet). The standby started, and imported TensorFlow, before this
+    # run did: the run's process is forked from it, with nothing left to import.
     timeline = runner.last_run.timeline
     taken = {e["who"] for e in timeline if e["event"] == "standby process taken"}
     assert taken, "no task took a warm standby"
     for label in taken:
         events = {e["event"]: e["t"] for e in timeline if e["who"] == label}
-        assert events["training process spawned"] < events["task start"] and "tensorflow imported" in events
-    assert first_pid not in runner.last_run.pids.values()
+        assert events["standby spawned"] < events["tensorflow imported"] < events["task start"]
+        assert events["task start"] < events["process forked"] < events["function starts"]
+    # Every run has its own fresh process, and the standbys stay (they are not training processes).
+    assert second_pid != first_pid and not set(runner.last_run.pids.values()) & standbys
+    # (Spark ends idle Python workers -- PythonWorkerFactory, after a minute -- and their standbys with them.)
+    assert len(standbys & _our_standbys()) >= len(taken), "a standby ended with the run it forked"
+    assert processes_of_run(runner.last_run.run_id) == []
     spark.conf.set("spark.stratkit.standby", "false")
     try:
-        time.sleep(3)  # the last run's replacement standby names itself once its interpreter is up
-        before = set(standby_processes())
+        before = set(_our_standbys())
         runner.run(report_pid)
         events = [e["event"] for e in runner.last_run.timeline]
         assert events.count("process spawned") == 2 and "standby process taken" not in events
         time.sleep(1)
-        assert set(standby_processes()) <= before, "a standby was started though the conf turned it off"
+        assert set(_our_standbys()) <= before, "a standby was started though the conf turned it off"
     finally:
         spark.conf.unset("spark.stratkit.standby")
 
@@ -210,9 +237,9 @@ def test_nothing_is_left_running_after_the_session_stops(spark):
     runner = SparkRunner(num_workers=2)
     runner.run(report_pid)
     deadline = time.monotonic() + 10
-    while len(standby_processes()) < 2 and time.monotonic() < deadline:
+    while len(_our_standbys()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    standbys = standby_processes()
+    standbys = _our_standbys()
     assert standbys, "a run leaves a warm standby per Python worker"
     spark.stop()
     assert _gone(standbys, 20) == [], "standby processes outlived the SparkSession"
