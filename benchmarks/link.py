@@ -34,6 +34,7 @@ import argparse
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -114,8 +115,6 @@ def run_shaped(argv: list[str], link: Link, env: dict[str, str], timeout: float)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return subprocess.CompletedProcess(proc.args, -9, out + f"\n(timed out after {timeout:.0f}s)", None)
