@@ -32,7 +32,12 @@ average is recorded before and after the run and around every job.
 
 Rows measured by default: stratkit's defaults, and `gradient_compression`
 "bf16" and "fp16" (2-worker job only: single jobs have no all-reduce, so the
-default's pair of the same round is their baseline).
+default's pair of the same round is their baseline). Then the default and
+"bf16" with the 2 workers on a rate-limited link: a private network
+namespace whose loopback is shaped with tc to model nodes on 1 Gigabit
+Ethernet (link.py); their baseline is again the default's pair of the same
+round (single jobs send nothing over any link), and bf16's `vs default` is
+against the default on the same link.
 
 Knobs stratkit controls, one row each with `--variants all` (each vs the default, otherwise equal):
   * gradient packing: `Trainer(bytes_per_pack=...)` -> CommunicationOptions
@@ -58,6 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import link  # noqa: E402
 from common import print_table, write_result  # noqa: E402
 from jobs import TASKS, JobFailed, clean_env, python, run_barrier_group, thread_vars  # noqa: E402
 
@@ -79,6 +85,8 @@ class Setting:
     bytes_per_pack: int = 0
     own_baseline: bool = True     # False: compare with the default's baseline pair (single jobs ignore it)
     gradient_compression: str | None = None
+    link: str | None = None       # a link.LINKS name: the 2-worker job runs on a tc-shaped loopback
+    reference: str | None = None  # `vs default` compares with this setting's 2-worker rate (None: DEFAULT)
 
 
 DEFAULT = Setting("stratkit default (intra 1, inter TF default, prefetch AUTOTUNE, one pack)")
@@ -86,16 +94,23 @@ COMPRESSION = [
     Setting("gradient_compression='bf16'", gradient_compression="bf16", own_baseline=False),
     Setting("gradient_compression='fp16'", gradient_compression="fp16", own_baseline=False),
 ]
+#: The same job on a 1 GbE link per node (link.py): where the gradient exchange is bandwidth-bound.
+ON_LINK = [
+    Setting("default on 1 GbE", link=link.GBE_1.name, own_baseline=False),
+    Setting("gradient_compression='bf16' on 1 GbE", gradient_compression="bf16", link=link.GBE_1.name,
+            own_baseline=False, reference="default on 1 GbE"),
+]
 VARIANTS = [
     *COMPRESSION,
+    *ON_LINK,
     Setting("bytes_per_pack=256 KiB", bytes_per_pack=256 * 1024, own_baseline=False),
     Setting("bytes_per_pack=1 MiB", bytes_per_pack=1024 * 1024, own_baseline=False),
     Setting("intra-op 2 per worker (oversubscribed)", intra=2),
     Setting("inter-op 1 per worker", inter=1),
     Setting("no prefetch", prefetch=False),
 ]
-DEFAULT_VARIANTS = [v.name for v in COMPRESSION]
-QUICK_VARIANTS = ["gradient_compression='bf16'"]
+DEFAULT_VARIANTS = [v.name for v in COMPRESSION + ON_LINK]
+QUICK_VARIANTS = ["gradient_compression='bf16'", "default on 1 GbE"]
 
 
 def _config(model: dict, setting: Setting, result: Path, barrier: bool) -> str:
@@ -119,14 +134,20 @@ def run_two_workers(model: dict, setting: Setting, timeout: float, work: Path) -
     result = work / "two"
     env = clean_env(**thread_vars(setting.intra, setting.inter),
                     STRATKIT_BENCH_SCALING=_config(model, setting, result, barrier=False))
-    out = io.StringIO()
     load = os.getloadavg()
     started = time.monotonic()
-    outcome = launch([python(), str(TASK)], workers=2, env=env, timeout=timeout, stdout=out, stderr=out,
-                     handle_signals=False)
+    if setting.link is None:
+        out = io.StringIO()
+        outcome = launch([python(), str(TASK)], workers=2, env=env, timeout=timeout, stdout=out, stderr=out,
+                         handle_signals=False)
+        failed = None if outcome.ok else f"exit {outcome.returncode}:\n{outcome.report}\n{out.getvalue()[-3000:]}"
+    else:
+        on = link.LINKS[setting.link]
+        done = link.run_shaped(link.launch_command([python(), str(TASK)], 2, timeout), on, env, timeout + 60)
+        failed = None if done.returncode == 0 else f"exit {done.returncode} on {on.name}:\n{done.stdout[-3000:]}"
     wall = time.monotonic() - started
-    if not outcome.ok:
-        raise JobFailed(f"2-worker job failed (exit {outcome.returncode}):\n{outcome.report}\n{out.getvalue()[-3000:]}")
+    if failed:
+        raise JobFailed(f"2-worker job failed ({failed}")
     chief = json.loads(Path(f"{result}.0").read_text())
     rates, _ = _rates(chief)
     return {"examples_per_sec": statistics.median(rates), "per_epoch": rates,
@@ -218,12 +239,13 @@ def summarise(settings: list[Setting], records: list[dict]) -> list[dict]:
         eff, naive, vs, two, pair, alone = [], [], [], [], [], []
         for record in records:
             jobs, base = record["jobs"][setting.name], record["jobs"][default.name]
+            ref = record["jobs"].get(setting.reference) if setting.reference else base
             two_rate = _rate(jobs.get("two_workers"))
             pair_rate = _rate(jobs.get("pair")) if "pair" in jobs else _rate(base.get("pair"))
             two.append(two_rate)
             pair.append(pair_rate)
             eff.append(_ratio(two_rate, pair_rate))
-            vs.append(_ratio(two_rate, _rate(base.get("two_workers"))))
+            vs.append(_ratio(two_rate, _rate((ref or {}).get("two_workers"))))
             if setting is default:
                 alone_rate = _rate(jobs.get("alone"))
                 alone.append(alone_rate)
@@ -234,6 +256,7 @@ def summarise(settings: list[Setting], records: list[dict]) -> list[dict]:
                      "efficiency": e["mean"], "eff min": e["min"], "eff max": e["max"], "eff sd": e["sd"],
                      "rounds": e["n"], "naive": _stats(naive)["mean"] if setting is default else None,
                      "vs default": _stats(vs)["mean"],
+                     "vs": setting.reference or "default", "link": setting.link or "loopback",
                      "raw": {"setting": asdict(setting), "efficiency_per_round": eff, "vs_default_per_round": vs,
                              "baseline": "own pair" if setting is default or setting.own_baseline
                              else "default's pair of the same round",
@@ -255,6 +278,10 @@ def main(argv: list[str] | None = None) -> dict:
     timeout = 180.0 if args.quick else 300.0
     chosen = args.variants or ",".join(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
     variants = VARIANTS if chosen == "all" else [v for v in VARIANTS if v.name in chosen.split(",")]
+    links_skipped = link.unavailable() if any(v.link for v in variants) else None
+    if links_skipped:
+        print(f"[bench_scaling] rows on a rate-limited link skipped: {links_skipped}", flush=True)
+        variants = [v for v in variants if not v.link]
     started = time.monotonic()
     load_before = os.getloadavg()
 
@@ -276,6 +303,10 @@ def main(argv: list[str] | None = None) -> dict:
                                               "gradient_bytes": info.get("gradient_bytes"),
                                               "gradient_tensors": info.get("gradient_tensors")},
                "rounds": rounds, "repeats": rounds, "goal_efficiency": GOAL, "workers": 2,
+               "links": {s.link: {"node_mbit": link.LINKS[s.link].node_mbit, "lo_mbit": link.LINKS[s.link].lo_mbit,
+                                  "case": link.LINKS[s.link].case, "tc": link.shape_script(link.LINKS[s.link])}
+                         for s in settings if s.link},
+               "links_skipped": links_skipped,
                "loadavg_before": load_before, "loadavg_after": load_after,
                "definition": {"efficiency": "2-worker examples/s / sum of 2 simultaneous single jobs' examples/s, "
                                             "per round; the row shows the mean over rounds and its min/max/sd",

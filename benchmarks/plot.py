@@ -151,7 +151,11 @@ def plot_allreduce(data: dict, path: Path) -> Path:
     rows = data["rows"]
     sizes = [r["bytes"] for r in rows]
     gradients = data.get("gradient_rows") or []
-    if gradients:
+    sets = data.get("gradient_sets") or []
+    if sets:
+        fig, (ax, grad_ax) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [3, 3]})
+        _plot_gradient_sets(grad_ax, sets, data.get("gradient_goal", 0.5))
+    elif gradients:
         fig, (ax, grad_ax) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
         _plot_gradient_list(grad_ax, gradients, data.get("gradient_goal", 0.5))
     else:
@@ -198,6 +202,33 @@ def _plot_gradient_list(ax, rows: list[dict], goal: float) -> None:
     ax.set_xticks(x, names, fontsize=7)
     ax.set_ylabel("ms per all-reduce of the whole list (median)")
     ax.set_title(f"The scaling model's gradients ({rows[0]['tensors']} tensors), one step's all-reduce")
+
+
+def _plot_gradient_sets(ax, rows: list[dict], goal: float) -> None:
+    """Bars: 16-bit / float32 time of each gradient list on each link (mean over rounds, whisker = min-max)."""
+    groups = list(dict.fromkeys((r["list"], r["link"]) for r in rows))
+    width = 0.38
+    for k, (dtype, color) in enumerate((("bfloat16", BLUE), ("float16", ORANGE))):
+        mine = [next((r for r in rows if (r["list"], r["link"]) == g and r["dtype"] == dtype), None) for g in groups]
+        x = [i + (k - 0.5) * width for i in range(len(groups))]
+        v = [r["vs float32"] if r else 0.0 for r in mine]
+        err = [[max(0.0, a - r["vs min"]) if r else 0 for a, r in zip(v, mine)],
+               [max(0.0, r["vs max"] - a) if r else 0 for a, r in zip(v, mine)]]
+        ax.bar(x, v, width, color=color, yerr=err, capsize=3, label=f"{dtype} / float32")
+        for xi, a in zip(x, v):
+            ax.text(xi, a + 0.03, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(goal, color="black", ls="--", lw=1, label=f"goal: {goal:g} x float32")
+    ax.axhline(1.0, color=GREY, lw=0.8)
+    names = []
+    for name, on in groups:
+        base = next(r for r in rows if (r["list"], r["link"]) == (name, on) and r["dtype"] == "float32")
+        names.append(f"{name}\n{base['MB on wire']:.0f} MB\n{on}\nfloat32 {base['time_ms']:.0f} ms")
+    ax.set_xticks(range(len(groups)), names, fontsize=7)
+    ax.set_ylim(0, 1.3)
+    ax.set_ylabel("time of one step's gradient all-reduce, vs float32")
+    ax.set_title("gradient_compression: one step's all-reduce, by model and link\n"
+                 "(mean of alternating rounds; whisker = min-max over rounds)", fontsize=9)
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
 
 
 # -- spark --------------------------------------------------------------------------------------

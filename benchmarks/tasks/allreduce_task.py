@@ -10,9 +10,10 @@ timed on its own (an eager call of a tf.function returns when it has run).
 Every worker runs the same sizes and counts (a collective needs all of
 them); the chief writes the timings to STRATKIT_BENCH_ALLREDUCE["result"].
 
-Gradient list (config "model"): the trainable variables' shapes of the
-scaling benchmark's model, all-reduced as ONE list per call, as Keras'
-gradient aggregation does, once per wire dtype. Each call does exactly what
+Gradient lists (config "lists"): the trainable variables' shapes of a
+model (the scaling benchmark's conv net, or a large dense MLP), all-reduced
+as ONE list per call, as Keras' gradient aggregation does, once per wire
+dtype. Each call does exactly what
 `gradient_compression` does around the all-reduce: cast the float32 list to
 the wire dtype, all-reduce it (one pack), cast the sums back to float32
 (float32: no cast). Dtypes alternate order between rounds so load drifts hit
@@ -78,56 +79,70 @@ for size, iters in config["sizes"]:
     results.append({"bytes": size, "iters": iters, "seconds": times, "correct": correct})
     del x, out
 
-gradients = []
-if config.get("model"):
+def gradient_shapes(spec: dict) -> list[tuple]:
+    """The trainable variables' shapes of the model a gradient list stands for."""
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    from resnet_synthetic import resnet
+    import keras
 
-    model = config["model"]
-    net = resnet(int(model["image"]), int(model["classes"]), int(model["width"]), [int(b) for b in model["blocks"]])
-    shapes = [tuple(v.shape) for v in net.trainable_variables]
+    if spec["kind"] == "resnet":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from resnet_synthetic import resnet
+
+        net = resnet(int(spec["image"]), int(spec["classes"]), int(spec["width"]), [int(b) for b in spec["blocks"]])
+    else:  # "dense": an MLP, inputs -> hidden layers -> classes
+        net = keras.Sequential([keras.Input((int(spec["inputs"]),))]
+                               + [keras.layers.Dense(int(u), activation="relu") for u in spec["hidden"]]
+                               + [keras.layers.Dense(int(spec["classes"]))])
+    return [tuple(v.shape) for v in net.trainable_variables]
+
+
+def list_all_reduce(wire):
+    """One step's gradient all-reduce as `gradient_compression` makes it: cast, one packed SUM, cast back."""
+    @tf.function
+    def run(values):
+        def replica_fn(*tensors):
+            sent = [tf.cast(tf.identity(t), wire) for t in tensors]
+            summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+            return [tf.cast(t, tf.float32) for t in summed]
+
+        return strategy.run(replica_fn, args=tuple(values))
+
+    return run
+
+
+def time_gradient_list(spec: dict) -> list[dict]:
+    """Each wire dtype's per-call times for one gradient list, dtypes alternating order between rounds."""
+    shapes = gradient_shapes(spec)
     rng = tf.random.Generator.from_seed(1)
     local_grads = [rng.normal(shape) * 1e-2 for shape in shapes]  # gradient-sized values, same on every worker
     grads = strategy.experimental_distribute_values_from_function(lambda _: list(local_grads))
-
-    def list_all_reduce(wire):
-        @tf.function
-        def run(values):
-            def replica_fn(*tensors):
-                sent = [tf.cast(tf.identity(t), wire) for t in tensors]
-                summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
-                return [tf.cast(t, tf.float32) for t in summed]
-
-            return strategy.run(replica_fn, args=tuple(values))
-
-        return run
-
-    dtypes = [str(d) for d in config.get("dtypes", ["float32"])]
+    dtypes = [str(d) for d in spec["dtypes"]]
     fns = {d: list_all_reduce(tf.as_dtype(d)) for d in dtypes}
-    times: dict = {d: [] for d in dtypes}
+    times: dict = {d: [[] for _ in range(int(spec["rounds"]))] for d in dtypes}
     errors = {}
+    want = [g * workers for g in local_grads]
     for d in dtypes:
+        fns[d](grads)
         out = [local(v) for v in fns[d](grads)]
-        out = [local(v) for v in fns[d](grads)]
-        want = [g * workers for g in local_grads]
         # Largest error relative to the largest sum: what the cast costs in precision.
         errors[d] = max(float(tf.reduce_max(tf.abs(o - w))) for o, w in zip(out, want)) / \
             max(float(tf.reduce_max(tf.abs(w))) for w in want)
-    rounds, iters = int(config.get("grad_rounds", 3)), int(config.get("grad_iters", 10))
-    for r in range(rounds):
+    for r in range(int(spec["rounds"])):
         for d in (dtypes if r % 2 == 0 else dtypes[::-1]):
             barrier()
-            for _ in range(iters):
+            for _ in range(int(spec["iters"])):
                 start = time.perf_counter()
                 fns[d](grads)
-                times[d].append(time.perf_counter() - start)
-    for d in dtypes:
-        gradients.append({"dtype": d, "tensors": len(shapes), "values": int(sum(int(np.prod(s)) for s in shapes)),
-                          "bytes_on_wire": int(sum(int(np.prod(s)) for s in shapes)) * tf.as_dtype(d).size,
-                          "seconds": times[d], "max_relative_error": errors[d]})
+                times[d][r].append(time.perf_counter() - start)
+    values = int(sum(int(np.prod(s)) for s in shapes))
+    return [{"list": spec["name"], "dtype": d, "tensors": len(shapes), "values": values,
+             "bytes_on_wire": values * tf.as_dtype(d).size, "round_seconds": times[d], "max_relative_error": errors[d]}
+            for d in dtypes]
+
+
+gradients = [row for spec in config.get("lists", []) for row in time_gradient_list(spec)]
 
 if spec.is_chief:
     with open(config["result"], "w") as handle:

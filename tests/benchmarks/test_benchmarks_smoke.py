@@ -83,8 +83,19 @@ def test_quick_run_writes_expected_json(name):
         # The gradient list in each wire dtype; the 16-bit sums are within their rounding of float32's.
         assert [r["dtype"] for r in data["gradient_rows"]] == ["float32", "bfloat16", "float16"]
         assert [r["max rel error"] <= tol for r, tol in zip(data["gradient_rows"], (1e-6, 1e-2, 1e-3))] == [True] * 3
+        # Both lists (the scaling model's, the dense MLP's), each in every wire dtype, on loopback and
+        # on the 1 GbE shaped link -- or that link's record says why this machine cannot shape one.
+        sets = {(r["list"], r["link"], r["dtype"]) for r in data["gradient_sets"]}
+        links = ["loopback"] + [record["link"] for record in data["links"] if "skipped" not in record]
+        assert sets == {(name, on, d) for name in ("scaling model", "dense MLP") for on in links
+                        for d in ("float32", "bfloat16", "float16")}
+        for record in data["links"]:
+            assert "skipped" in record or 0.3 < record["tcp_one_way_MBps"] / (2 * record["node_mbit"] / 8) < 1.2, \
+                f"the shaped link does not run at its rate: {record}"
     if name == "scaling":
         assert any("gradient_compression" in row["setting"] for row in data["rows"])
+        # The row on the shaped 1 GbE link ran, or the JSON says why this machine cannot shape one.
+        assert data["links_skipped"] or any(row["link"] == "1 GbE" and row["efficiency"] for row in data["rows"])
     if name == "overhead":
         assert not data["rows"][-1]["raw"]["compression_wrapper_installed"]  # one device: nothing to compress
     if name == "spark":
