@@ -19,7 +19,9 @@ import time
 
 import pytest
 
-from procs import _die_with_parent, child_env, free_ports, worker_tf_configs
+from procs import child_env, free_ports, worker_tf_configs
+
+from stratkit.process.children import start_child
 from stratkit.training import scratch
 
 WORKER_DIRS = "stratkit-*-worker-*"
@@ -97,10 +99,9 @@ def test_a_killed_workers_private_dirs_are_removed(tmp_path, order):
     procs = []
     try:
         for tf_config in worker_tf_configs(free_ports(2)):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(out)], env=child_env(tf_config, {"TMPDIR": str(tmpdir)}),
-                stdout=open(tmp_path / f"w{len(procs)}.log", "wb"), stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent))
+            procs.append(start_child(
+                [sys.executable, str(script), str(out)], child_env(tf_config, {"TMPDIR": str(tmpdir)}),
+                stdout=open(tmp_path / f"w{len(procs)}.log", "wb"), stderr=subprocess.STDOUT))
         chief, worker = procs
         # tb, ckpt and backup: worker 1's private copies exist, training runs.
         _wait_for(lambda: len(list(tmpdir.glob(WORKER_DIRS))) >= 3, 180, "worker 1's private directories", procs)
