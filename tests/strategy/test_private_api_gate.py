@@ -56,6 +56,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("spark_context", "_jsc"): "pyspark: the JVM SparkContext (slot counts have no Python API)",
     ("BarrierTaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("TaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
+    ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",
 }
 
 
