@@ -12,7 +12,7 @@ but what a cluster *is* is decided here, once:
 - `tf_config_json` / `detect_task`: each task's TF_CONFIG, and what
   `stratkit.detect()` decides from it -- the rule every task applies to itself;
 - `check_task` / `check_plan`: the launched task would see exactly the planned
-  role, index, cluster, launcher and chief, so a layout the tasks would reject
+  role, index, cluster and chief, so a layout the tasks would reject
   fails in the front door, once, before anything starts.
 
 Each front door keeps only what is its own: the launcher's flags and log file
@@ -156,7 +156,7 @@ def detect_task(cluster: Mapping[str, Sequence[str]], task_type: str, task_index
 def check_task(cluster: Mapping[str, Sequence[str]], task: Task, *, launcher: str, fix: str,
                environ: Mapping[str, str] | None = None, chief: Task | None = None,
                allow_preset: bool = True) -> ClusterSpec:
-    """The `ClusterSpec` the launched `task` will see, checked to be the planned one.
+    """The `ClusterSpec` the launched `task` will see, checked to be the planned one (role, index, cluster, chief).
 
     Runs `detect()` on exactly the environment the task gets (`environ` plus
     its TF_CONFIG and the launcher's name), so a contradiction such as
@@ -166,7 +166,7 @@ def check_task(cluster: Mapping[str, Sequence[str]], task: Task, *, launcher: st
     Args:
         cluster: the TF_CONFIG "cluster".
         task: the task to check.
-        launcher: the front door's STRATKIT_LAUNCHER value ("launch", "spark"): the spec's source.
+        launcher: the front door's STRATKIT_LAUNCHER value ("launch", "spark"), set in the task's environment.
         fix: what the user should change when detection does not see the plan (the front door
             knows where its tasks' environment comes from).
         environ: the task's environment without TF_CONFIG (default: empty).
@@ -180,8 +180,10 @@ def check_task(cluster: Mapping[str, Sequence[str]], task: Task, *, launcher: st
     """
     spec = detect_task(cluster, task.role, task.index, launcher=launcher, environ=environ)
     strategy = None if allow_preset else spec_for_cluster(cluster, task.role, task.index, launcher, 0, ()).strategy
-    seen = (spec.task_type, spec.task_index, dict(spec.cluster), spec.source)
-    if seen != (task.role, task.index, dict(cluster), launcher) or strategy not in (None, spec.strategy):
+    # Role, index and cluster prove detection read the TF_CONFIG written here. The source is only a label:
+    # SageMaker's variables make it "sagemaker", and a launch inside a SageMaker job is still ours.
+    seen = (spec.task_type, spec.task_index, dict(spec.cluster))
+    if seen != (task.role, task.index, dict(cluster)) or strategy not in (None, spec.strategy):
         expected = f" ({strategy})" if strategy else ""
         raise ConfigError(f"stratkit.detect() read task {spec.task_type}:{spec.task_index} ({spec.strategy}, source "
                           f"{spec.source!r}: {'; '.join(spec.reasons)}) from the TF_CONFIG written for "

@@ -44,14 +44,8 @@ from stratkit.process.pump import prefixed
 from stratkit.process.report import TaskFailure, format_failure_report
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
-from stratkit.spark.runner import (
-    REPORT_TITLE,
-    SparkRunner,
-    SparkTrainingError,
-    _confs,
-    _pickle_payload,
-    _spark_context,
-)
+from stratkit.spark.failures import REPORT_TITLE, SparkTrainingError
+from stratkit.spark.runner import SparkRunner, _confs, _pickle_payload, _spark_context
 
 #: The logger spark-tensorflow-distributor uses (its class name), so its users' log filters keep working.
 log = logging.getLogger("MirroredStrategyRunner")

@@ -10,7 +10,7 @@ The driver side of the Spark adapter. One `run()`:
      that is unavailable) -- each task runs `stratkit.spark.task.run_task`;
   4. returns the chief's (rank 0's) return value; or raises
      `SparkTrainingError` -- a summary line, then the root-cause report in the
-     launcher's format (`stratkit.process.report`) -- after stopping every
+     launcher's format (`stratkit.spark.failures`) -- after stopping every
      other task; `max_retries` re-runs the whole stage.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import signal
 import sys
 import threading
 import time
@@ -29,25 +28,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratkit import status
-from stratkit.errors import ConfigError, StratkitError
-from stratkit.process.pump import TAIL_LINES, prefixed
-from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
+from stratkit.errors import ConfigError
+from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
 from stratkit.spark import layout, slots
 from stratkit.spark.layout import TaskRole
-from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
+from stratkit.spark.failures import AttemptState, SparkTrainingError, explain, first_line
+from stratkit.spark.logserver import LogServer, TaskLog
 from stratkit.spark.rendezvous import Rendezvous
 from stratkit.spark.task import (
     INFO_SEQ,
     TaskPlan,
     arrow_partition_function,
-    parse_failure_record,
     rdd_partition_function,
 )
 
 log = status.logger(__name__)
-#: Who reports in the root-cause report (the launcher's says "stratkit launch").
-REPORT_TITLE = "stratkit spark"
 
 #: Conf choosing the barrier stage: "auto" (an RDD barrier stage where there is a SparkContext, measured
 #: ~1.6 s to set up against ~5 s for mapInArrow; mapInArrow on Spark Connect), "arrow" or "rdd".
@@ -56,32 +52,6 @@ STAGE_CONF = "spark.stratkit.stage"
 STANDBY_CONF = "spark.stratkit.standby"
 #: Confs that let training run on a cluster with spark.ssl.enabled (TensorFlow's gRPC is not encrypted).
 IGNORE_SSL_CONFS = ("spark.stratkit.ignoreSsl", "tensorflow.spark.distributor.ignoreSsl")
-
-
-class SparkTrainingError(StratkitError, RuntimeError):
-    """Training on Spark failed: which task, its exit code and its last output lines.
-
-    Attributes:
-        task: the failing task's label ("worker:1"), None for a timeout or a
-            failure before any training process ran.
-        rank: its barrier rank, or None.
-        exit_code: its training process's exit code (negative: killed by that
-            signal), or None.
-        lines: its last output lines (up to `stratkit.process.pump.TAIL_LINES`, 50: the launcher's tail).
-        attempt: the attempt that failed (1-based).
-        timed_out: True when `timeout` ended the run.
-    """
-
-    def __init__(self, message: str, *, task: str | None = None, rank: int | None = None,
-                 exit_code: int | None = None, lines: Sequence[str] = (), attempt: int | None = None,
-                 timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.task = task
-        self.rank = rank
-        self.exit_code = exit_code
-        self.lines = list(lines)
-        self.attempt = attempt
-        self.timed_out = timed_out
 
 
 @dataclass
@@ -229,7 +199,7 @@ class SparkRunner:
                     if error.timed_out or attempt > self.max_retries:
                         raise
                     log.info("attempt %d of %d failed (%s); re-running the whole barrier stage", attempt,
-                             self.max_retries + 1, _first_line(error))
+                             self.max_retries + 1, first_line(error))
                     continue
                 report.succeeded = True
                 return result
@@ -286,7 +256,7 @@ class SparkRunner:
                  deadline: float | None, report: RunReport) -> Any:
         """One barrier stage. Returns the chief's value or raises SparkTrainingError."""
         tag = f"{plan.run_id}-attempt{plan.attempt}"
-        state = _AttemptState()
+        state = AttemptState()
 
         def stop_everything(reason: str) -> None:
             server.abort_all(reason)
@@ -362,117 +332,10 @@ class SparkRunner:
         if error is None:
             _take_task_info(rows, report, server)
             return _assemble_result(rows)
-        raise self._explain(error, state, server, plan) from None
-
-    def _explain(self, error: BaseException, state: _AttemptState, server: LogServer,
-                 plan: TaskPlan) -> SparkTrainingError:
-        """The attempt's failure as a SparkTrainingError: a one-line summary, then the root-cause report.
-
-        The report is `stratkit.process.report.format_failure_report`, the
-        launcher's format: the failed task, how it ended, the exception it died
-        of, its last lines (`stratkit.process.pump`'s tail), what became of the others.
-        """
-        attempts = f"attempt {plan.attempt} of {self.max_retries + 1}"
-
-        def report(failure: TaskFailure, others: Sequence[str] = ()) -> str:
-            return format_failure_report(failure, others, attempts=self.max_retries + 1, title=REPORT_TITLE)
-
-        if state.timed_out:
-            primary = server.tasks.get(0)
-            failure = TaskFailure(self.roles[0].label, None, primary.tail.lines() if primary else (),
-                                  attempt=plan.attempt - 1, timed_out_after=self.timeout, timeout_setting="timeout=",
-                                  exception=primary.scanner.exception if primary else ())
-            return SparkTrainingError(f"training did not finish within timeout={self.timeout}s ({attempts}); every "
-                                      f"task was killed and the Spark job cancelled.\n"
-                                      + report(failure, _other_tasks(self.roles, server, 0, "at the timeout")),
-                                      attempt=plan.attempt, timed_out=True)
-        if state.server_failure is not None:
-            return SparkTrainingError(f"{attempts} was stopped (every task killed, the Spark job cancelled) because "
-                                      f"{state.server_failure}", attempt=plan.attempt)
-        text = str(error)
-        failed = state.failure
-        if failed is not None:
-            label, rank, code = failed.label, failed.rank, failed.exit_code
-            lines, exception = list(failed.tail), failed.scanner.exception
-        elif (record := parse_failure_record(text)) is not None:
-            # the log server never heard the exit: the task's own record travels in Spark's error
-            label, rank, code = record["label"], record["rank"], record["exit_code"]
-            lines, exception = list(record["lines"])[-TAIL_LINES:], ()
-        else:
-            return self._stage_failed(text, plan)
-        failure = TaskFailure(label, code, tuple(lines), attempt=plan.attempt - 1, exception=exception,
-                              ended=_ended(code))
-        how = "failed before its training process started" if code == SETUP_FAILED else \
-            f"failed with exit code {code}"
-        return SparkTrainingError(
-            f"task {label} (rank {rank}) {how} ({attempts}); the other tasks were stopped.\n"
-            + report(failure, _other_tasks(self.roles, server, rank, f"after {label} failed")),
-            task=label, rank=rank, exit_code=code, lines=lines, attempt=plan.attempt)
-
-    def _stage_failed(self, text: str, plan: TaskPlan) -> SparkTrainingError:
-        """Spark failed the stage before any training process reported: what Spark said, in the report's format."""
-        hint = ""
-        if "ModuleNotFoundError" in text or "No module named" in text:
-            hint = (f"\nFix: the executors' Python cannot import a module (see above). Point them at the "
-                    f"interpreter that has stratkit installed: set PYSPARK_PYTHON={sys.executable} before the "
-                    "SparkSession starts (spark.pyspark.python with spark-submit), or install the module there")
-        lines = _tail_lines(text, TAIL_LINES)
-        failure = TaskFailure("the Spark stage", None, tuple(lines), attempt=plan.attempt - 1,
-                              ended="Spark failed the barrier stage before a training process reported its exit")
-        report = format_failure_report(failure, attempts=self.max_retries + 1, title=REPORT_TITLE)
-        return SparkTrainingError(f"the Spark barrier stage failed before a training process reported its exit "
-                                  f"(attempt {plan.attempt} of {self.max_retries + 1}); what Spark said:\n"
-                                  + report + hint, lines=lines, attempt=plan.attempt)
-
-
-@dataclass
-class _AttemptState:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    failure: TaskLog | None = None
-    timed_out: bool = False
-    finished: bool = False
-    server_failure: str | None = None  # why the log server stopped accepting (LogServer.on_fatal)
+        raise explain(error, state, server, self.roles, plan.attempt, self.max_retries + 1, self.timeout) from None
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-def _first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
-def _ended(code: int | None) -> str | None:
-    """How a task ended in words, where the return code's wording (`describe_returncode`) does not apply."""
-    if code is None:
-        return "ended without reporting an exit code"
-    if code == SETUP_FAILED:
-        return "the task failed before its training process started"
-    return None
-
-
-def _other_tasks(roles: Sequence[TaskRole], server: LogServer, failed_rank: int | None, when: str) -> list[str]:
-    """One line per task but the failed one for the report: how it ended, as the driver heard it."""
-    lines = []
-    for role in roles:
-        if role.rank == failed_rank:
-            continue
-        task = server.tasks.get(role.rank)
-        head = f"{role.label} (rank {role.rank}): "
-        if task is None:
-            lines.append(head + "never connected to the driver's log server")
-        elif task.exit_code is None:
-            last = list(task.tail)[-1:] or ["(no output)"]
-            lines.append(head + f"still running {when}: stopped by the runner; its last line: {last[0]}")
-        elif task.exit_code == -signal.SIGKILL:  # how a task kills its process tree on the driver's ABORT
-            lines.append(head + f"stopped by the runner {when} (SIGKILL)")
-        else:
-            lines.append(head + (_ended(task.exit_code) or describe_returncode(task.exit_code)))
-    return lines
-
-
-def _tail_lines(text: str, count: int) -> list[str]:
-    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("at ")]
-    return lines[-count:]
-
 
 def _spark_context(spark: Any) -> Any:
     """The SparkContext, or None on Spark Connect (where only the DataFrame API exists)."""

@@ -83,3 +83,10 @@ def test_check_plan_validates_every_task_with_placeholder_ports_on_the_host():
     layout.check_plan(tasks, launcher="launch", fix="x", host="::1")  # IPv6 placeholders are bracketed
     with pytest.raises(ConfigError, match="contradicts the cluster"):
         layout.check_plan(tasks, launcher="launch", fix="x", environ={"STRATKIT_STRATEGY": "mirrored"})
+
+
+def test_a_launch_inside_a_sagemaker_job_is_still_checked_by_its_tf_config_not_by_the_source_label():
+    tasks = layout.plan_tasks(2)
+    cluster = layout.build_cluster(tasks, ["h:1", "h:2"])
+    spec = layout.check_task(cluster, tasks[1], launcher="launch", fix="x", environ={"SM_CURRENT_HOST": "algo-1"})
+    assert (spec.task_type, spec.task_index, spec.source) == ("worker", 1, "sagemaker")

@@ -336,11 +336,10 @@ def test_importing_stratkit_spark_loads_neither_pyspark_nor_tensorflow():
 def test_a_task_failure_reads_as_the_launchers_root_cause_report_with_the_exception_out_of_the_tail():
     from stratkit.process.pump import TAIL_LINES
     from stratkit.process.report import TaskFailure, format_failure_report
-    from stratkit.spark.runner import SparkRunner, _AttemptState
-    from stratkit.spark.task import TaskPlan
+    from stratkit.spark.failures import AttemptState, explain
 
-    runner = SparkRunner(2, max_retries=1)
-    state = _AttemptState()
+    roles = layout.plan_roles(2)
+    state = AttemptState()
     def on_exit(task):  # as the runner: the first failure is the root cause
         if task.exit_code and state.failure is None:
             state.failure = task
@@ -360,9 +359,7 @@ def test_a_task_failure_reads_as_the_launchers_root_cause_report_with_the_except
         for client in clients:
             client.close()
         server.shutdown()
-    plan = TaskPlan(run_id="r", attempt=1, roles=tuple(runner.roles), payload=b"", log_host="127.0.0.1", log_port=0,
-                    log_token="", use_gpu=False, gpu_counts=(None, None))
-    error = runner._explain(RuntimeError("barrier stage failed"), state, server, plan)
+    error = explain(RuntimeError("barrier stage failed"), state, server, roles, attempt=1, attempts=2, timeout=None)
     summary, *report = str(error).splitlines()
     assert summary == "task worker:1 (rank 1) failed with exit code 1 (attempt 1 of 2); the other tasks were stopped."
     assert (error.task, error.rank, error.exit_code, error.attempt) == ("worker:1", 1, 1, 1)
@@ -376,16 +373,13 @@ def test_a_task_failure_reads_as_the_launchers_root_cause_report_with_the_except
 
 
 def test_a_stage_that_fails_before_any_task_reports_shows_what_spark_said_in_the_same_report():
-    from stratkit.spark.runner import SparkRunner, _AttemptState
-    from stratkit.spark.task import TaskPlan
+    from stratkit.spark.failures import AttemptState, explain
 
-    runner = SparkRunner(2)
     server = LogServer("127.0.0.1", stream=_Sink())
     server.shutdown()
-    plan = TaskPlan(run_id="r", attempt=1, roles=tuple(runner.roles), payload=b"", log_host="127.0.0.1", log_port=0,
-                    log_token="", use_gpu=False, gpu_counts=(None, None))
     spark_said = "Job aborted\n\tat org.apache.spark.Foo(Foo.scala:1)\nModuleNotFoundError: No module named 'stratkit'"
-    message = str(runner._explain(RuntimeError(spark_said), _AttemptState(), server, plan))
+    message = str(explain(RuntimeError(spark_said), AttemptState(), server, layout.plan_roles(2), attempt=1, attempts=1,
+                          timeout=None))
     assert message.splitlines()[2] == "stratkit spark: root cause (first observed failure)"
     assert "failure: Spark failed the barrier stage before a training process reported its exit" in message
     assert "  | ModuleNotFoundError: No module named 'stratkit'" in message and "Foo.scala" not in message
