@@ -31,6 +31,9 @@ authenticated, and one client cannot stop the server or starve the run:
   * accept() errors such as "too many open files" are retried with backoff;
     an error the server cannot recover from calls `on_fatal`, so the run
     fails with a clear message instead of waiting for logs that never come.
+
+Size: over 400 lines because the server and the client speak one protocol
+with shared limits; split, a change to one side could silently break the other.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ from stratkit.process.report import TaskFailure, format_failure_report
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.failures import REPORT_TITLE, SparkTrainingError
-from stratkit.spark.runner import SparkRunner, _confs, _pickle_payload, _spark_context
+from stratkit.spark.confs import read_confs, spark_context
+from stratkit.spark.runner import SparkRunner, _pickle_payload
 
 #: The logger spark-tensorflow-distributor uses (its class name), so its users' log filters keep working.
 log = logging.getLogger("MirroredStrategyRunner")
@@ -86,7 +87,7 @@ class MirroredStrategyRunner:
         from pyspark.sql import SparkSession
 
         self._spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
-        self.sc = _spark_context(self._spark)
+        self.sc = spark_context(self._spark)
         self.last_run = None
         log.info("Doing %s training...", "GPU" if use_gpu else "CPU")
         if local_mode:
@@ -102,7 +103,7 @@ class MirroredStrategyRunner:
         if not self._use_gpu:
             return self._num_slots
         key = f"spark.task.resource.{self._gpu_resource_name}.amount"
-        confs = _confs(self._spark, self.sc)
+        confs = read_confs(self._spark, self.sc)
         if key not in confs:
             raise ConfigError(f"Your cluster might not have Spark GPU-aware scheduling enabled: the conf {key} was "
                               "not found in the Spark configuration. Fix: set it (GPUs per task) with the executor "
