@@ -84,6 +84,9 @@ class Standby:
             # Its own output is only its imports' start-up noise: each run's output goes to that run's pipe.
             self.proc = start_child([sys.executable, "-c", _ENTRY], env, stdin=theirs, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
 
