@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratkit.errors import ConfigError
+from stratkit.training.inputs.rules import check_divisible
 
 log = logging.getLogger(__name__)
 
@@ -356,9 +357,7 @@ class ParquetShard:
         if replicas < self.count or replicas % self.count:
             raise ConfigError(f"num_replicas={replicas} is not a multiple of the {self.count} workers. "
                               "Fix: pass trainer.num_replicas (or strategy.num_replicas_in_sync)")
-        if global_batch_size % replicas:
-            raise ConfigError(f"global_batch_size={global_batch_size} does not split evenly over {replicas} "
-                              f"replicas. Fix: use a multiple of {replicas}")
+        check_divisible(global_batch_size, replicas)
         return global_batch_size // replicas
 
     def dataset_fn(self, global_batch_size: int, shuffle: bool = True, seed: int = DEFAULT_SEED,

@@ -106,11 +106,11 @@ class Standby:
         """Fork a training process for this run: working directory `workdir`, environment `env`."""
         return TrainingProcess(workdir, env, on_line, standby=self)
 
-    def _request(self, workdir: str, output_fd: int) -> None:
+    def request_run(self, workdir: str, output_fd: int) -> None:
         message = json.dumps({"workdir": workdir}).encode()
         socket.send_fds(self._channel, [message], [output_fd])
 
-    def _reply(self) -> dict[str, Any] | None:
+    def next_reply(self) -> dict[str, Any] | None:
         """The standby's next reply, or None once it is gone."""
         try:
             data = self._channel.recv(child_module.MESSAGE_BYTES)
@@ -159,7 +159,7 @@ class TrainingProcess:
             json.dump({"env": full}, handle)
         read, write = os.pipe()
         try:
-            self.standby._request(workdir, write)
+            self.standby.request_run(workdir, write)
         except OSError:  # the standby is gone: stream() reports its exit code
             pass
         finally:
@@ -180,7 +180,7 @@ class TrainingProcess:
 
     def stream(self) -> int:
         """Forward every line until the process ends; returns its exit code (negative: killed by a signal)."""
-        reply = self.standby._reply()  # the fork (after the standby's import, when it was still importing)
+        reply = self.standby.next_reply()  # the fork (after the standby's import, when it was still importing)
         with self._lock:
             if reply is not None:
                 self._pid = reply["pid"]
@@ -188,7 +188,7 @@ class TrainingProcess:
                     kill_group(self._pid)
         self._pump.run()  # until the process and everything in its group closed the pipe
         if reply is not None:
-            done = self.standby._reply()
+            done = self.standby.next_reply()
             if done is not None and done.get("pid") == self._pid:
                 self._exit = int(done["exit"])
                 self._finished = True
