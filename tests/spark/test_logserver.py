@@ -330,3 +330,15 @@ def test_accept_failing_for_longer_than_the_give_up_time_is_fatal_with_the_reaso
     finally:
         child.stdin.close()
         child.wait(timeout=10)
+
+
+def test_shutdown_returns_at_once_instead_of_waiting_out_the_poll_interval():
+    """run() returns right after the stage: the server's selector is woken, not left to time out (0.2 s)."""
+    took = []
+    for _ in range(5):
+        server = LogServer("127.0.0.1")
+        time.sleep(0.05)  # the acceptor is inside its select()
+        started = time.monotonic()
+        server.shutdown()
+        took.append(time.monotonic() - started)
+    assert sum(took) < 0.15, f"5 shutdowns took {[round(t, 3) for t in took]} s"
