@@ -37,10 +37,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: Files that are still allowed private uses until another branch lands. TEMPORARY: the parameter-server
-#: helper (s13ps) moves these uses into the gate sibling stratkit/strategy/keras_ps.py; the lead removes
-#: both entries when merging it (the test below fails once they are no longer needed).
-#: (training/evaluator.py uses only ps.py's own private names, which this test does not flag.)
+#: Files allowed private uses while a move into the gate is under way (none now): a named, temporary
+#: exception; the test below fails once an entry is no longer needed.
 TEMPORARY_EXCEPTIONS: frozenset[str] = frozenset()
 
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tf_keras.src")
