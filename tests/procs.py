@@ -69,6 +69,15 @@ class Result:
         raise ValueError(f"process {self.index} printed no JSON line; stdout={self.stdout!r}")
 
 
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its reaper, or a dead task, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``n`` distinct TCP ports that were free a moment ago.
 

@@ -30,6 +30,7 @@ import stratkit
 from stratkit.cli import main
 from stratkit.launch import describe_returncode, plan_tasks, thread_env
 from stratkit.launch.local import listening_ports, reserve_ports
+from procs import alive as _alive  # noqa: E402
 
 DIGITS_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
 
@@ -61,16 +62,6 @@ def _pids(launcher_stderr: str) -> dict[str, list[int]]:
     for task, pid in re.findall(r"(\w+:\d+) started: pid (\d+)", launcher_stderr):
         found.setdefault(task, []).append(int(pid))
     return found
-
-
-def _alive(pid: int) -> bool:
-    """True when `pid` runs (a zombie waiting for a reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _assert_all_gone(pids: list[int], within: float = 5.0) -> None:

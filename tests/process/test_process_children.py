@@ -20,6 +20,7 @@ from procs import child_env
 
 from stratkit.process.children import die_with_parent, start_child, stop_groups
 from stratkit.process.reaper import reap
+from procs import alive as _alive  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +33,6 @@ STUBBORN = [sys.executable, "-c", textwrap.dedent("""
     print(grandchild.pid, flush=True)
     time.sleep(300)
 """)]
-
-
-def _alive(pid: int) -> bool:
-    """True when `pid` runs (a zombie waiting for its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:

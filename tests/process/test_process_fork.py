@@ -8,14 +8,7 @@ import sys
 import time
 
 from stratkit.process.children import fork_child
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
+from procs import alive as _alive  # noqa: E402
 
 
 def test_a_forked_function_leads_its_own_group_writes_to_the_pipe_and_exits_with_its_return_value():

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from procs import alive  # noqa: F401 - re-exported: the Spark tests' one liveness check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_GPU_SCRIPT = REPO_ROOT / "spark_jobs" / "gpu_discovery.sh"
@@ -68,15 +69,6 @@ def standby_processes() -> list[int]:
     from stratkit.spark.child import STANDBY_NAME
 
     return [pid for pid in _live_pids() if _read(pid, "comm").strip() == STANDBY_NAME.encode()[:15]]
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def _live_pids() -> list[int]:

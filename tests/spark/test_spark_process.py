@@ -14,16 +14,9 @@ import pytest
 
 from stratkit.spark import child as child_module
 from stratkit.spark.process import Standby, TrainingProcess
+from procs import alive as _alive  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts processes
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def _gone(pid: int, seconds: float = 10.0) -> bool:
