@@ -103,24 +103,6 @@ def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def _preload() -> None:
-    """Import what every run needs, before any run is known: TensorFlow, Keras, pyspark's task context, stratkit.
-
-    Imports only: no TensorFlow context, server or device is created, so the
-    run's TF_CONFIG and CUDA_VISIBLE_DEVICES (set in the forked child) still take effect.
-    """
-    # stratkit's training modules too: the trainer imports them only when a run uses it (measured: the rest of a
-    # run's imports is one tf.data module).
-    for name in ("tensorflow", "keras", "cloudpickle", "pyspark.taskcontext", "stratkit", "stratkit.timeline",
-                 "stratkit.strategy.factory", "stratkit.strategy.keras_compat", "stratkit.strategy.compression",
-                 "stratkit.training.trainer", "stratkit.training.data", "stratkit.training.callbacks",
-                 "stratkit.spark.context", "stratkit.spark.data"):
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - the run imports what it needs and reports its own errors
-            pass
-
-
 def _set_name(name: str) -> None:
     """Name this process (/proc/PID/comm, 15 bytes) so a standby or a run's process can be found by PID."""
     if sys.platform.startswith("linux"):
@@ -152,7 +134,9 @@ def main(argv: list[str]) -> int:
     gc.disable()
     preloaded = None
     if os.environ.get(PRELOAD_VAR) == "1":
-        _preload()
+        from stratkit.spark.preload import preload
+
+        preload()
         preloaded = time.time()
     channel = socket.socket(fileno=0)  # the task's end is a SEQPACKET socketpair: one message per request
     while True:

@@ -54,6 +54,16 @@ def configure_tensorflow():
     return tf.config.threading.get_inter_op_parallelism_threads(), gc.isenabled(), gc.get_freeze_count()
 
 
+def use_what_the_preload_deferred():
+    import sys
+
+    deferred_at_start = "sklearn" not in sys.modules and "matplotlib.figure" not in sys.modules
+    import keras
+    import sklearn.base
+
+    return deferred_at_start, issubclass(keras.wrappers.SKLearnClassifier, sklearn.base.BaseEstimator)
+
+
 def sleep_forever():
     import os
     import time
@@ -91,7 +101,8 @@ def test_forks_of_a_preloaded_standby_configure_tensorflow_and_draw_different_ra
     standby = Standby.spawn({**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, preload=True)  # numpy seeded here, once
     try:
         results, lines = [], []
-        for tag, fn in (("a", describe), ("b", describe), ("tf", configure_tensorflow)):
+        for tag, fn in (("a", describe), ("b", describe), ("tf", configure_tensorflow),
+                        ("deferred", use_what_the_preload_deferred)):
             env = {**os.environ, child_module.RESULT_VAR: "1"}
             process = standby.start(_workdir(tmp_path, tag, fn, *((tag,) if fn is describe else ())), env,
                                     lines.append)
@@ -101,12 +112,14 @@ def test_forks_of_a_preloaded_standby_configure_tensorflow_and_draw_different_ra
             process.close()
     finally:
         standby.close()
-    first, second, (threads, collecting, frozen) = results
+    first, second, (threads, collecting, frozen), deferred = results
     assert threads == 1  # TensorFlow imported in the standby, its context created only in the fork
     # The fork collects its own garbage; the standby's import-time objects are frozen, never walked.
     assert collecting and frozen > 100_000
     # As two new interpreters would: numpy's global generator is re-seeded in each fork (Python's re-seeds itself).
     assert first["numpy"] != second["numpy"] and first["random"] != second["random"]
+    # scikit-learn (Keras's wrappers) was left for first use, and a run that uses it gets it (stratkit.spark.preload).
+    assert deferred == (True, True)
 
 
 def test_a_killed_run_reports_the_signal_and_the_standby_serves_the_next_run(standby, tmp_path):
