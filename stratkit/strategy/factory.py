@@ -167,6 +167,10 @@ def _build_multi_worker(spec: ClusterSpec, implementation: str = "auto", timeout
         raise ConfigError("MultiWorkerMirroredStrategy must be created before TensorFlow runs any op "
                           f"(TensorFlow raises 'Collective ops must be configured at program startup'). Fix: {_STARTUP_FIX}")
     resolver = cluster_resolver(spec) if spec.cluster else None
+    if spec.cluster:
+        from stratkit.strategy.startup import wait_for_leader
+
+        wait_for_leader(spec.cluster, spec.task_type, spec.task_index)  # no gRPC reconnect backoff (~1 s)
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except RuntimeError as exc:
