@@ -42,8 +42,9 @@ PRELOAD = ("tensorflow", "keras", "cloudpickle", "pyspark.taskcontext", "stratki
 #: Imported during the preload only as placeholders, loaded on first use (see the module docstring).
 DEFERRED = ("keras.wrappers", "matplotlib.pyplot")
 
-#: Attributes the import system reads from a module in sys.modules; reading them does not load it.
-_IMPORT_ATTRS = frozenset({"__class__", "__name__", "__spec__", "__loader__", "__package__"})
+#: Attributes the import system (and scans of sys.modules such as `inspect.getmodule`) read; set before the
+#: module's code runs, so reading them does not load it.
+_IMPORT_ATTRS = frozenset({"__class__", "__name__", "__spec__", "__loader__", "__package__", "__file__", "__cached__"})
 
 _load_lock = threading.RLock()
 _loading: dict[int, int] = {}  # id(placeholder) -> the thread running its code

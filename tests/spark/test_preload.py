@@ -48,6 +48,20 @@ def test_an_import_statement_gives_a_placeholder_whose_code_runs_on_first_attrib
     assert module.VALUE == 42 and counter.runs == ["slow"]  # once
 
 
+def test_scanning_sys_modules_for_files_does_not_load_it(modules):
+    """`inspect.getmodule` (TensorFlow's autograph calls it) walks sys.modules reading __name__ and __file__."""
+    import inspect
+
+    package, write = modules
+    slow = write("slow", f"from {package} import counter\ncounter.runs.append('slow')\n")
+    with preload.defer([slow]):
+        module = importlib.import_module(slow)
+    code = compile("pass", "/nowhere/not-a-module.py", "exec")
+    assert inspect.getmodule(code) is None
+    assert preload.is_deferred(module) and module.__file__.endswith("slow.py")
+    assert importlib.import_module(f"{package}.counter").runs == []
+
+
 def test_from_import_of_a_name_loads_it_and_other_modules_import_normally(modules):
     package, write = modules
     slow = write("slow", f"from {package} import counter\ncounter.runs.append('slow')\nVALUE = 7\n")
