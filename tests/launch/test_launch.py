@@ -99,8 +99,11 @@ class _Launcher:
     """A launcher running in the background, its output collected line by line."""
 
     def __init__(self, args: list[str], env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
+        # A Ctrl-C from a terminal: SIGINT at its default in the launcher, even when pytest itself runs as a
+        # background job (a shell then starts it with SIGINT ignored, which the launcher rightly respects).
         self.proc = subprocess.Popen([*prefix, *_launch_argv(*args)], env=child_env(None, env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out: list[str] = []
         self.err: list[str] = []
         self._threads = [threading.Thread(target=self._read, args=(s, d), daemon=True)
