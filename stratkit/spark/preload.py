@@ -8,9 +8,10 @@ the forked child) still take effect.
 Deferred modules. Importing Keras 3 also imports, when they are installed,
 scikit-learn (for `keras.wrappers`' scikit-learn estimators) and
 matplotlib's pyplot (for `keras.visualization`'s plots): 1.1 s of the
-standby's 3.5 s import (`python -X importtime`, TF 2.21, Keras 3.15), paid
-on the critical path of every cold run, for features a training function
-rarely touches. During the preload these two modules -- `keras.wrappers`
+standby's 3.5 s import as `python -X importtime` counts it (TF 2.21, Keras
+3.15); measured without it, the preload took 2.84 s with them and
+2.12-2.25 s without, paid on the critical path of every cold run, for
+features a training function rarely touches. During the preload these two modules -- `keras.wrappers`
 and `matplotlib.pyplot` -- are created as placeholders: the first attribute
 access (`keras.wrappers.SKLearnClassifier`, `plt.plot`) runs the real
 module, in whichever process touches it, once (other threads wait). Nothing
