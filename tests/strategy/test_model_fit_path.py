@@ -364,3 +364,46 @@ def test_strategy_after_a_tensorflow_op_is_refused_exactly_where_tensorflow_fail
     else:
         assert ours["config_error"], ours
         assert "Fix: create the strategy before any other TensorFlow op" in ours["error"]
+
+
+# --------------------------------------------------------------------------
+# After fit returns on any worker, the chief's callbacks have finished (their files are complete)
+# --------------------------------------------------------------------------
+
+CHIEF_WRITES_LATE = textwrap.dedent('''
+    import json, os, time
+    import stratkit
+
+    strategy = stratkit.make_strategy()
+    import keras
+    import numpy as np
+
+    OUT = os.environ["OUT"]
+    chief = bool(strategy.extended.should_checkpoint)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+
+    class SlowChiefFile(keras.callbacks.Callback):
+        """The chief writes a file at the end of training, slowly (a large checkpoint, a slow disk)."""
+        def on_train_end(self, logs=None):
+            if chief:
+                time.sleep(1.5)
+                with open(os.path.join(OUT, "chief-file"), "w") as handle:
+                    handle.write("complete")
+
+    x = np.ones((32, 4), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=8, callbacks=[SlowChiefFile()], verbose=0)
+    # As in TF's tutorials: every worker reads what the chief saved (e.g. model.load_weights of its checkpoint).
+    print(json.dumps({"chief": chief, "sees_chief_file": os.path.exists(os.path.join(OUT, "chief-file"))}))
+''')
+
+
+def test_every_workers_fit_returns_after_the_chiefs_callbacks_finished(tmp_path):
+    """A non-chief's fit used to return while the chief was still writing (h5py: 'unable to lock file')."""
+    results = run_cluster(CHIEF_WRITES_LATE, worker_tf_configs(free_ports(2)), env={**CLEAN_ENV, "OUT": str(tmp_path)},
+                          timeout=180)
+    assert all(r.ok for r in results), describe(results)
+    seen = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    assert [s["chief"] for s in seen] == [True, False]
+    assert all(s["sees_chief_file"] for s in seen), seen

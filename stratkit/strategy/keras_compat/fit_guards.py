@@ -17,7 +17,10 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   temporary directories and the progress bar is off unless the call passes
   ``verbose=``; on every worker, callbacks whose files cannot be moved are
   refused, and the workers check they resume a ``BackupAndRestore`` at the
-  same epoch. One process, or one worker, is left exactly as Keras does it.
+  same epoch; and ``fit`` returns on every worker only once every worker's
+  callbacks have finished (one scalar collective after Keras's ``fit``), so
+  the chief's checkpoint files are complete when any worker reads them. One
+  process, or one worker, is left exactly as Keras does it.
 
 A second guard catches Keras metrics updated in a parameter-server step
 (:mod:`.metric_guard`).
@@ -114,7 +117,15 @@ def _guarded(name: str, original: Any) -> Any:
             args, kwargs = bound.args[1:], bound.kwargs
         _inside_guarded_call.active = True
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if name == "fit" and _is_multi_worker_collective(strategy):
+                # Every worker leaves fit together, after every worker's callbacks (the chief's checkpoint
+                # and TensorBoard files are complete): scripts that then read the chief's checkpoint on every
+                # worker, as TF's tutorials do, otherwise race the chief's write (h5py "unable to lock file").
+                from stratkit.training.backup import min_over_workers
+
+                min_over_workers(strategy, 0)
+            return result
         finally:
             _inside_guarded_call.active = False
             if temps:
