@@ -11,8 +11,9 @@ matplotlib's pyplot (for `keras.visualization`'s plots): 1.1 s of the
 standby's 3.5 s import as `python -X importtime` counts it (TF 2.21, Keras
 3.15); measured without it, the preload took 2.84 s with them and
 2.12-2.25 s without, paid on the critical path of every cold run, for
-features a training function rarely touches. During the preload these two modules -- `keras.wrappers`
-and `matplotlib.pyplot` -- are created as placeholders: the first attribute
+features a training function rarely touches. During the preload these two
+modules -- `keras.wrappers` and `matplotlib.pyplot` -- are created as
+placeholders: the first attribute
 access (`keras.wrappers.SKLearnClassifier`, `plt.plot`) runs the real
 module, in whichever process touches it, once (other threads wait). Nothing
 changes for code that uses them except when their import time is paid.

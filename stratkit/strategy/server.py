@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -108,12 +107,9 @@ def configure_coordinator(spec: ClusterSpec) -> None:
 
 
 def _chief_reachable(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-            return True
-    except OSError:
-        return False
+    from stratkit.strategy.startup import accepts_connection
+
+    return accepts_connection(address, timeout=2)
 
 
 def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:

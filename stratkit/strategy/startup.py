@@ -52,6 +52,21 @@ def split_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def accepts_connection(address: str, timeout: float = 1.0) -> bool:
+    """True when "host:port" accepts a TCP connection within `timeout` seconds (False also if it is not host:port).
+
+    A held port (`stratkit.process.ports.hold_port`) refuses: only a task's running server accepts.
+    """
+    target = split_address(address)
+    if target is None:
+        return False
+    try:
+        socket.create_connection(target, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_for_leader(cluster: Mapping[str, list[str]], task_type: str | None, task_index: int | None, *,
                     max_wait: float = MAX_WAIT_SECONDS, clock: Callable[[], float] = time.monotonic,
                     sleep: Callable[[float], None] = time.sleep) -> float | None:
@@ -64,17 +79,13 @@ def wait_for_leader(cluster: Mapping[str, list[str]], task_type: str | None, tas
     if leader is None or (task_type, task_index) == leader:
         return None
     role, index = leader
-    target = split_address(cluster[role][index])
-    if target is None:
+    if split_address(cluster[role][index]) is None:
         return None
     started = clock()
     reported = False
     while True:
-        try:
-            socket.create_connection(target, timeout=1.0).close()
+        if accepts_connection(cluster[role][index]):
             return clock() - started
-        except OSError:
-            pass
         waited = clock() - started
         if waited >= max_wait:
             log.warning(f"the coordination leader {role}:{index} at {cluster[role][index]} did not accept a "
