@@ -199,6 +199,11 @@ def test_all_gather_in_train_fn_returns_what_spark_tensorflow_distributor_return
 
 def test_the_next_run_is_forked_from_the_warm_standby_and_the_conf_turns_it_off(spark):
     runner = SparkRunner(num_workers=2)
+    # Spark hands a task the Python worker idle the longest (PythonWorkerFactory's idle queue is FIFO), and an
+    # executor with 2 cores keeps up to 2 idle workers; earlier tests' plain Spark jobs leave workers without a
+    # standby. Two runs give every idle worker of this session a standby (README: the standby is per Python
+    # worker, so on multi-core executors a run can land on a worker that has none yet).
+    runner.run(report_pid)
     first_pid = runner.run(report_pid)
     deadline = time.monotonic() + 10
     while len(_our_standbys()) < 2 and time.monotonic() < deadline:
