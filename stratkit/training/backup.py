@@ -12,7 +12,7 @@ Layout:
                                     "epochs": {"2": <sha256>, "3": <sha256>}}
     workers/worker-1/...           each other worker's own copy (same layout)
 
-Writing (`stratkit.training.files`): each file goes to a fresh private
+Writing (`stratkit.files`): each file goes to a fresh private
 temporary, is fsynced and renamed into place; checkpoint.json is renamed last,
 so it only ever names complete files, with their SHA-256. Temporaries a killed
 writer left behind are removed at the next start. A directory or file that
@@ -27,7 +27,7 @@ workers agree on the newest epoch every one of them has (a MIN all-reduce),
 so workers that died a moment apart resume from the same epoch.
 
 Size: a little over 400 lines: the format (layout, checksums) and the resume
-rule it serves change together; file writes are in `training/files.py`.
+rule it serves change together; file writes are in `stratkit/files.py`.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ from typing import Any
 
 import keras
 
-from stratkit import status
+from stratkit import files, status
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
-from stratkit.training import files
 
 log = status.logger(__name__)
 
