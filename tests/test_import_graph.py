@@ -1,7 +1,10 @@
-"""stratkit's modules import each other in one direction: no import cycle inside `stratkit/`.
+"""stratkit's modules import each other in one direction: no import cycle inside `stratkit/`, and every
+import follows the layers of `docs/architecture.md` (cluster -> strategy -> training -> launching).
 
 Read from the source with `ast` (nothing is imported), so a cycle fails here
-before it fails, or half-initialises a module, at someone's import time.
+before it fails, or half-initialises a module, at someone's import time. The
+layer rule counts imports inside functions too: a function-level import of a
+lower layer is the same circle, only hidden until the function runs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "stratkit"
 # Packages that must not be in any cycle even through imports inside functions (a deferred
 # import still ties two modules together: the PS loop and its evaluator once did).
 NO_DEFERRED_CYCLES = ("stratkit.training.ps", "stratkit.training.inputs", "stratkit.strategy.keras_ps")
+
+#: The layers, first to last: a module imports (even inside a function) only its own layer and the ones before it.
+LAYERS = (("stratkit.cluster",), ("stratkit.strategy",), ("stratkit.training",),
+          ("stratkit.process", "stratkit.launch", "stratkit.spark"))
+#: The public entry points, which offer every layer (`import stratkit`, `stratkit.callbacks`, `stratkit` CLI):
+#: they count as the last layer (only it imports them). Every other module outside the layers is the floor
+#: (`errors`, `status`, `files`, ...): it imports no layer.
+ENTRY_POINTS = frozenset({"stratkit", "stratkit.callbacks", "stratkit.cli"})
 
 
 def _modules(root: Path = PACKAGE) -> dict[str, Path]:
@@ -51,7 +62,9 @@ def imports(name: str, path: Path, modules: dict[str, Path], *, deferred: bool) 
     nodes = list(ast.walk(tree)) if deferred else _top_level(tree.body)
     found: set[str] = set()
     for node in nodes:
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and _dynamic_import(node):  # importlib.import_module("stratkit....")
+            found.add(node.args[0].value)
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -62,6 +75,36 @@ def imports(name: str, path: Path, modules: dict[str, Path], *, deferred: bool) 
                 submodule = f"{base}.{alias.name}"
                 found.add(submodule if submodule in modules else base)
     return {module for module in found if module in modules and module != name}
+
+
+def _dynamic_import(node: ast.Call) -> bool:
+    """`importlib.import_module("...")` / `import_module("...")` / `__import__("...")` with a literal name."""
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    return (name in ("import_module", "__import__") and bool(node.args) and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str))
+
+
+def layer(module: str) -> int | None:
+    """The index in `LAYERS` of `module`'s layer (an entry point: the last); None for the floor."""
+    if module in ENTRY_POINTS:
+        return len(LAYERS) - 1
+    for index, packages in enumerate(LAYERS):
+        if any(module == package or module.startswith(package + ".") for package in packages):
+            return index
+    return None
+
+
+def against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that point against the layers: into a later layer, or from the floor into any layer."""
+    found = []
+    for source, targets in sorted(graph.items()):
+        if source in ENTRY_POINTS:
+            continue  # they offer every layer
+        for target in sorted(targets):
+            here, there = layer(source), layer(target)
+            if there is not None and (here is None or there > here):
+                found.append(f"{source} -> {target}")
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -111,6 +154,36 @@ def test_no_import_cycle_among_module_level_imports():
 def test_the_ps_loop_and_the_input_layer_are_in_no_cycle_even_through_deferred_imports():
     tangled = [c for c in cycles(_graph(deferred=True)) if any(m.startswith(NO_DEFERRED_CYCLES) for m in c)]
     assert tangled == []
+
+
+def test_every_import_follows_the_layers_even_inside_functions():
+    # e.g. strategy/ importing training/ inside a function (the fit guard and the done markers once did)
+    assert against_the_layers(_graph(deferred=True)) == []
+
+
+def test_the_layer_check_finds_an_import_against_the_layers(tmp_path):
+    package = tmp_path / "stratkit"
+    for folder in ("strategy/keras_compat", "training", "cluster"):
+        (package / folder).mkdir(parents=True)
+    for init in ("", "strategy", "strategy/keras_compat", "training", "cluster"):
+        (package / init / "__init__.py").write_text("")
+    (package / "errors.py").write_text("")
+    (package / "files.py").write_text("def f():\n    from stratkit.cluster import spec\n")
+    (package / "cluster" / "spec.py").write_text("from stratkit import errors\n")
+    (package / "training" / "backup.py").write_text("from stratkit import files\nfrom ..strategy import guards\n")
+    (package / "strategy" / "server.py").write_text("def f():\n    from stratkit.training import backup\n")
+    (package / "strategy" / "keras_compat" / "guards.py").write_text(
+        "import importlib\n\ndef f():\n    from ...training.backup import x\n    from stratkit import files\n"
+        "    importlib.import_module('stratkit.training')\n    import stratkit\n")
+    modules = _modules(package)
+    every = {name: imports(name, path, modules, deferred=True) for name, path in modules.items()}
+    assert against_the_layers(every) == [
+        "stratkit.files -> stratkit.cluster.spec",
+        "stratkit.strategy.keras_compat.guards -> stratkit",
+        "stratkit.strategy.keras_compat.guards -> stratkit.training",
+        "stratkit.strategy.keras_compat.guards -> stratkit.training.backup",
+        "stratkit.strategy.server -> stratkit.training.backup",
+    ]
 
 
 def test_the_cycle_finder_finds_a_cycle(tmp_path):

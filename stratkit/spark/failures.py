@@ -22,7 +22,8 @@ from stratkit.errors import StratkitError
 from stratkit.process.pump import TAIL_LINES
 from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
 from stratkit.spark.layout import TaskRole
-from stratkit.spark.logserver import SETUP_FAILED, LogServer, TaskLog
+from stratkit.spark.logprotocol import SETUP_FAILED
+from stratkit.spark.logserver import LogServer, TaskLog
 from stratkit.spark.task import parse_failure_record
 
 #: Who reports in the root-cause report (the launcher's says "stratkit launch").

@@ -1,4 +1,4 @@
-"""Live task output on the driver: a small TCP log server, and the client each task uses.
+"""Live task output on the driver: a small TCP log server that accepts the tasks' connections.
 
 Every line a task's training process prints is sent to the driver as it
 appears and printed there with the task's prefix (`[worker:1] ...`), so a
@@ -8,13 +8,11 @@ stderr files. The same connection carries the task's exit code to the driver
 and, in the other direction, ABORT: when one task fails or the run times out,
 the driver tells every other task to kill its training process tree at once.
 
-Protocol (UTF-8 text lines):
-    task -> driver   HELLO <token> <rank> <label>   first line; anything else closes the connection
-                     L <text>                       one output line
-                     X <exit code>                  the training process ended (SETUP_FAILED: never started)
-    driver -> task   OK                             the HELLO was accepted
-                     BUSY                           dropped before authentication (server full): retry
-                     ABORT <reason>                 kill the training process now
+This module is the driver's end: who may connect, how many, for how long.
+What travels on a connection (HELLO, L, X, OK, BUSY, ABORT, the line bounds)
+and the task's end, `LogClient`, are in `stratkit.spark.logprotocol`; the
+names other modules take from here (`LogClient`, `SETUP_FAILED`, `TAIL_LINES`,
+`MAX_LINE`) are re-exported.
 
 Only connections that present the run's random token are accepted: the server
 listens on the driver's address, and without the token anything else on the
@@ -31,37 +29,29 @@ authenticated, and one client cannot stop the server or starve the run:
   * accept() errors such as "too many open files" are retried with backoff;
     an error the server cannot recover from calls `on_fatal`, so the run
     fails with a clear message instead of waiting for logs that never come.
-
-Size: over 400 lines because the server and the client speak one protocol
-with shared limits; split, a change to one side could silently break the other.
 """
 
 from __future__ import annotations
 
 import errno
-import hmac
 import secrets
 import selectors
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from stratkit import status
 from stratkit.process import pump
 from stratkit.process.tracebacks import ExceptionScanner
+from stratkit.spark import logprotocol
+from stratkit.spark.logprotocol import BUSY, MAX_HELLO, MAX_LINE, SETUP_FAILED, TAIL_LINES, LogClient
 
-#: Lines kept per task for error messages: the one tail rule of `stratkit.process.pump` (also the launcher's).
-TAIL_LINES = pump.TAIL_LINES
-#: Longer lines are cut (the tail's rule too): a progress bar without newlines must not become one 100 MB "line".
-MAX_LINE = pump.TAIL_LINE_CHARS
-#: The same bound in bytes, as read from a socket (a UTF-8 character is at most 4 bytes).
-MAX_LINE_BYTES = 4 * MAX_LINE
-#: Longest HELLO line ("HELLO <32 hex digits> <rank> <label>" is under 100 bytes).
-MAX_HELLO = 512
+__all__ = ["ACCEPT_GIVE_UP", "HELLO_TIMEOUT", "MAX_CONNECTIONS", "MAX_HELLO", "MAX_LINE", "MAX_PENDING",
+           "SETUP_FAILED", "TAIL_LINES", "LogClient", "LogServer", "TaskLog"]
+
 #: Seconds a connection has to deliver its whole HELLO (not per byte: a trickle cannot extend it).
 HELLO_TIMEOUT = 10.0
 #: Unauthenticated connections held at once.
@@ -70,17 +60,12 @@ MAX_PENDING = 64
 MAX_CONNECTIONS = 256
 #: Seconds accept() may keep failing (e.g. EMFILE) before the server gives up and reports it fatal.
 ACCEPT_GIVE_UP = 60.0
-#: The exit code a task reports when it failed before its training process started.
-SETUP_FAILED = -1000
 
 # accept() errors that concern one connection, or resources that come back: retry (see accept(2)).
 _RETRY_NOW = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT, errno.EHOSTDOWN,
               errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH, errno.ETIMEDOUT,
               getattr(errno, "ENONET", errno.ENETDOWN)}
 _RETRY_LATER = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-_BUSY = b"BUSY\n"
-
-log = status.logger(__name__)
 
 
 @dataclass
@@ -223,7 +208,7 @@ class LogServer:
             self._accept_failing_since = None
             self._accept_backoff = 0.0
             if len(self._pending) >= MAX_PENDING:
-                self._drop(next(iter(self._pending.values())), _BUSY)
+                self._drop(next(iter(self._pending.values())), BUSY)
             conn.setblocking(False)
             pending = _Pending(conn, time.monotonic() + HELLO_TIMEOUT)
             self._pending[conn] = pending
@@ -239,7 +224,7 @@ class LogServer:
         elif now - self._accept_failing_since > self._accept_give_up:
             raise OSError(exc.errno, f"accept() kept failing for {self._accept_give_up:.0f}s: {exc.strerror}")
         if self._pending and exc.errno in (errno.EMFILE, errno.ENFILE):
-            self._drop(next(iter(self._pending.values())), _BUSY)  # an idle client's descriptor, for a task
+            self._drop(next(iter(self._pending.values())), BUSY)  # an idle client's descriptor, for a task
         self._accept_backoff = min(1.0, max(0.005, 2 * self._accept_backoff))
         self._selector.unregister(self._sock)  # a listening socket stays readable: pause, do not spin
         self._accept_resume_at = now + self._accept_backoff
@@ -290,30 +275,15 @@ class LogServer:
                 pass
         conn.close()
 
-    def _authenticate(self, line: bytes) -> tuple[int, str] | None:
-        """(rank, label) from a HELLO line, or None. Bytes only until the token matched."""
-        parts = line.rstrip(b"\r").split(b" ", 3)
-        if len(parts) != 4 or parts[0] != b"HELLO":
-            return None
-        if not hmac.compare_digest(parts[1], self._token):  # constant time for any bytes, any length
-            return None
-        rank_text = parts[2]
-        if not (rank_text.isdigit() and len(rank_text) <= 6):  # bytes.isdigit(): ASCII digits only
-            return None
-        rank = int(rank_text)
-        if self._max_tasks is not None and rank >= self._max_tasks:
-            return None
-        return rank, parts[3].decode("utf-8", errors="replace")
-
     def _admit(self, conn: socket.socket, line: bytes, rest: bytes) -> None:
-        hello = self._authenticate(line)
+        hello = logprotocol.parse_hello(line, self._token, self._max_tasks)
         if hello is None:
             self._reject(conn)
             return
         with self._lock:
             full = len(self._threads) >= self._max_connections
         if full:
-            self._reject(conn, _BUSY)
+            self._reject(conn, BUSY)
             return
         thread = threading.Thread(target=self._serve_task, args=(conn, *hello, rest), name="stratkit-log-conn",
                                   daemon=True)
@@ -326,19 +296,15 @@ class LogServer:
         task: TaskLog | None = None
         try:
             conn.setblocking(True)
-            conn.sendall(b"OK\n")
+            conn.sendall(logprotocol.OK)
             with self._lock:
                 task = self.tasks.setdefault(rank, TaskLog(rank, label))
                 self._connections[rank] = conn
-            for raw in _bounded_lines(conn, rest, MAX_LINE_BYTES):
-                kind, _, text = raw.decode("utf-8", errors="replace").partition(" ")
+            for kind, text in logprotocol.messages(conn, rest):
                 if kind == "L":
                     self._line(task, pump.cut_line(text))
                 elif kind == "X":
-                    try:
-                        task.exit_code = int(text) if len(text) <= 20 else -1
-                    except ValueError:
-                        task.exit_code = -1
+                    task.exit_code = logprotocol.exit_code(text)
                     if self._on_exit is not None:
                         self._on_exit(task)
         except OSError:
@@ -380,7 +346,7 @@ class LogServer:
     # -- control --------------------------------------------------------------------------------
     def abort_all(self, reason: str) -> int:
         """Tell every connected task to kill its training process; returns how many were told."""
-        message = f"ABORT {reason}\n".encode()
+        message = logprotocol.abort(reason)
         with self._lock:
             connections = list(self._connections.values())
         told = 0
@@ -415,147 +381,3 @@ class LogServer:
             except OSError:
                 pass
 
-
-def _bounded_lines(conn: socket.socket, start: bytes, limit: int) -> Iterator[bytes]:
-    """The lines arriving on `conn` (without their newline); a line longer than `limit` bytes is cut to its first
-    `limit` bytes and the rest of it is read and dropped, so memory stays bounded whatever the peer sends."""
-    buffer = bytearray(start)
-    skipping = False  # inside the dropped rest of an over-long line
-    while True:
-        end = buffer.find(b"\n")
-        if end >= 0:
-            if not skipping:
-                yield bytes(buffer[:end])
-            skipping = False
-            del buffer[:end + 1]
-            continue
-        if len(buffer) > limit:
-            if not skipping:
-                yield bytes(buffer[:limit])
-            skipping = True
-            buffer.clear()
-        data = conn.recv(65536)
-        if not data:
-            if buffer and not skipping:
-                yield bytes(buffer)
-            return
-        buffer += data
-
-
-class _Busy(Exception):
-    """The server dropped this connection before authentication because it was full: retry."""
-
-
-class LogClient:
-    """The task's end. Best effort: if the driver cannot be reached, lines go to this process's stderr.
-
-    Args:
-        host, port, token: the driver's log server.
-        rank, label: this task.
-        on_abort: called (from a reader thread) with the reason when the driver
-            sends ABORT, or when the connection to the driver is lost, so the
-            task never trains on after the driver gave up.
-    """
-
-    def __init__(self, host: str, port: int, token: str, rank: int, label: str,
-                 on_abort: Callable[[str], None] | None = None, timeout: float = 10.0) -> None:
-        self.label = label
-        self._on_abort = on_abort
-        self._lock = threading.Lock()
-        self._closed = False
-        self.connected = False
-        self.error: str | None = None
-        self._sock: socket.socket | None = None
-        hello = f"HELLO {token} {rank} {label}\n".encode()
-        deadline = time.monotonic() + 3 * timeout
-        while True:
-            try:
-                self._sock = self._handshake(host, port, hello, timeout)
-                break
-            except _Busy as exc:  # dropped in a flood of other connections: try again for a while
-                if time.monotonic() + 0.2 >= deadline:
-                    self.error = f"the driver's log server at {host}:{port} stayed busy: {exc}"
-                    break
-                time.sleep(0.2)
-            except OSError as exc:
-                self.error = f"cannot reach the driver's log server at {host}:{port}: {exc}"
-                break
-        if self._sock is None:
-            log.warning("%s; task output stays in this executor's stderr", self.error)
-            return
-        self.connected = True
-        threading.Thread(target=self._read_loop, name="stratkit-log-abort", daemon=True).start()
-
-    @staticmethod
-    def _handshake(host: str, port: int, hello: bytes, timeout: float) -> socket.socket:
-        """Connect, send HELLO, wait for OK. Raises _Busy (retry) or OSError (give up)."""
-        sock = socket.create_connection((host, port), timeout=timeout)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(hello)
-            reply = b""
-            while not reply.endswith(b"\n") and len(reply) < 8:  # exactly one short line: ABORT may follow
-                data = sock.recv(1)
-                if not data:
-                    break
-                reply += data
-        except (TimeoutError, ConnectionResetError) as exc:
-            sock.close()
-            raise _Busy(str(exc) or type(exc).__name__) from None
-        except BaseException:
-            sock.close()
-            raise
-        if reply == b"OK\n":
-            sock.settimeout(None)
-            return sock
-        sock.close()
-        if reply == _BUSY:
-            raise _Busy("too many connections")
-        raise ConnectionRefusedError(errno.ECONNREFUSED, "the driver refused this task's token")
-
-    def _read_loop(self) -> None:
-        assert self._sock is not None
-        reason = "the driver closed the connection"
-        try:
-            reader = self._sock.makefile("r", encoding="utf-8", errors="replace", newline="\n")
-            for raw in reader:
-                if raw.startswith("ABORT"):
-                    reason = raw.rstrip("\n")[6:] or "aborted by the driver"
-                    break
-        except (OSError, ValueError):
-            pass
-        if not self._closed and self._on_abort is not None:
-            self._on_abort(reason)
-
-    def _send(self, message: str) -> bool:
-        with self._lock:
-            if self._sock is None:
-                return False
-            try:
-                self._sock.sendall(message.encode("utf-8", errors="replace"))
-                return True
-            except OSError as exc:
-                self.error = f"lost the driver's log server: {exc}"
-                self._sock = None
-                return False
-
-    def line(self, text: str) -> None:
-        """Send one output line (no newline inside); falls back to stderr."""
-        text = pump.cut_line(text.replace("\n", " "))
-        if not self._send(f"L {text}\n"):
-            sys.stderr.write(f"[{self.label}] {text}\n")
-
-    def exit_code(self, code: int) -> None:
-        """Report the training process's exit code."""
-        self._send(f"X {code}\n")
-
-    def close(self) -> None:
-        self._closed = True
-        with self._lock:
-            sock, self._sock = self._sock, None
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()

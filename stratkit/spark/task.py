@@ -46,7 +46,7 @@ from stratkit.process import ports
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
-from stratkit.spark.logserver import SETUP_FAILED, TAIL_LINES, LogClient
+from stratkit.spark.logprotocol import SETUP_FAILED, TAIL_LINES, LogClient
 from stratkit.strategy.server import RUN_DIR_VAR
 
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).

@@ -1,12 +1,12 @@
 """The private Keras and TensorFlow pieces the parameter-server loop runs on, behind the version gate.
 
-Keras 3 has no parameter-server trainer, so `stratkit.training.ps` drives a
+Keras 3 has no parameter-server trainer, so the training layer's `training/ps/` drives a
 model through Keras' own trainer internals: the symbolic build that creates
 every variable before a step is scheduled, the loss computation and loss
 tracker Keras' `train_step` uses, whether `call` takes `training=`. TensorFlow
 has no public way to ship a dataset to a worker or to save a sharded variable.
 Each use is one small function here, named for what it does; nothing else in
-`stratkit/training/` touches a private Keras or TensorFlow name.
+the training layer (`training/`) touches a private Keras or TensorFlow name.
 
 The gate: `check(model)` runs before any of these is used. It is
 `keras_compat.check_parameter_server` (below the Keras floor refused, an

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from stratkit import status
+from stratkit.files import check_dir, read_bytes
 from stratkit.cluster import ClusterSpec
 from stratkit.errors import ConfigError
 
@@ -76,8 +77,6 @@ def prepare_marker_dir() -> str:
     Raises:
         ConfigError: the directory is a symlink, someone else's, or readable by others.
     """
-    from stratkit.training.files import check_dir
-
     return check_dir(marker_dir(), RUN_DIR_VAR, private=True)
 
 
@@ -173,8 +172,6 @@ def serve(spec: ClusterSpec, poll_seconds: float = 0.5) -> None:
 
 
 def _read_quietly(path: str) -> str:
-    from stratkit.training.files import read_bytes
-
     try:
         return read_bytes(path, RUN_DIR_VAR, limit=64).decode("utf-8", "replace").strip()
     except (OSError, ConfigError):

@@ -12,7 +12,7 @@ Layout:
                                     "epochs": {"2": <sha256>, "3": <sha256>}}
     workers/worker-1/...           each other worker's own copy (same layout)
 
-Writing (`stratkit.training.files`): each file goes to a fresh private
+Writing (`stratkit.files`): each file goes to a fresh private
 temporary, is fsynced and renamed into place; checkpoint.json is renamed last,
 so it only ever names complete files, with their SHA-256. Temporaries a killed
 writer left behind are removed at the next start. A directory or file that
@@ -24,10 +24,8 @@ epochs are kept, so a corrupt latest file falls back to the one before, with
 one warning line. An unreadable checkpoint.json is rebuilt from the files that
 validate; nothing that cannot be read is ever deleted. On several workers, the
 workers agree on the newest epoch every one of them has (a MIN all-reduce),
-so workers that died a moment apart resume from the same epoch.
-
-Size: a little over 400 lines: the format (layout, checksums) and the resume
-rule it serves change together; file writes are in `training/files.py`.
+so workers that died a moment apart resume from the same epoch
+(`stratkit.strategy.collectives.min_over_workers`, which the trainer passes in).
 """
 
 from __future__ import annotations
@@ -37,16 +35,14 @@ import json
 import os
 import re
 import shutil
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
-from stratkit import status
+from stratkit import files, status
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
-from stratkit.training import files
 
 log = status.logger(__name__)
 
@@ -291,34 +287,6 @@ def _find_copy(epoch: int, directories: list[str]) -> ResumePoint | None:
         if os.path.isfile(path) and _problem(path, digest, f"{_WHAT}={directory!r}") is None:
             return ResumePoint(epoch, path, checked=bool(digest))
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# The MIN all-reduce the workers agree with (also the end-of-training barrier)
-# --------------------------------------------------------------------------------------------
-
-_MIN_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-
-
-def min_over_workers(strategy: Any, value: int) -> int:
-    """MIN of an int over every worker of a multi-worker strategy (a collective every worker must call).
-
-    Run in a tf.function: an eager `strategy.run` under MultiWorkerMirroredStrategy
-    prints TensorFlow's "Using CollectiveAllReduceStrategy eagerly has significant
-    overhead" warning at each call.
-    """
-    import tensorflow as tf
-
-    function = _MIN_FUNCTIONS.get(strategy)
-    if function is None:
-        @tf.function
-        def function(local: Any) -> Any:
-            # ReduceOp has no MIN: gather every worker's value and take the smallest.
-            per_replica = strategy.run(lambda: tf.reshape(local, [1]))
-            return tf.reduce_min(strategy.gather(per_replica, axis=0))
-
-        _MIN_FUNCTIONS[strategy] = function
-    return int(function(tf.constant(value, tf.int64)))
 
 
 # --------------------------------------------------------------------------------------------

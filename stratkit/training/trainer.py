@@ -116,6 +116,7 @@ class Trainer:
             The `keras.callbacks.History` (on PS also with `.steps`, the exact step
             count; see `stratkit.training.ps.fit_parameter_server`).
         """
+        from stratkit.strategy import side_effects
         from stratkit.training import callbacks as cb
         from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size
 
@@ -143,7 +144,7 @@ class Trainer:
                           global_batch_size=global_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
 
-        callback_list, temps = cb.route_side_effects(callbacks, self.is_chief)
+        callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
         if scale_learning_rate:
             callback_list.insert(0, cb.LinearScalingWarmup(self.num_replicas, warmup_epochs,
                                                            train.steps_per_epoch or steps_per_epoch))
@@ -164,7 +165,7 @@ class Trainer:
         try:
             return model.fit(train.dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                              validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
-                             verbose=cb.default_verbose(self.is_chief) if verbose is None else verbose)
+                             verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose)
         except Exception as exc:
             from stratkit.strategy.compression import overflow_error
 
@@ -173,13 +174,13 @@ class Trainer:
                 raise
             raise refused from None
         finally:
-            cb.remove_dirs(temps)
+            side_effects.remove_dirs(temps)
 
     def _min_over_workers(self, value: int) -> int:
         """MIN of an int over all workers (a collective); identity on one worker."""
         if self.spec.strategy != "multi_worker_mirrored" or self.spec.num_workers <= 1:
             return value
-        from stratkit.training.backup import min_over_workers
+        from stratkit.strategy.collectives import min_over_workers
 
         return min_over_workers(self.strategy, value)
 
@@ -249,7 +250,7 @@ class Trainer:
                 if os.path.exists(tmp):
                     os.remove(tmp)
             return path
-        from stratkit.training import scratch  # removed even if this worker is killed mid-save
+        from stratkit.strategy import scratch  # removed even if this worker is killed mid-save
 
         private = scratch.make("stratkit-save-worker-")
         try:

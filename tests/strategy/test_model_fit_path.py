@@ -108,7 +108,7 @@ def test_users_own_backup_and_checkpoint_callbacks_survive_a_kill_and_resume_on_
     assert "Epoch 2/3" in first[0].stdout and "Epoch 2/3" in first[1].stdout, describe(first)
     assert json.loads((out / "backup" / "training_metadata.json").read_text())["epoch"] == 2
     # Worker 1 wrote into private directories of its own (routing: tests/training/test_callback_routing.py);
-    # the chief used none, and the SIGKILL no longer leaves worker 1's behind (stratkit.training.scratch).
+    # the chief used none, and the SIGKILL no longer leaves worker 1's behind (stratkit.strategy.scratch).
     assert _stratkit_temp_dirs(tmpdirs[0]) == [] and _stratkit_temp_dirs(tmpdirs[1]) == [], describe(first)
     for d in tmpdirs:  # run 2 must leave nothing
         shutil.rmtree(d)

@@ -22,7 +22,7 @@ import pytest
 from procs import child_env, free_ports, worker_tf_configs
 
 from stratkit.process.children import start_child
-from stratkit.training import scratch
+from stratkit.strategy import scratch
 
 WORKER_DIRS = "stratkit-*-worker-*"
 

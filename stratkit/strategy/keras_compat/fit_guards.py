@@ -12,7 +12,7 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   instead of failing deep inside Keras.
 * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
   (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
-* Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
+* Multi-worker MWMS (:func:`stratkit.strategy.side_effects.route_side_effects`):
   on non-chief workers, file-writing Keras callbacks write to private
   temporary directories and the progress bar is off unless the call passes
   ``verbose=``; on every worker, callbacks whose files cannot be moved are
@@ -35,6 +35,8 @@ import threading
 from typing import Any
 
 from stratkit.errors import ConfigError
+from stratkit.strategy import scratch
+from stratkit.strategy.collectives import min_over_workers
 from stratkit.strategy.keras_compat import metric_guard
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
@@ -104,16 +106,16 @@ def _guarded(name: str, original: Any) -> Any:
         check_steps_per_execution(self, strategy)
         temps: list[str] = []
         if _is_multi_worker_collective(strategy):
-            from stratkit.training import callbacks as cb
+            from stratkit.strategy import side_effects  # imports Keras: not before a multi-worker call
 
             is_chief = _is_chief(strategy)
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments.get("callbacks")
             if isinstance(given, (list, tuple)):
-                bound.arguments["callbacks"], temps = cb.route_side_effects(given, is_chief=is_chief,
-                                                                            multi_worker=True)
+                bound.arguments["callbacks"], temps = side_effects.route_side_effects(given, is_chief=is_chief,
+                                                                                      multi_worker=True)
             if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
-                bound.arguments["verbose"] = cb.default_verbose(is_chief=False)
+                bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
         _inside_guarded_call.active = True
         try:
@@ -122,16 +124,12 @@ def _guarded(name: str, original: Any) -> Any:
                 # Every worker leaves fit together, after every worker's callbacks (the chief's checkpoint
                 # and TensorBoard files are complete): scripts that then read the chief's checkpoint on every
                 # worker, as TF's tutorials do, otherwise race the chief's write (h5py "unable to lock file").
-                from stratkit.training.backup import min_over_workers
-
                 min_over_workers(strategy, 0)
             return result
         finally:
             _inside_guarded_call.active = False
             if temps:
-                from stratkit.training.callbacks import remove_dirs
-
-                remove_dirs(temps)
+                scratch.remove(temps)
 
     setattr(method, _PATCH_MARK, True)
     return method

@@ -1,7 +1,7 @@
 """Small reads and writes of Keras/TensorFlow private state that stratkit's training code needs.
 
 Each has no public equivalent in the Keras/TF versions stratkit supports; each
-says why it is needed. Keeping them here (not in ``stratkit/training``) puts
+says why it is needed. Keeping them here (not in the training layer, ``training/``) puts
 every private use behind the gate, where the compat suite proves it per
 version and ``tests/strategy/test_private_api_gate.py`` lists it.
 """

@@ -1,6 +1,6 @@
 """What stratkit's parameter-server loop needs of Keras internals, checked before training starts.
 
-Keras 3 has no parameter-server path of its own, so ``stratkit/training/ps/`` (through ``strategy/keras_ps.py``)
+Keras 3 has no parameter-server path of its own, so the training layer's ``training/ps/`` (through ``strategy/keras_ps.py``)
 drives Keras's trainer pieces itself (``_compute_loss``, ``_symbolic_build``,
 ``_loss_tracker``, ...). This module lists those internals, refuses a Keras
 that lacks them (:func:`check`, behind the same gate as the sync patches), and
@@ -35,7 +35,7 @@ PS_FIX = ("use stratkit.Trainer(...).fit (or the coordinator API: ClusterCoordin
           "tf.Variable counters, see the README section 'Using make_strategy() with your own model.fit') "
           "for parameter-server training")
 
-#: What the parameter-server loop (stratkit/training/ps/, via strategy/keras_ps.py) uses of Keras'
+#: What the parameter-server loop (the training layer's training/ps/, via strategy/keras_ps.py) uses of Keras'
 #: trainer, checked before training starts: class attributes, then attributes
 #: Keras sets on each compiled model.
 _PS_MODEL_ATTRIBUTES = ("_symbolic_build", "_compute_loss", "compute_metrics", "get_metrics_result",
@@ -126,7 +126,7 @@ def model_losses_override(model: Any, losses: list[Any]) -> Any:
 
     The parameter-server step computes its loss and metric updates inside a
     `keras.StatelessScope` (so no Keras metric variable is written, see
-    `stratkit.training.ps._Metrics`). Inside one, Keras 3.15 reads the
+    the training layer's `training/ps/metrics.py`). Inside one, Keras 3.15 reads the
     `add_loss` losses from the scope (empty: the forward pass ran outside it)
     and each regularized weight from the scope's state mapping (absent: it
     crashes with `'NoneType' object has no attribute 'dtype'`). Keras' own

@@ -1,7 +1,7 @@
 """The parameter-server chief's epoch checkpoints in `backup_dir`, and its end-of-training marker.
 
 Files in `backup_dir` (written by the chief, read by the evaluator; every
-write through `stratkit.training.files`, the rules of `stratkit.training.backup`):
+write through `stratkit.files`, the rules of `stratkit.training.backup`):
   epoch-00003.weights.h5   model + optimizer after epoch 3 (the last 2 kept)
   checkpoint.json          names the newest complete epoch file
   training-done.json       written when training ends and the cluster has an
@@ -17,9 +17,8 @@ import os
 import time
 from typing import Any
 
-from stratkit import status
+from stratkit import files, status
 from stratkit.training import backup as backup_lib
-from stratkit.training import files
 
 log = status.logger(__name__)
 

@@ -119,7 +119,7 @@ class CoordinatorLoop:
     def fit(self, data: Any, *, epochs: int, steps_per_epoch: int, validation_data: Any,
             global_batch_size: int | None, backup_dir: str | None, callbacks: Iterable[Any], verbose: Any,
             validation_steps: int | None) -> keras.callbacks.History:
-        from stratkit.training.callbacks import default_verbose
+        from stratkit.strategy.side_effects import default_verbose
 
         verbose = default_verbose(True) if verbose is None else verbose
         self._prepare(data, global_batch_size)

@@ -38,10 +38,10 @@ from typing import Any, Iterable
 
 import keras
 
-from stratkit import status
+from stratkit import files, status
 from stratkit.errors import ChiefGoneError, ConfigError
 from stratkit.training import backup as backup_lib
-from stratkit.training import files, inputs
+from stratkit.training import inputs
 from stratkit.training.ps import variables
 from stratkit.training.ps.checkpoints import DONE_FILE, read_done_marker
 from stratkit.training.ps.metrics import Metrics

@@ -2,7 +2,7 @@
 
 A non-chief worker of a multi-worker run writes its copies of the user's files
 (TensorBoard logs, checkpoints, CSV logs, a backup copy, a `Trainer.save`) to
-directories of its own in the temp dir (`stratkit.training.callbacks`,
+directories of its own in the temp dir (`stratkit.strategy.side_effects`,
 `Trainer.save`). A `finally` removes them after a normal `fit`/`save`; an
 exit handler removes whatever is left at a normal interpreter exit. Neither runs
 when the worker is SIGKILLed (a launcher's or a test's group kill, the OOM
@@ -79,7 +79,7 @@ def _tell(line: str) -> None:
 def _start_sweeper() -> subprocess.Popen[bytes] | None:
     here = os.path.abspath(__file__)
     argv = [sys.executable, "-I", "-S", here] if os.path.isfile(here) else [
-        sys.executable, "-m", "stratkit.training.scratch"]  # installed as a zip: through our environment
+        sys.executable, "-m", "stratkit.strategy.scratch"]  # installed as a zip: through our environment
     try:
         return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)

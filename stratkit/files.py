@@ -2,7 +2,10 @@
 
 One place for the rules every writer of a backup directory follows (the
 `Trainer` backup, the parameter-server chief, the sidecar evaluator, the
-ps/worker done markers):
+ps/worker done markers). It sits below every layer (standard library and
+`stratkit.errors` only), so the strategy layer's done markers
+(`stratkit.strategy.server`) and the training layer's backups share it
+without the strategy layer importing the training layer:
 
   * a directory is used only if it (and the symlink leading to it, if any)
     belongs to this user (or to root, when not writable by everyone): a path in a

@@ -1,0 +1,43 @@
+"""Small collectives the workers of a multi-worker strategy agree with (every worker must call them, in order).
+
+Both layers need them: the strategy layer's guard for a plain `model.fit`
+(the end-of-fit barrier, the resume check of `side_effects.AgreeOnResume`) and
+the training layer's `Backup` (the newest epoch every worker has). TensorFlow
+is imported at the first call, not with this module.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_MIN_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def min_over_workers(strategy: Any, value: int) -> int:
+    """MIN of an int over every worker of a multi-worker strategy (a collective every worker must call).
+
+    Run in a tf.function: an eager `strategy.run` under MultiWorkerMirroredStrategy
+    prints TensorFlow's "Using CollectiveAllReduceStrategy eagerly has significant
+    overhead" warning at each call.
+    """
+    import tensorflow as tf
+
+    function = _MIN_FUNCTIONS.get(strategy)
+    if function is None:
+        @tf.function
+        def function(local: Any) -> Any:
+            # ReduceOp has no MIN: gather every worker's value and take the smallest.
+            per_replica = strategy.run(lambda: tf.reshape(local, [1]))
+            return tf.reduce_min(strategy.gather(per_replica, axis=0))
+
+        _MIN_FUNCTIONS[strategy] = function
+    return int(function(tf.constant(value, tf.int64)))
+
+
+def gather_ints(strategy: Any, value: int) -> list[int]:
+    """Every worker's `value`, chief first (a collective: every worker must call it)."""
+    import tensorflow as tf
+
+    per_replica = strategy.run(lambda: tf.constant([value], tf.int64))
+    return [int(v) for v in strategy.gather(per_replica, axis=0).numpy()]
