@@ -353,6 +353,26 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _all_reduce_sum_gradients", "private _backend_update_step",
         "patch setattr(cls, _METHOD)",
     },
+    "stratkit/strategy/keras_compat/batchnorm.py": {
+        "module path keras.src.layers.normalization.batch_normalization",
+        "patch cls._moments", "private _moments", "private _reduction_axes",
+    },
+    "stratkit/strategy/keras_compat/global_gradient.py": {
+        "import keras.src.backend", "import keras.src.ops",
+        "module path keras.src.backend.tensorflow.optimizer", "module path keras.src.losses.loss",
+        "module path keras.src.optimizers.base_optimizer", "module path keras.src.optimizers.loss_scale_optimizer",
+        "patch setattr(owner, name)",  # loss reduction, optimizer apply / update step (the one gradient path)
+        "private _accumulated_gradients", "private _all_reduce_sum_gradients", "private _apply_weight_decay",
+        "private _backend_apply_gradients", "private _backend_increment_gradient_accumulators",
+        "private _backend_reset_gradient_accumulators", "private _backend_update_step", "private _clip_gradients",
+        "private _distributed_tf_update_step", "private _distribution_strategy", "private _get_variable_index",
+        "private _iterations", "private _overwrite_model_variables_with_average_value",
+        "private _trainable_variables", "private _update_model_variables_moving_average",
+    },
+    "stratkit/strategy/keras_compat/synced_logs.py": {
+        "import keras.src.backend", "module path keras.src.trainers.trainer",
+        "patch cls._get_metrics_result_or_logs", "private _get_metrics_result_or_logs",
+    },
     "stratkit/strategy/keras_compat/fit_guards.py": {
         "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict
     },

@@ -19,6 +19,9 @@ The modules, one responsibility each:
 
 * :mod:`.versions`: the tested sets, the floor, ``STRATKIT_KERAS_COMPAT``, version parsing;
 * :mod:`.trainer_patches`: the two trainer fixes; :mod:`.self_check`: the probe for untested versions;
+* :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss
+  scaling), with :mod:`.synced_logs` (metric logs from the summed state) and :mod:`.batchnorm`
+  (the global batch's moments);
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
@@ -46,7 +49,10 @@ from stratkit.errors import KerasCompatError
 
 # Re-exported: tests, tools/compat.py and the rest of stratkit import these names from the package
 # (private ones included), as they did from the single module it replaced.
+from stratkit.strategy.keras_compat import batchnorm as _batchnorm
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
+from stratkit.strategy.keras_compat import global_gradient as _global_gradient
+from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
@@ -198,7 +204,7 @@ def apply(strategy: Any = None) -> str:
             _status = "not_needed"  # tf.distribute is irrelevant to jax/torch.
             return _status
         if version in TESTED_KERAS_VERSIONS:
-            _install()
+            _install_all()
             _status = "patched"
         else:
             bugs = upstream_bugs_present()
@@ -213,7 +219,7 @@ def apply(strategy: Any = None) -> str:
                     sorted(TESTED_KERAS_VERSIONS),
                     ENV_VAR,
                 )
-                _install()
+                _install_all()
                 _status = "forced"
             else:
                 raise _refusal(version, bugs)
@@ -236,7 +242,18 @@ def revert() -> None:
     revert_fit_guards()
     with _lock:
         _uninstall()
+        _global_gradient.uninstall()
+        _synced_logs.uninstall()
+        _batchnorm.uninstall()
         _status = None
+
+
+def _install_all() -> None:
+    """The trainer fixes, the global-gradient path and global BatchNorm moments (each idempotent)."""
+    _install()
+    _global_gradient.install()
+    _synced_logs.install()
+    _batchnorm.install()
 
 
 def install_fit_guards() -> bool:

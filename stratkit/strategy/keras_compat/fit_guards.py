@@ -28,6 +28,7 @@ A second guard catches Keras metrics updated in a parameter-server step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -37,7 +38,7 @@ from typing import Any
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
 from stratkit.strategy.collectives import min_over_workers
-from stratkit.strategy.keras_compat import metric_guard
+from stratkit.strategy.keras_compat import global_gradient, metric_guard, synced_logs
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -118,8 +119,13 @@ def _guarded(name: str, original: Any) -> Any:
                 bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
         _inside_guarded_call.active = True
+        exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
+            global_gradient.installed()
+        if exact:
+            synced_logs.wrap_steps(self)
         try:
-            result = original(self, *args, **kwargs)
+            with global_gradient.fit_mode() if exact else contextlib.nullcontext():
+                result = original(self, *args, **kwargs)
             if name == "fit" and _is_multi_worker_collective(strategy):
                 # Every worker leaves fit together, after every worker's callbacks (the chief's checkpoint
                 # and TensorBoard files are complete): scripts that then read the chief's checkpoint on every

@@ -116,8 +116,14 @@ def _reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
 
     from keras.src import tree
 
+    import tensorflow as tf
+
     def _mean(v: Any) -> Any:
         axis = None if _static_rank(strategy, v) == 0 else 0
+        if not isinstance(v, tf.distribute.DistributedValues) and not getattr(v, "device", "x"):
+            # a log computed from all-reduced state (synced_logs) has no device; reduce needs one
+            with tf.device(strategy.extended.worker_devices[0]):
+                v = tf.identity(v)
         return strategy.reduce("MEAN", v, axis=axis)
 
     return tree.map_structure(_mean, values)

@@ -1,0 +1,370 @@
+"""How a replica's loss becomes the global gradient: the one place, for every sync strategy with N > 1 replicas.
+
+One process sees one global batch: it divides the loss sum by the batch's
+count (rows, unmasked entries or weight sum), then clips, checks for overflow,
+accumulates and updates. Keras 3 under ``MirroredStrategy`` and
+``MultiWorkerMirroredStrategy`` does each of these per replica, on that
+replica's own counts and gradient, *before* the all-reduce: an uneven last
+batch, a padded sequence or ``mean_with_sample_weight`` weighs rows
+differently, ``clipnorm`` lets N times the norm through, ``clipvalue`` clips
+the N parts, and a loss-scale optimizer whose replicas disagree on overflow
+hangs. Here, in a replica context of such a strategy:
+
+1. **Loss** (``keras.src.losses.loss.reduce_weighted_values``): a replica's
+   share is its loss *sum* divided by the *global* count, one small all-reduce
+   of (count, rows) per loss term; summing the shares (what the gradient
+   all-reduce does) gives one process's loss. A loss function that returned
+   one scalar (its own batch mean) gets the share 1/N. ``sum`` needs no count.
+2. **Gradient** (``BaseOptimizer.apply`` / ``LossScaleOptimizer.apply``): the
+   gradients are all-reduced first (through Keras's own
+   ``_all_reduce_sum_gradients``, so gradient compression still applies), then
+   clipping, the loss scale's finiteness test and the update run on the
+   global gradient, identically on every replica; the later all-reduce inside
+   ``_backend_update_step`` is skipped.
+3. **Reported loss** (inside ``fit``/``evaluate`` only, see :func:`fit_mode`):
+   the loss *value* each replica sees is N x its share (one process's loss when
+   the split is even; their mean is one process's loss always), while its
+   gradient stays the share. A custom ``train_step`` that logs ``loss`` then
+   reports what one process reports, and Keras's own loss tracker is weighted
+   by the global row count (``unscale_loss_for_distribution``). Outside
+   ``fit`` (a custom training loop), values stay shares, as in Keras.
+
+Metric logs are synchronised by :mod:`.synced_logs`, BatchNorm's moments by
+:mod:`.batchnorm`. Installed by the gate (``keras_compat.apply``) on tested
+Keras versions only; :func:`self_check` says whether an untested Keras still
+has what this needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from stratkit.strategy.keras_compat.versions import _PATCH_MARK
+
+_LOSS_MODULE = "keras.src.losses.loss"
+_TF_OPTIMIZER_MODULE = "keras.src.backend.tensorflow.optimizer"
+_BASE_OPTIMIZER_MODULE = "keras.src.optimizers.base_optimizer"
+_LSO_MODULE = "keras.src.optimizers.loss_scale_optimizer"
+#: An optimizer wrapped by a LossScaleOptimizer: the outer one already all-reduced its gradients.
+_INNER_MARK = "_stratkit_gradients_reduced_by_outer"
+
+_lock = threading.Lock()
+_originals: dict[str, Any] = {}
+_local = threading.local()     # per replica thread: the all-reduce already done, the step's row counts
+_fit_depth = 0                 # > 0 while a guarded fit/evaluate runs (process-wide: replicas run in threads)
+
+
+def sync_replicas() -> int:
+    """N when this code runs in a replica context of a Mirrored/MWMS strategy with N > 1 replicas, else 0."""
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return 0
+    return replicas_of(tf.distribute.get_strategy())
+
+
+def replicas_of(strategy: Any) -> int:
+    """N for a Mirrored/MWMS strategy with N > 1 replicas, else 0."""
+    import tensorflow as tf
+
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)):
+        return 0
+    replicas = int(strategy.num_replicas_in_sync)
+    return replicas if replicas > 1 else 0
+
+
+@contextlib.contextmanager
+def fit_mode() -> Iterator[None]:
+    """While Keras's fit/evaluate runs: loss values read as one process's (gradients unchanged)."""
+    global _fit_depth
+    with _lock:
+        _fit_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _fit_depth -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. the loss: a share of the global count
+# ---------------------------------------------------------------------------------------------
+def _graph() -> Any:
+    import tensorflow as tf
+
+    return tf.compat.v1.get_default_graph()
+
+
+def _sum_across_replicas(count: Any, rows: Any) -> tuple[Any, Any]:
+    """(global count, global rows), one all-reduce; no gradient flows through counts."""
+    import tensorflow as tf
+
+    dtype = tf.float64 if count.dtype == tf.float64 else tf.float32
+    local = tf.stop_gradient(tf.stack([tf.cast(count, dtype), tf.cast(rows, dtype)]))
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
+    _local.rows = (_graph(), total[1], tf.cast(rows, dtype))
+    return total[0], total[1]
+
+
+def _as_loss_value(share: Any, replicas: int) -> Any:
+    """In fit: value = N x share, gradient = share. Elsewhere the share itself (Keras's convention)."""
+    if not _fit_depth:
+        return share
+    from keras.src import ops
+
+    return share + ops.stop_gradient(share * (replicas - 1))
+
+
+def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = None,
+                           reduction: str = "sum_over_batch_size", dtype: Any = None) -> Any:
+    """Replacement for ``keras.src.losses.loss.reduce_weighted_values`` (see the module docstring, 1)."""
+    original = _originals["reduce_weighted_values"]
+    replicas = sync_replicas()
+    if not replicas:
+        return original(values, sample_weight=sample_weight, mask=mask, reduction=reduction, dtype=dtype)
+    from keras.src import ops
+
+    loss_module = importlib.import_module(_LOSS_MODULE)
+    reduction = loss_module.standardize_reduction(reduction)
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    valid = None
+    if mask is not None:
+        mask = ops.convert_to_tensor(mask, dtype=dtype)
+        if reduction in ("mean", "sum_over_batch_size"):
+            valid = ops.sum(ops.cast(mask, dtype=values.dtype))   # what one process divides by
+        # a plain 0/1 mask: Keras's rescaling by total/valid would bake in the local count
+        sample_weight = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    if sample_weight is not None:
+        sample_weight = ops.cast(sample_weight, values.dtype)
+        values, sample_weight = loss_module.squeeze_or_expand_to_same_rank(values, sample_weight)
+        values = values * sample_weight
+
+    if reduction in (None, "none") or tuple(values.shape) == (0,):
+        return values
+    if tuple(values.shape) == ():
+        # the loss function reduced its own batch already (e.g. tf.reduce_mean): Keras would leave it
+        # whole on every replica, so the summed gradient would be N times one process's
+        return _as_loss_value(values / replicas, replicas)
+    total = ops.sum(values)
+    if reduction == "sum":
+        return _as_loss_value(total, replicas)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        count = ops.sum(sample_weight)
+    elif valid is not None:
+        count = valid
+    else:
+        count = ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32"))
+    global_count, _ = _sum_across_replicas(count, ops.shape(values)[0])
+    share = ops.divide_no_nan(total, ops.cast(global_count, total.dtype))
+    return _as_loss_value(share, replicas)
+
+
+def scale_loss_for_distribution(value: Any) -> Any:
+    """Replacement for Keras's: in fit, the value stays whole and only the gradient is divided by N."""
+    replicas = sync_replicas()
+    if not replicas or not _fit_depth:
+        return _originals["scale_loss_for_distribution"](value)
+    from keras.src import ops
+
+    share = value / replicas
+    return share + ops.stop_gradient(value - share)
+
+
+def unscale_loss_for_distribution(value: Any) -> Any:
+    """Replacement for Keras's: in fit the value already reads as one process's; Keras weighs it by this
+    replica's rows, so it is rescaled to count the step's global rows (exact on an uneven last batch)."""
+    replicas = sync_replicas()
+    if not replicas or not _fit_depth:
+        return _originals["unscale_loss_for_distribution"](value)
+    stash = getattr(_local, "rows", None)
+    if stash is None or stash[0] is not _graph():
+        return value
+    from keras.src import ops
+
+    _, global_rows, rows = stash
+    factor = ops.divide_no_nan(global_rows, rows * replicas)
+    return value * ops.cast(factor, value.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the gradient: all-reduced before clipping, loss-scale checks and the update
+# ---------------------------------------------------------------------------------------------
+def _scaled(grad: Any, factor: float) -> Any:
+    import tensorflow as tf
+
+    if grad is None or factor == 1.0:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
+
+
+def _reduced_apply(original: Any) -> Any:
+    @functools.wraps(original)
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        if (not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)):
+            return original(self, grads, trainable_variables)
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            object.__setattr__(inner, _INNER_MARK, True)
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else (
+            list(self._trainable_variables) if self.built else [None] * len(grads))
+        reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, variables)))]
+        _local.reduced = getattr(_local, "reduced", 0) + 1
+        try:
+            return original(self, reduced, trainable_variables)
+        finally:
+            _local.reduced -= 1
+
+    setattr(apply, _PATCH_MARK, True)
+    return apply
+
+
+def _backend_update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+    """Replacement for ``TFOptimizer._backend_update_step``: no second all-reduce of reduced gradients."""
+    if not (getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)) or not sync_replicas():
+        return _originals["_backend_update_step"](self, grads, trainable_variables, learning_rate)
+    import tensorflow as tf
+    from keras.src import backend
+
+    variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        self._distributed_tf_update_step, self._distribution_strategy, list(zip(grads, variables)), learning_rate)
+
+
+def _backend_apply_gradients(self: Any, grads: Any, trainable_variables: Any) -> Any:
+    """``TFOptimizer._backend_apply_gradients`` (Keras has only the base class's): gradient accumulation
+    with all-reduced gradients. Keras chooses "update" or "accumulate" with a ``cond`` in the replica
+    context, where the update's ``merge_call`` is not allowed (keras-team/keras#20582); here the choice
+    is made once in the cross-replica context and each branch runs on every replica (the pattern Keras's
+    LossScaleOptimizer uses). The gradients are already summed over the replicas, so every replica
+    accumulates the same values and applies the same update: one process's, with the same k."""
+    base = _originals["BaseOptimizer._backend_apply_gradients"]
+    if not self.gradient_accumulation_steps or not sync_replicas() or not (
+            getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)):
+        return base(self, grads, trainable_variables)
+    import tensorflow as tf
+    from keras.src import ops
+
+    steps = self.gradient_accumulation_steps
+    accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+
+    def update(grads: Any) -> None:
+        grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
+        grads = self._clip_gradients(grads)
+        self._apply_weight_decay(trainable_variables)
+        self._backend_update_step(grads, trainable_variables, self.learning_rate)
+        self._backend_reset_gradient_accumulators()
+
+    def accumulate(grads: Any) -> None:
+        self._backend_increment_gradient_accumulators(grads, accumulators)
+
+    def choose(distribution: Any, grads: Any) -> None:
+        each = distribution.extended.call_for_each_replica
+        ops.cond((self._iterations + 1) % steps == 0, lambda: each(update, args=(grads,)),
+                 lambda: each(accumulate, args=(grads,)))
+
+    marked = getattr(self, _INNER_MARK, False)
+    object.__setattr__(self, _INNER_MARK, True)   # replica threads of call_for_each_replica: already reduced
+    try:
+        tf.distribute.get_replica_context().merge_call(choose, args=(grads,))
+    finally:
+        object.__setattr__(self, _INNER_MARK, marked)
+    if self.use_ema:
+        self._update_model_variables_moving_average(self._trainable_variables)
+        if self.ema_overwrite_frequency:
+            ops.cond((self.iterations + 1) % self.ema_overwrite_frequency == 0,
+                     lambda: self._overwrite_model_variables_with_average_value(self._trainable_variables),
+                     lambda: None)
+
+
+setattr(_backend_update_step, _PATCH_MARK, True)
+setattr(_backend_apply_gradients, _PATCH_MARK, True)
+for _function in (reduce_weighted_values, scale_loss_for_distribution, unscale_loss_for_distribution):
+    setattr(_function, _PATCH_MARK, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# install / revert / self-check
+# ---------------------------------------------------------------------------------------------
+def _targets() -> list[tuple[Any, str, str, Any]]:
+    """(owner, attribute, key in _originals, replacement factory or function)."""
+    loss = importlib.import_module(_LOSS_MODULE)
+    tf_optimizer = importlib.import_module(_TF_OPTIMIZER_MODULE).TFOptimizer
+    base = importlib.import_module(_BASE_OPTIMIZER_MODULE).BaseOptimizer
+    lso = importlib.import_module(_LSO_MODULE).LossScaleOptimizer
+    return [
+        (loss, "reduce_weighted_values", "reduce_weighted_values", reduce_weighted_values),
+        (loss, "scale_loss_for_distribution", "scale_loss_for_distribution", scale_loss_for_distribution),
+        (loss, "unscale_loss_for_distribution", "unscale_loss_for_distribution", unscale_loss_for_distribution),
+        (tf_optimizer, "_backend_update_step", "_backend_update_step", _backend_update_step),
+        (tf_optimizer, "_backend_apply_gradients", "BaseOptimizer._backend_apply_gradients", _backend_apply_gradients),
+        (base, "apply", "BaseOptimizer.apply", _reduced_apply),
+        (lso, "apply", "LossScaleOptimizer.apply", _reduced_apply),
+    ]
+
+
+def installed() -> bool:
+    """True while the replacements are in place in this process."""
+    return bool(_originals)
+
+
+def install() -> None:
+    """Install the replacements (idempotent)."""
+    with _lock:
+        for owner, name, key, replacement in _targets():
+            current = owner.__dict__.get(name) or getattr(owner, name)   # an inherited method: the base's
+            if getattr(current, _PATCH_MARK, False):
+                continue
+            _originals[key] = current
+            new = replacement(current) if replacement is _reduced_apply else replacement
+            setattr(owner, name, new)
+
+
+def uninstall() -> None:
+    """Put Keras's functions back (for tests)."""
+    with _lock:
+        if not _originals:
+            return
+        for owner, name, key, _ in _targets():
+            if key not in _originals:
+                continue
+            original = _originals.pop(key)
+            if key.startswith("BaseOptimizer.") and owner.__name__ == "TFOptimizer":
+                delattr(owner, name)                        # TFOptimizer had none of its own
+            else:
+                setattr(owner, name, original)
+
+
+def self_check() -> list[str]:
+    """What stops these replacements from being right on the installed Keras (empty: nothing). Fails closed."""
+    problems: list[str] = []
+    try:
+        loss = importlib.import_module(_LOSS_MODULE)
+        for name in ("reduce_values", "apply_mask", "squeeze_or_expand_to_same_rank", "standardize_reduction"):
+            if not callable(getattr(loss, name, None)):
+                problems.append(f"{_LOSS_MODULE}.{name} is missing")
+        weighted = _originals.get("reduce_weighted_values", loss.__dict__.get("reduce_weighted_values"))
+        if "reduce_weighted_values(" not in inspect.getsource(loss.Loss.__call__):
+            problems.append("Loss.__call__ no longer calls reduce_weighted_values")
+        if list(inspect.signature(weighted).parameters) != ["values", "sample_weight", "mask", "reduction",
+                                                            "dtype"]:
+            problems.append(f"reduce_weighted_values has the signature {inspect.signature(weighted)}")
+        update = _originals.get("_backend_update_step",
+                                importlib.import_module(_TF_OPTIMIZER_MODULE).TFOptimizer.__dict__.get(
+                                    "_backend_update_step"))
+        source = inspect.getsource(update)
+        if "_all_reduce_sum_gradients(" not in source or "_distributed_tf_update_step" not in source:
+            problems.append("TFOptimizer._backend_update_step no longer all-reduces then merges the update")
+    except Exception as exc:  # noqa: BLE001 - anything unexpected means "cannot verify"
+        problems.append(f"self-check failed: {exc!r}")
+    return problems

@@ -1,0 +1,153 @@
+"""Tiny Keras scripts whose numbers one process and N replicas must agree on (run by test_global_gradient.py).
+
+Usage: python parity_cases.py MODE CASE[,CASE...]   MODE: one | mirrored (2 logical CPUs) | mwms (TF_CONFIG)
+Prints one line `RESULT {json}`: per case the weights, the history and what else the case checks.
+Each case is the smallest script that shows one way a replica's loss can fail to become one process's
+gradient: counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling,
+accumulation, BatchNorm, custom metrics and a custom train_step.
+"""
+
+import json
+import sys
+
+import stratkit
+
+MODE, CASES = sys.argv[1], sys.argv[2].split(",")
+# One Trainer, created first (a multi-worker strategy must exist before any TensorFlow op); the model.fit
+# cases use its strategy, the Trainer case the Trainer itself.
+trainer = {"one": lambda: stratkit.Trainer(strategy="one_device"),
+           "mirrored": lambda: stratkit.Trainer(strategy="mirrored", logical_cpus=2)}.get(MODE, stratkit.Trainer)()
+strategy = trainer.strategy
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def scope():
+    return strategy.scope()
+
+
+def dense(n_in, optimizer, loss="mse", **compile_kwargs):
+    """Dense(1, no bias, zeros) compiled with `optimizer()` (and `metrics()`) made in the strategy's scope."""
+    with scope():
+        model = keras.Sequential([keras.Input((n_in,)),
+                                  keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        compile_kwargs = {k: v() if callable(v) and k == "metrics" else v for k, v in compile_kwargs.items()}
+        model.compile(optimizer=optimizer(), loss=loss, **compile_kwargs)   # metrics made in the scope
+    return model
+
+
+def fit(model, x, y, batch_size, epochs=1, **kwargs):
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+    return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "h": history.history}
+
+
+ONES = lambda n: np.ones((n, 1), "float32")  # noqa: E731
+EYE = lambda n: np.eye(n, dtype="float32")  # noqa: E731
+
+
+class Total(keras.metrics.Metric):
+    """A custom metric as the keras.metrics.Metric docs write one: result() returns the state variable."""
+
+    def __init__(self, name="total", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(tf.reduce_sum(y_pred))
+
+    def result(self):
+        return self.total
+
+
+class GuideModel(keras.Model):
+    """train_step as Keras's "customizing what happens in fit()" guide writes it."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def case(name):
+    keras.utils.set_random_seed(1)
+    sgd = lambda lr=0.1, **kw: (lambda: keras.optimizers.SGD(lr, **kw))  # noqa: E731
+    if name == "uneven":            # 7 rows, global batch 4: the last batch has 3 rows (2 + 1)
+        return fit(dense(7, sgd(), metrics=["mae"]), EYE(7), ONES(7), 4, epochs=2)
+    if name == "empty_shard":       # 5 rows, batch 4: one replica's last shard is empty
+        return fit(dense(5, sgd()), EYE(5), ONES(5), 4, epochs=2)
+    if name == "masked":
+        with scope():
+            model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                      keras.layers.Embedding(5, 1, mask_zero=True, embeddings_initializer="zeros")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return fit(model, np.array([[1, 2, 3], [4, 0, 0]], "int32"), np.ones((2, 3, 1), "float32"), 2)
+    if name == "weighted_mean":
+        loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+        return fit(dense(4, sgd(), loss=loss), EYE(4), ONES(4), 4, sample_weight=np.arange(1, 5, dtype="float32"))
+    if name in ("global_clipnorm", "clipnorm"):
+        return fit(dense(4, sgd(1.0, **{name: 0.1})), EYE(4), ONES(4), 4)
+    if name == "clipvalue":
+        return fit(dense(2, sgd(1.0, clipvalue=0.3)), np.ones((4, 2), "float32"), ONES(4), 4)
+    if name == "scalar_loss":       # the user's loss returns its batch mean as one scalar
+        return fit(dense(4, sgd(), loss=lambda t, p: tf.reduce_mean(tf.square(t - p))), EYE(4), ONES(4), 4, epochs=2)
+    if name == "accumulation":
+        return fit(dense(4, sgd(gradient_accumulation_steps=2)), EYE(4), ONES(4), 2, epochs=2)
+    if name == "custom_metric":
+        return fit(dense(7, sgd(), metrics=lambda: [Total(), "mae"]), EYE(7), ONES(7), 4, epochs=2)
+    if name == "train_step":
+        with scope():
+            inputs = keras.Input((4,))
+            model = GuideModel(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs))
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        return fit(model, EYE(4), ONES(4), 4, epochs=2)
+    if name == "batchnorm":
+        with scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones"),
+                                      keras.layers.BatchNormalization(), keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        rng = np.random.default_rng(0)
+        out = fit(model, rng.normal(size=(60, 3)).astype("float32"), rng.normal(size=(60, 1)).astype("float32"), 16,
+                  epochs=2)
+        out["moving"] = [float(v) for v in np.concatenate([np.ravel(model.layers[1].moving_mean),
+                                                           np.ravel(model.layers[1].moving_variance)])]
+        out["predict"] = [float(v) for v in np.ravel(model.predict(np.eye(3, dtype="float32"), verbose=0))]
+        return out
+    if name == "loss_scaling":      # mixed_float16: the first batch overflows on the second replica's half only
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            with scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False,
+                                                                                kernel_initializer="ones")])
+                model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3),
+                                                                            initial_scale=2.0 ** 8), loss="mse")
+            x = np.ones((16, 4), "float32")
+            x[6:8] = 3e3
+            scales = []
+            record = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: scales.append(float(model.optimizer.dynamic_scale.value.numpy())))
+            out = fit(model, x, ONES(16), 8, epochs=2, callbacks=[record])
+            out["scales"] = scales
+            return out
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    if name == "trainer_uneven":    # the same uneven batch through stratkit.Trainer
+        def build():
+            model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1, use_bias=False,
+                                                                            kernel_initializer="zeros")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            return model
+
+        model = trainer.build(build)
+        history = trainer.fit(model, (EYE(7), ONES(7)), epochs=2, global_batch_size=4, shuffle=False, verbose=0)
+        return {"w": [float(v) for v in np.ravel(model.get_weights()[0])], "h": history.history}
+    raise SystemExit(f"unknown case {name}")
+
+
+print("RESULT " + json.dumps({name: case(name) for name in CASES}), flush=True)
