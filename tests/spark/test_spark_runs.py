@@ -6,6 +6,7 @@ The tests run in file order on one session; the last one stops it.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -130,6 +131,26 @@ def parameter_server_training():
     return {"strategy": trainer.spec.strategy, "loss": [float(v) for v in history.history["loss"]]}
 
 
+def uneven_training():
+    """The uneven last batch through Trainer on Spark: 7 rows, global batch 4 (the last batch 3 rows)."""
+    import stratkit
+
+    trainer = stratkit.Trainer()
+    import keras
+    import numpy as np
+
+    def build():
+        model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    model = trainer.build(build)
+    history = trainer.fit(model, (np.eye(7, dtype="float32"), np.ones((7, 1), "float32")), epochs=2,
+                          global_batch_size=4, shuffle=False, verbose=0)
+    return {"replicas": trainer.num_replicas, "w": [float(v) for v in np.ravel(model.get_weights()[0])],
+            "loss": [float(v) for v in history.history["loss"]]}
+
+
 def report_pid():
     import os
 
@@ -236,6 +257,22 @@ def test_the_next_run_is_forked_from_the_warm_standby_and_the_conf_turns_it_off(
         assert set(_our_standbys()) <= before, "a standby was started though the conf turned it off"
     finally:
         spark.conf.unset("spark.stratkit.standby")
+
+
+def test_an_uneven_last_batch_on_two_spark_workers_trains_as_one_process(spark):
+    from pathlib import Path
+
+    from procs import describe, run_process
+
+    one = run_process(str(Path(__file__).parents[1] / "strategy" / "parity_cases.py"),
+                      args=["one", "trainer_uneven"], timeout=180)
+    assert one.ok, describe([one])
+    expected = next(json.loads(line[7:]) for line in one.stdout.splitlines() if line.startswith("RESULT "))
+    expected = expected["trainer_uneven"]
+    got = SparkRunner(num_workers=2).run(uneven_training)
+    assert got["replicas"] == 2
+    assert got["w"] == pytest.approx(expected["w"], abs=1e-6)
+    assert got["loss"] == pytest.approx(expected["h"]["loss"], abs=1e-6)
 
 
 def test_nothing_is_left_running_after_the_session_stops(spark):

@@ -89,3 +89,25 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
     chief, worker = two_workers
     assert dict(_flat(chief[case])) == dict(_flat(worker[case])), f"{case}: the workers differ: {chief[case]} vs {worker[case]}"
     _assert_same_math(case, one_process[case], chief[case])
+
+
+LAUNCHED = ["batchnorm", "scalar_loss", "custom_metric", "train_step", "uneven"]
+
+
+def test_the_same_script_under_stratkit_launch_equals_one_process(one_process):
+    """What users run: `stratkit launch --workers 2 -- python script.py`, the script unchanged."""
+    import subprocess
+    import sys
+
+    from procs import child_env
+
+    done = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--", sys.executable,
+                           str(SCRIPT), "mwms", ",".join(LAUNCHED)], env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = {line.split("]", 1)[0]: json.loads(line.split("RESULT ", 1)[1])
+               for line in done.stdout.splitlines() if "RESULT " in line}
+    assert set(reports) == {"[worker:0", "[worker:1"}, done.stdout[-2000:]
+    for case in LAUNCHED:
+        assert dict(_flat(reports["[worker:0"][case])) == dict(_flat(reports["[worker:1"][case])), case
+        _assert_same_math(case, one_process[case], reports["[worker:0"][case])

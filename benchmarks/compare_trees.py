@@ -1,0 +1,154 @@
+"""Side by side: the same training jobs on two stratkit trees (a git ref vs this checkout), alternating rounds.
+
+    python benchmarks/compare_trees.py --base REF [--rounds 4] [--jobs scaling,mirrored]
+
+For a change that must cost nothing measurable ("within 2% of today"): one
+figure per tree from one run cannot tell 2% from the noise of 2 shared cores,
+so each round runs every job on both trees, in alternating order, and the
+result is the per-round ratio (this tree / base) with its mean, min, max and
+spread, plus the load average around each job.
+
+Jobs (the launcher and the task scripts come from this checkout; only the
+`stratkit` the tasks import differs, through PYTHONPATH):
+
+* ``scaling``: bench_scaling's 2-worker MultiWorkerMirrored job (ResNet-style
+  net, 9 BatchNormalization layers, through `stratkit.Trainer` and `stratkit
+  launch`), steady-state examples/s;
+* ``mirrored``: the same net through `model.fit` on a local MirroredStrategy over
+  2 logical CPUs (one process), steady-state steps/s.
+
+The base tree is a temporary `git worktree` of REF, removed afterwards.
+Results: benchmarks/results/compare-trees.json (one entry per run, kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from bench_scaling import FULL, QUICK, TASK, _rates  # noqa: E402
+from jobs import clean_env, python, thread_vars  # noqa: E402
+
+MIRRORED_CHILD = r"""
+import json, statistics, sys, time
+import stratkit
+strategy = stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
+import keras, numpy as np
+sys.path.insert(0, sys.argv[2])
+from resnet_synthetic import resnet
+config = json.loads(sys.argv[1])
+with strategy.scope():
+    model = resnet(config["image"], config["classes"], config["width"], config["blocks"])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+batch = 2 * config["per_replica_batch"]
+rng = np.random.default_rng(0)
+x = rng.normal(size=(batch * config["steps"], config["image"], config["image"], 3)).astype("float32")
+y = rng.integers(0, config["classes"], size=len(x))
+times = []
+class Clock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None): self.start = time.perf_counter()
+    def on_epoch_end(self, epoch, logs=None): times.append(time.perf_counter() - self.start)
+model.fit(x, y, batch_size=batch, epochs=config["epochs"], shuffle=False, verbose=0, callbacks=[Clock()])
+print(json.dumps({"steps_per_sec": statistics.median([config["steps"] / t for t in times[1:]])}))
+"""
+
+
+def _env(tree: Path, **extra: str) -> dict[str, str]:
+    env = clean_env(**extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def run_scaling(tree: Path, model: dict, timeout: float) -> dict:
+    from stratkit.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="stratkit-compare-") as tmp:
+        result = Path(tmp) / "two"
+        config = json.dumps({**model, "prefetch": True, "bytes_per_pack": None, "gradient_compression": None,
+                             "barrier": False, "result": str(result)})
+        out = io.StringIO()
+        load = os.getloadavg()[0]
+        outcome = launch([python(), str(TASK)], workers=2, env=_env(tree, **thread_vars(None, None),
+                                                                     STRATKIT_BENCH_SCALING=config),
+                         timeout=timeout, stdout=out, stderr=out, handle_signals=False)
+        if not outcome.ok:
+            raise RuntimeError(f"scaling job on {tree} failed: {outcome.report}\n{out.getvalue()[-3000:]}")
+        rates, _ = _rates(json.loads(Path(f"{result}.0").read_text()))
+        return {"value": statistics.median(rates), "unit": "examples/s", "load": load}
+
+
+def run_mirrored(tree: Path, model: dict, timeout: float) -> dict:
+    load = os.getloadavg()[0]
+    done = subprocess.run([python(), "-c", MIRRORED_CHILD, json.dumps(model), str(REPO / "examples")],
+                          env=_env(tree), capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"mirrored job on {tree} failed:\n{done.stderr[-3000:]}")
+    return {"value": json.loads(done.stdout.strip().splitlines()[-1])["steps_per_sec"], "unit": "steps/s",
+            "load": load}
+
+
+JOBS = {"scaling": run_scaling, "mirrored": run_mirrored}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="git ref of the tree to compare against")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--jobs", default="scaling,mirrored")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args(argv)
+    model = QUICK if args.quick else FULL
+    jobs = args.jobs.split(",")
+    base_commit = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    worktree = Path(tempfile.mkdtemp(prefix="stratkit-base-"))
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(worktree), base_commit], cwd=REPO, check=True,
+                   capture_output=True)
+    trees = {"base": worktree, "this": REPO}
+    rounds: list[dict] = []
+    try:
+        for index in range(args.rounds):
+            order = ["base", "this"] if index % 2 == 0 else ["this", "base"]
+            row: dict = {}
+            for job in jobs:
+                for name in order:
+                    row.setdefault(job, {})[name] = JOBS[job](trees[name], model, args.timeout)
+                    print(f"[compare_trees] round {index + 1} {job} {name}: {row[job][name]}", flush=True)
+            rounds.append(row)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)
+    summary = {}
+    for job in jobs:
+        ratios = [r[job]["this"]["value"] / r[job]["base"]["value"] for r in rounds]
+        summary[job] = {"ratio_mean": statistics.mean(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                        "ratio_stdev": statistics.stdev(ratios) if len(ratios) > 1 else 0.0, "ratios": ratios}
+        print(f"[compare_trees] {job}: this/base = {summary[job]['ratio_mean']:.3f} "
+              f"(min {summary[job]['ratio_min']:.3f}, max {summary[job]['ratio_max']:.3f}, "
+              f"{len(ratios)} rounds)", flush=True)
+    entry = {"when": _dt.datetime.now().isoformat(timespec="seconds"), "base": base_commit, "this": head,
+             "dirty": bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                          capture_output=True, text=True).stdout.strip()),
+             "model": model, "summary": summary, "rounds": rounds}
+    if not args.quick:
+        path = HERE / "results" / "compare-trees.json"
+        history = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(history + [entry], indent=1) + "\n")
+    return entry
+
+
+if __name__ == "__main__":
+    main()
