@@ -21,12 +21,15 @@ _STARTUP_FIX = ("create the strategy before any other TensorFlow op: call stratk
                 "(or stratkit.Trainer()) at the top of the script, before building tensors, models or datasets")
 
 
-def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = None,
+def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None = None,
                   gradient_compression: str | None = None, **options: Any):
     """Build the `tf.distribute.Strategy` for `spec` (detected when None).
 
     Args:
         spec: the cluster spec; `stratkit.detect(strategy=strategy)` when None.
+            A string names the strategy kind exactly as `strategy=` does
+            (`make_strategy("mirrored")`); with `strategy=` as well, both must
+            name the same kind.
         strategy: an explicit strategy kind; with `spec`, it must agree with the
             spec's cluster (the same rule `detect` applies).
         **options: per-strategy options:
@@ -61,6 +64,8 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
     from stratkit.strategy import compression
 
     compression.validate(gradient_compression)  # before anything is built
+    if isinstance(spec, str):
+        spec, strategy = None, _positional_kind(spec, strategy)
     if spec is None:
         spec = detect(strategy=strategy)
     elif strategy is not None:
@@ -88,6 +93,18 @@ def make_strategy(spec: ClusterSpec | None = None, *, strategy: str | None = Non
 
     timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result
+
+
+def _positional_kind(positional: str, strategy: str | None) -> str:
+    """The kind a string first argument names (as `strategy=` would); refuse a different `strategy=`."""
+    from stratkit.cluster.detect import normalize_strategy
+
+    kind = normalize_strategy(positional, var="make_strategy's first argument")
+    if strategy is not None and normalize_strategy(strategy) != kind:
+        raise ConfigError(f"make_strategy got the strategy kind twice and they differ: {positional!r} as the first "
+                          f"argument and strategy={strategy!r}. Fix: name the kind once, e.g. "
+                          f"make_strategy({positional!r}) or make_strategy(strategy={strategy!r})")
+    return positional if kind else strategy  # an empty string means 'not set', as for strategy=
 
 
 def _override(spec: ClusterSpec, strategy: str) -> ClusterSpec:
