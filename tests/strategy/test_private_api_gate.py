@@ -379,6 +379,10 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _distribute_strategy", "private _extended", "private _in_multi_worker_mode",
         "private _maybe_symbolic_build", "private _symbolic_build",
     },
+    "stratkit/strategy/keras_compat/variable_scalars.py": {
+        "import keras.src.backend.tensorflow.core",
+        "patch setattr(cls, name)",  # Variable.__float__ / __int__ for distributed values
+    },
     "stratkit/strategy/keras_compat/trainer_patches.py": {
         "import keras.src.tree",
         "module path keras.src.backend.tensorflow.trainer",

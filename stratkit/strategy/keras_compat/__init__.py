@@ -22,6 +22,7 @@ The modules, one responsibility each:
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
+* :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
 * :mod:`.internals`: small private reads/writes the training code needs.
 
 This package (this file) holds the decisions: :func:`apply`, :func:`revert`,
@@ -48,6 +49,7 @@ from stratkit.errors import KerasCompatError
 # (private ones included), as they did from the single module it replaced.
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
+from stratkit.strategy.keras_compat import variable_scalars as _variable_scalars
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
     _is_chief,
@@ -218,6 +220,7 @@ def apply(strategy: Any = None) -> str:
             else:
                 raise _refusal(version, bugs)
         install_fit_guards()
+        _variable_scalars.install(version, mode)  # float(model.optimizer.learning_rate) in a callback
         log.debug(
             "keras_compat.apply: %s (Keras %s, strategy %s)",
             _status,
@@ -234,6 +237,7 @@ def revert() -> None:
     """
     global _status
     revert_fit_guards()
+    _variable_scalars.revert()
     with _lock:
         _uninstall()
         _status = None
