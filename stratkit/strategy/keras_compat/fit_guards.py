@@ -11,7 +11,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
 * ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
   instead of failing deep inside Keras.
 * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
-  (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
+  (:func:`check_steps_per_execution`), as ``Trainer.build`` does; the same for a
+  stateful RNN layer (:func:`check_stateful_rnn`).
 * Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
   on non-chief workers, file-writing Keras callbacks write to private
   temporary directories and the progress bar is off unless the call passes
@@ -81,6 +82,50 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
         )
 
 
+def _is_multi_replica_mirrored(strategy: Any) -> bool:
+    import tensorflow as tf
+
+    mirrored = isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy))
+    return mirrored and _num_replicas(strategy) > 1
+
+
+def _layers(layer: Any, seen: set[int] | None = None) -> Any:
+    """`layer` and every layer inside it (nested models, wrappers such as Bidirectional), through public attributes."""
+    seen = set() if seen is None else seen
+    if id(layer) in seen:
+        return
+    seen.add(id(layer))
+    yield layer
+    children = list(getattr(layer, "layers", None) or [])
+    children += [getattr(layer, name, None) for name in ("layer", "forward_layer", "backward_layer")]
+    for child in children:
+        if child is not None and hasattr(child, "name"):
+            yield from _layers(child, seen)
+
+
+def check_stateful_rnn(model: Any, strategy: Any) -> None:
+    """Refuse a stateful RNN layer with more than one Mirrored/MWMS replica.
+
+    Keras fails inside the first step when the global batch reaches the layer
+    (``ValueError ... If an RNN is stateful, the batch size ... must be the
+    same``). Giving the layer the per-replica batch makes that error go away,
+    but the layer's state is then one mirrored variable for every replica's
+    stream of sequences, whose carried state stratkit has not verified, so
+    the decision is to refuse before step 1 rather than train something
+    that may be wrong.
+    """
+    if not _is_multi_replica_mirrored(strategy):
+        return
+    for layer in _layers(model):
+        if layer is not model and getattr(layer, "stateful", False) is True:
+            raise ConfigError(
+                f"layer {layer.name!r} ({type(layer).__name__}) has stateful=True, which Keras cannot train on "
+                f"{_num_replicas(strategy)} replicas of {type(strategy).__name__}: its state holds one batch "
+                f"of sequences, while each replica sees its own part of the global batch. Fix: train the stateful "
+                f"model on one replica (stratkit.make_strategy('one_device'), or one worker), or build the layer "
+                f"with stateful=False")
+
+
 def _is_chief(strategy: Any) -> bool:
     """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
     try:
@@ -102,6 +147,7 @@ def _guarded(name: str, original: Any) -> Any:
         if is_parameter_server(strategy):
             raise parameter_server_refusal(f"model.{name}")
         check_steps_per_execution(self, strategy)
+        check_stateful_rnn(self, strategy)
         temps: list[str] = []
         if _is_multi_worker_collective(strategy):
             from stratkit.training import callbacks as cb

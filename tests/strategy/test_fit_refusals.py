@@ -1,0 +1,69 @@
+"""Models Keras cannot train on several CPU replicas are refused before step 1, with the fix.
+
+Both the user's own `model.fit` (the fit guards) and `Trainer.build` refuse, as
+they do for `steps_per_execution > 1`. Real processes: 2 logical CPUs, and 2 real
+MWMS workers on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from procs import describe, free_ports, run_cluster, run_process, worker_tf_configs
+
+pytestmark = pytest.mark.slow
+
+CLEAN_ENV: dict[str, str | None] = {"STRATKIT_KERAS_COMPAT": None, "TF_USE_LEGACY_KERAS": None}
+
+REFUSALS = textwrap.dedent("""
+    import json, sys, stratkit
+    from stratkit.errors import ConfigError
+    case = sys.argv[1]
+    if len(sys.argv) > 2:
+        trainer = stratkit.Trainer()  # MWMS from TF_CONFIG
+    else:
+        trainer = stratkit.Trainer(strategy="mirrored", logical_cpus=2)
+    import keras, numpy as np
+
+    def build():
+        if case == "stateful":
+            inp = keras.Input(batch_shape=(8, 5, 3))
+            out = keras.layers.Dense(1)(keras.layers.LSTM(4, stateful=True, name="my_lstm")(inp))
+            x = np.ones((32, 5, 3), "float32")
+        else:
+            inp = keras.Input((3,))
+            out = keras.layers.Dense(1)(inp)
+            x = np.ones((32, 3), "float32")
+        model = keras.Model(inp, out)
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True if case == "jit" else "auto")
+        return model, x
+
+    report = {"replicas": trainer.num_replicas}
+    try:
+        trainer.build(lambda: build()[0])
+        report["trainer"] = None
+    except ConfigError as exc:
+        report["trainer"] = str(exc)
+    with trainer.strategy.scope():
+        model, x = build()
+    report["jit_compile"] = model.jit_compile
+    try:
+        model.fit(x, np.ones((32, 1), "float32"), batch_size=8, epochs=1, verbose=2)
+        report["fit"] = None
+    except ConfigError as exc:
+        report["fit"] = str(exc)
+    print(json.dumps(report))
+""")
+
+
+def test_a_stateful_rnn_on_two_replicas_is_refused_by_fit_and_trainer_naming_the_layer():
+    result = run_process(REFUSALS, args=["stateful"], env=CLEAN_ENV, timeout=120)
+    assert result.ok, describe([result])
+    report = result.last_json()
+    assert report["replicas"] == 2
+    for where in ("trainer", "fit"):
+        assert report[where] is not None, f"{where} trained a stateful LSTM on 2 replicas"
+        assert "my_lstm" in report[where] and "stateful=True" in report[where] and "Fix:" in report[where]
+    assert "Epoch 1/" not in result.stdout  # refused before step 1
