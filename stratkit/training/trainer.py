@@ -82,6 +82,7 @@ class Trainer:
 
             keras_compat.check_steps_per_execution(model, self.strategy)
             keras_compat.check_stateful_rnn(model, self.strategy)
+            keras_compat.check_jit_compile(model, self.strategy)
         return model
 
     # -- fit ------------------------------------------------------------------------

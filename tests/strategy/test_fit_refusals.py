@@ -67,3 +67,31 @@ def test_a_stateful_rnn_on_two_replicas_is_refused_by_fit_and_trainer_naming_the
         assert report[where] is not None, f"{where} trained a stateful LSTM on 2 replicas"
         assert "my_lstm" in report[where] and "stateful=True" in report[where] and "Fix:" in report[where]
     assert "Epoch 1/" not in result.stdout  # refused before step 1
+
+
+def test_jit_compile_on_two_cpu_replicas_is_refused_by_fit_and_trainer():
+    result = run_process(REFUSALS, args=["jit"], env=CLEAN_ENV, timeout=120)
+    assert result.ok, describe([result])
+    report = result.last_json()
+    assert report["replicas"] == 2 and report["jit_compile"] is True
+    for where in ("trainer", "fit"):
+        assert report[where] is not None, f"{where} ran jit_compile=True on 2 CPU replicas"
+        assert "jit_compile=True" in report[where] and "jit_compile=False" in report[where]
+    assert "Epoch 1/" not in result.stdout
+
+
+def test_jit_compile_on_two_cpu_workers_is_refused_on_both_without_an_abort():
+    results = run_cluster(REFUSALS, worker_tf_configs(free_ports(2)), args=["jit", "mwms"], env=CLEAN_ENV,
+                          timeout=180, grace_after_failure=20)
+    assert all(r.ok for r in results), describe(results)
+    for result in results:
+        report = result.last_json()
+        assert report["replicas"] == 2
+        assert report["trainer"] and report["fit"] and "jit_compile=True" in report["fit"]
+
+
+def test_the_default_jit_compile_is_not_refused_on_cpu_replicas():
+    # Keras's jit_compile="auto" resolves to False on CPU for the TensorFlow backend: nothing to refuse.
+    result = run_process(REFUSALS, args=["auto"], env=CLEAN_ENV, timeout=120)
+    assert result.ok, describe([result])
+    assert result.last_json() == {"replicas": 2, "trainer": None, "jit_compile": False, "fit": None}

@@ -53,6 +53,7 @@ from stratkit.strategy.keras_compat import variable_scalars as _variable_scalars
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
     _is_chief,
+    check_jit_compile,
     check_stateful_rnn,
     check_steps_per_execution,
     revert_fit_guards,
@@ -108,6 +109,7 @@ __all__ = [
     "apply",
     "check_parameter_server",
     "check_supported",
+    "check_jit_compile",
     "check_stateful_rnn",
     "check_steps_per_execution",
     "install_fit_guards",

@@ -12,7 +12,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   instead of failing deep inside Keras.
 * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
   (:func:`check_steps_per_execution`), as ``Trainer.build`` does; the same for a
-  stateful RNN layer (:func:`check_stateful_rnn`).
+  stateful RNN layer (:func:`check_stateful_rnn`) and for ``jit_compile=True``
+  on CPU replicas (:func:`check_jit_compile`).
 * Multi-worker MWMS (:func:`stratkit.training.callbacks.route_side_effects`):
   on non-chief workers, file-writing Keras callbacks write to private
   temporary directories and the progress bar is off unless the call passes
@@ -126,6 +127,31 @@ def check_stateful_rnn(model: Any, strategy: Any) -> None:
                 f"with stateful=False")
 
 
+def check_jit_compile(model: Any, strategy: Any) -> None:
+    """Refuse ``jit_compile=True`` with several Mirrored/MWMS replicas on CPUs only.
+
+    XLA compiles the step with its cross-replica all-reduce inside; on CPU
+    devices XLA has no collectives for it. Measured (TF 2.21, Keras 3.15.1):
+    a TensorFlow error after ``Epoch 1/`` on 2 logical CPUs, and SIGABRT on 2
+    MWMS workers. Decision: refuse before step 1 wherever no GPU/TPU device is
+    in the strategy. Reads the resolved ``model.jit_compile`` (Keras's default
+    ``"auto"`` is already False on CPU). Strategies with GPUs are left as
+    they are (not tested here).
+    """
+    if not _is_multi_replica_mirrored(strategy) or getattr(model, "jit_compile", False) is not True:
+        return
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except Exception:  # noqa: BLE001 - cannot tell: leave it to Keras
+        return
+    if devices and all("CPU" in device.upper().rsplit("/", 1)[-1] for device in devices):
+        raise ConfigError(
+            f"jit_compile=True cannot run on {_num_replicas(strategy)} CPU replicas of {type(strategy).__name__}: "
+            f"XLA has no cross-replica collectives on CPU devices (TensorFlow fails in the first step, "
+            f"and multi-worker processes abort). Fix: compile with jit_compile=False "
+            f"(model.compile(..., jit_compile=False), or leave Keras's default)")
+
+
 def _is_chief(strategy: Any) -> bool:
     """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
     try:
@@ -148,6 +174,7 @@ def _guarded(name: str, original: Any) -> Any:
             raise parameter_server_refusal(f"model.{name}")
         check_steps_per_execution(self, strategy)
         check_stateful_rnn(self, strategy)
+        check_jit_compile(self, strategy)
         temps: list[str] = []
         if _is_multi_worker_collective(strategy):
             from stratkit.training import callbacks as cb
