@@ -23,6 +23,7 @@ The modules, one responsibility each:
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
 * :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
+* :mod:`.save_guards`: every MWMS worker's ``model.save``/``export`` to one path (chief atomic, others private);
 * :mod:`.internals`: small private reads/writes the training code needs.
 
 This package (this file) holds the decisions: :func:`apply`, :func:`revert`,
@@ -49,6 +50,7 @@ from stratkit.errors import KerasCompatError
 # (private ones included), as they did from the single module it replaced.
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
+from stratkit.strategy.keras_compat import save_guards as _save_guards
 from stratkit.strategy.keras_compat import variable_scalars as _variable_scalars
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
@@ -225,6 +227,7 @@ def apply(strategy: Any = None) -> str:
                 raise _refusal(version, bugs)
         install_fit_guards()
         _variable_scalars.install(version, mode)  # float(model.optimizer.learning_rate) in a callback
+        _save_guards.install()  # every worker's model.save(path) under MWMS: no race on the path
         log.debug(
             "keras_compat.apply: %s (Keras %s, strategy %s)",
             _status,
@@ -242,6 +245,7 @@ def revert() -> None:
     global _status
     revert_fit_guards()
     _variable_scalars.revert()
+    _save_guards.revert()
     with _lock:
         _uninstall()
         _status = None
