@@ -205,6 +205,27 @@ def write_with(path: str, write: Callable[[str], None]) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def replace_dir_with(path: str, write: Callable[[str], None]) -> None:
+    """Replace the directory `path` with what `write(temp_path)` writes (e.g. a SavedModel export).
+
+    The writer fills a fresh directory beside `path` (in a private mkdtemp); the
+    old directory, if any, is renamed away and the new one renamed in, so
+    `path` is always a whole old or a whole new tree (never a mix; for an
+    instant between the two renames, absent), and the old one is removed after.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    scratch = tempfile.mkdtemp(prefix=temp_name() + "-", dir=directory)
+    try:
+        new, old = os.path.join(scratch, name), os.path.join(scratch, "old")
+        write(new)
+        if os.path.lexists(path):
+            os.rename(path, old)
+        os.rename(new, path)
+        fsync_dir(directory)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def remove(path: str) -> None:
     try:
         os.remove(path)

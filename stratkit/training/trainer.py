@@ -81,6 +81,8 @@ class Trainer:
             from stratkit.strategy import keras_compat
 
             keras_compat.check_steps_per_execution(model, self.strategy)
+            keras_compat.check_stateful_rnn(model, self.strategy)
+            keras_compat.check_jit_compile(model, self.strategy)
         return model
 
     # -- fit ------------------------------------------------------------------------

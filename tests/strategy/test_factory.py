@@ -141,3 +141,25 @@ def test_explicit_strategy_with_a_spec_is_checked_against_its_cluster():
                                          '"task": {"type": "worker", "index": 0}}'})
     with pytest.raises(ConfigError, match=r"strategy='mirrored'.*3 worker"):
         stratkit.make_strategy(spec, strategy="mirrored")
+
+
+def test_the_kind_as_first_positional_argument_builds_that_strategy():
+    # As people type it: make_strategy("mirrored") used to fail with "'str' object has no attribute 'strategy'".
+    result = run_process(_code("""
+        s = stratkit.make_strategy("mirrored", logical_cpus=2)
+        again = stratkit.make_strategy("MirroredStrategy", strategy="mirrored", logical_cpus=2)
+        print(json.dumps({"type": type(s).__name__, "replicas": s.num_replicas_in_sync,
+                          "again": type(again).__name__}))
+    """))
+    assert result.ok, describe([result])
+    assert result.last_json() == {"type": "MirroredStrategy", "replicas": 2, "again": "MirroredStrategy"}
+
+
+def test_a_positional_kind_and_a_different_strategy_keyword_are_refused():
+    with pytest.raises(ConfigError, match=r"'mirrored'.*strategy='one_device'.*Fix"):
+        stratkit.make_strategy("mirrored", strategy="one_device")
+
+
+def test_a_positional_string_that_is_no_kind_names_the_argument_and_the_kinds():
+    with pytest.raises(ConfigError, match=r"'mirrorred' is not a strategy.*one_device"):
+        stratkit.make_strategy("mirrorred")

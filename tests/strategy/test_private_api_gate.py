@@ -399,6 +399,14 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _distribute_strategy", "private _extended", "private _in_multi_worker_mode",
         "private _maybe_symbolic_build", "private _symbolic_build",
     },
+    "stratkit/strategy/keras_compat/save_guards.py": {
+        # keras.Model.save / save_weights / export wrapped, and put back
+        "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",
+    },
+    "stratkit/strategy/keras_compat/variable_scalars.py": {
+        "import keras.src.backend.tensorflow.core",
+        "patch setattr(cls, name)",  # Variable.__float__ / __int__ for distributed values
+    },
     "stratkit/strategy/keras_compat/trainer_patches.py": {
         "import keras.src.tree",
         "module path keras.src.backend.tensorflow.trainer",

@@ -25,6 +25,8 @@ The modules, one responsibility each:
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
+* :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
+* :mod:`.save_guards`: every MWMS worker's ``model.save``/``export`` to one path (chief atomic, others private);
 * :mod:`.internals`: small private reads/writes the training code needs.
 
 This package (this file) holds the decisions: :func:`apply`, :func:`revert`,
@@ -54,9 +56,13 @@ from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
 from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
+from stratkit.strategy.keras_compat import save_guards as _save_guards
+from stratkit.strategy.keras_compat import variable_scalars as _variable_scalars
 from stratkit.strategy.keras_compat.fit_guards import (
     _guarded,
     _is_chief,
+    check_jit_compile,
+    check_stateful_rnn,
     check_steps_per_execution,
     revert_fit_guards,
 )
@@ -111,6 +117,8 @@ __all__ = [
     "apply",
     "check_parameter_server",
     "check_supported",
+    "check_jit_compile",
+    "check_stateful_rnn",
     "check_steps_per_execution",
     "install_fit_guards",
     "installed_keras_version",
@@ -224,6 +232,8 @@ def apply(strategy: Any = None) -> str:
             else:
                 raise _refusal(version, bugs)
         install_fit_guards()
+        _variable_scalars.install(version, mode)  # float(model.optimizer.learning_rate) in a callback
+        _save_guards.install()  # every worker's model.save(path) under MWMS: no race on the path
         log.debug(
             "keras_compat.apply: %s (Keras %s, strategy %s)",
             _status,
@@ -240,6 +250,8 @@ def revert() -> None:
     """
     global _status
     revert_fit_guards()
+    _variable_scalars.revert()
+    _save_guards.revert()
     with _lock:
         _uninstall()
         _global_gradient.uninstall()

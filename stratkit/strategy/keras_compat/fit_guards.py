@@ -11,7 +11,9 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
 * ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
   instead of failing deep inside Keras.
 * ``steps_per_execution > 1`` with several Mirrored/MWMS replicas: refuse
-  (:func:`check_steps_per_execution`), as ``Trainer.build`` does.
+  (:func:`check_steps_per_execution`), as ``Trainer.build`` does; the same for a
+  stateful RNN layer (:func:`check_stateful_rnn`) and for ``jit_compile=True``
+  on CPU replicas (:func:`check_jit_compile`).
 * Multi-worker MWMS (:func:`stratkit.strategy.side_effects.route_side_effects`):
   on non-chief workers, file-writing Keras callbacks write to private
   temporary directories and the progress bar is off unless the call passes
@@ -84,6 +86,75 @@ def check_steps_per_execution(model: Any, strategy: Any) -> None:
         )
 
 
+def _is_multi_replica_mirrored(strategy: Any) -> bool:
+    import tensorflow as tf
+
+    mirrored = isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy))
+    return mirrored and _num_replicas(strategy) > 1
+
+
+def _layers(layer: Any, seen: set[int] | None = None) -> Any:
+    """`layer` and every layer inside it (nested models, wrappers such as Bidirectional), through public attributes."""
+    seen = set() if seen is None else seen
+    if id(layer) in seen:
+        return
+    seen.add(id(layer))
+    yield layer
+    children = list(getattr(layer, "layers", None) or [])
+    children += [getattr(layer, name, None) for name in ("layer", "forward_layer", "backward_layer")]
+    for child in children:
+        if child is not None and hasattr(child, "name"):
+            yield from _layers(child, seen)
+
+
+def check_stateful_rnn(model: Any, strategy: Any) -> None:
+    """Refuse a stateful RNN layer with more than one Mirrored/MWMS replica.
+
+    Keras fails inside the first step when the global batch reaches the layer
+    (``ValueError ... If an RNN is stateful, the batch size ... must be the
+    same``). Giving the layer the per-replica batch makes that error go away,
+    but the layer's state is then one mirrored variable for every replica's
+    stream of sequences, whose carried state stratkit has not verified, so
+    the decision is to refuse before step 1 rather than train something
+    that may be wrong.
+    """
+    if not _is_multi_replica_mirrored(strategy):
+        return
+    for layer in _layers(model):
+        if layer is not model and getattr(layer, "stateful", False) is True:
+            raise ConfigError(
+                f"layer {layer.name!r} ({type(layer).__name__}) has stateful=True, which Keras cannot train on "
+                f"{_num_replicas(strategy)} replicas of {type(strategy).__name__}: its state holds one batch "
+                f"of sequences, while each replica sees its own part of the global batch. Fix: train the stateful "
+                f"model on one replica (stratkit.make_strategy('one_device'), or one worker), or build the layer "
+                f"with stateful=False")
+
+
+def check_jit_compile(model: Any, strategy: Any) -> None:
+    """Refuse ``jit_compile=True`` with several Mirrored/MWMS replicas on CPUs only.
+
+    XLA compiles the step with its cross-replica all-reduce inside; on CPU
+    devices XLA has no collectives for it. Measured (TF 2.21, Keras 3.15.1):
+    a TensorFlow error after ``Epoch 1/`` on 2 logical CPUs, and SIGABRT on 2
+    MWMS workers. Decision: refuse before step 1 wherever no GPU/TPU device is
+    in the strategy. Reads the resolved ``model.jit_compile`` (Keras's default
+    ``"auto"`` is already False on CPU). Strategies with GPUs are left as
+    they are (not tested here).
+    """
+    if not _is_multi_replica_mirrored(strategy) or getattr(model, "jit_compile", False) is not True:
+        return
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except Exception:  # noqa: BLE001 - cannot tell: leave it to Keras
+        return
+    if devices and all("CPU" in device.upper().rsplit("/", 1)[-1] for device in devices):
+        raise ConfigError(
+            f"jit_compile=True cannot run on {_num_replicas(strategy)} CPU replicas of {type(strategy).__name__}: "
+            f"XLA has no cross-replica collectives on CPU devices (TensorFlow fails in the first step, "
+            f"and multi-worker processes abort). Fix: compile with jit_compile=False "
+            f"(model.compile(..., jit_compile=False), or leave Keras's default)")
+
+
 def _is_chief(strategy: Any) -> bool:
     """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
     try:
@@ -105,6 +176,8 @@ def _guarded(name: str, original: Any) -> Any:
         if is_parameter_server(strategy):
             raise parameter_server_refusal(f"model.{name}")
         check_steps_per_execution(self, strategy)
+        check_stateful_rnn(self, strategy)
+        check_jit_compile(self, strategy)
         temps: list[str] = []
         if _is_multi_worker_collective(strategy):
             from stratkit.strategy import side_effects  # imports Keras: not before a multi-worker call
