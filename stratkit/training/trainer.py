@@ -99,7 +99,8 @@ class Trainer:
             data: `(x, y)` / `(x, y, sample_weight)` numpy arrays, a `tf.data.Dataset`
                 (unbatched, or batched with the global batch), `dataset_fn(input_context)`
                 returning a per-replica-batched dataset, or a `keras.utils.PyDataset`
-                (its batch is the global batch).
+                (its batch is the global batch). A Python generator is refused (it
+                cannot be read exactly; the message says what to pass instead).
             epochs: total epochs (a resumed run continues to this number).
             steps_per_epoch: steps per epoch (required with dataset_fn and on PS):
                 exactly this many run every epoch, the data repeated as needed;

@@ -136,6 +136,18 @@ def test_a_py_dataset_with_another_batch_or_uneven_epochs_is_refused_in_one_mess
         trainer.fit(trainer.build(_classifier), Batches(x, y, 8), verbose=0, **kwargs)
 
 
+def test_a_python_generator_is_refused_naming_py_dataset_and_tf_data(trainer):
+    x, y = _data()
+
+    def batches():
+        for i in range(0, 64, 8):
+            yield x[i:i + 8], y[i:i + 8]
+
+    with pytest.raises(ConfigError, match=r"a Python generator.*keras.utils.PyDataset.*"
+                                          r"tf.data.Dataset.from_generator\(<the generator function>"):
+        trainer.fit(trainer.build(_classifier), batches(), epochs=1, verbose=0)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t, m, x, y: t.fit(m, tf.data.Dataset.from_tensor_slices((x, y)), global_batch_size=8,
                               validation_split=0.2),

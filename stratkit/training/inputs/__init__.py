@@ -15,6 +15,9 @@ Five input kinds, one adapter each (chosen once by `adapter_for`, as Keras'
   * a `keras.utils.PyDataset` (its batch is the global batch), handed to
     Keras's own PyDataset adapter: `py_dataset.PyDatasetAdapter`.
 
+A Python generator is refused (`rules.generator_refusal` says why and what to
+pass instead).
+
 Every caller goes through an adapter: `Trainer.fit`/`evaluate`/`predict` on
 the synchronous strategies (`prepare`), evaluation and prediction in this
 process (`local_dataset`, `predict_dataset`), and the parameter-server loop
@@ -48,8 +51,8 @@ from stratkit.training.inputs.dataset import DatasetAdapter
 from stratkit.training.inputs.dataset_fn import DatasetFnAdapter
 from stratkit.training.inputs.py_dataset import PyDatasetAdapter
 from stratkit.training.inputs.rules import (DEFAULT_SEED, batch_size_of, batched_element_spec, check_batched,
-                                            check_divisible, is_dataset, is_dataset_fn, is_py_dataset,
-                                            resolve_global_batch_size)
+                                            check_divisible, generator_refusal, is_dataset, is_dataset_fn,
+                                            is_generator, is_py_dataset, resolve_global_batch_size)
 
 __all__ = ["DEFAULT_SEED", "InputAdapter", "PreparedData", "adapter_for", "batch_size_of", "batched_element_spec",
            "check_batched", "check_divisible", "is_dataset", "is_dataset_fn", "is_py_dataset", "local_dataset",
@@ -65,6 +68,8 @@ def adapter_for(data: Any) -> InputAdapter:
         return DatasetFnAdapter(data)
     if is_py_dataset(data):
         return PyDatasetAdapter(data)
+    if is_generator(data):
+        raise generator_refusal()
     return ArrayAdapter(data)
 
 

@@ -11,7 +11,8 @@ about 1 two-worker run in 4 of `model.fit` on a PyDataset, or on any
 `from_generator` dataset, trained differently from one process, while
 arrays never did; not understood yet.)
 Each new pass restarts at batch 0, so Keras's start-of-fit peek loses
-nothing.
+nothing (a Python generator, read once, cannot do that: refused in
+`inputs.adapter_for`).
 
 Its batch order is its own (`__getitem__`, shuffled in `on_epoch_end` if it
 wants): Keras's `shuffle=True` would reorder batches with Python's `random`,

@@ -34,6 +34,23 @@ def is_py_dataset(obj: Any) -> bool:
     return isinstance(obj, keras.utils.PyDataset)
 
 
+def is_generator(obj: Any) -> bool:
+    """True for a Python generator object (what Keras's `fit` reads with its generator adapter)."""
+    import types
+
+    return isinstance(obj, types.GeneratorType)
+
+
+def generator_refusal() -> ConfigError:
+    return ConfigError(
+        "data is a Python generator: it can be read only once, and Keras's fit under a strategy peeks at the first "
+        "batch through an iterator it then drops, losing the batches that iterator prefetched (how many depends "
+        "on the input pipeline: one process and N workers lose different ones), so training would not be exact. "
+        "Fix: wrap the batches in a keras.utils.PyDataset (__len__ and __getitem__; stratkit.Trainer takes it "
+        "as it is), or pass tf.data.Dataset.from_generator(<the generator function>, output_signature=...) "
+        "(the function, not a generator: every pass restarts it), or numpy arrays")
+
+
 def py_dataset_batch(data: Any) -> int:
     """The rows in batch 0 of PyDataset `data` (read once: Keras reads it too, to learn the shapes)."""
     import tensorflow as tf
@@ -78,6 +95,8 @@ def resolve_global_batch_size(global_batch_size: int | None, per_replica_batch_s
     `keras.utils.PyDataset` of B-row batches): no size given means the global
     batch is B; a size given must be B.
     """
+    if is_generator(data):
+        raise generator_refusal()
     if is_py_dataset(data):
         resolved = _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=False)
         batch = py_dataset_batch(data)
