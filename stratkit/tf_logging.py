@@ -12,8 +12,16 @@ configured:
     custom operations are on", "I0000 ... cudart_stub.cc] Could not find cuda
     drivers", printed twice per import). They are dropped when their severity
     is below the effective TF_CPP_MIN_LOG_LEVEL, as TensorFlow would have done;
-    the "failed call to cuInit" error is dropped only where stratkit hid the
-    GPUs on purpose (CUDA_VISIBLE_DEVICES="").
+    the "failed call to cuInit" error (an ERROR, so kept by level 2) is dropped
+    only where no GPU was to be used: GPUs hidden on purpose
+    (CUDA_VISIBLE_DEVICES=""), or a machine without CUDA drivers, which
+    TensorFlow says first ("cudart_stub.cc] Could not find cuda drivers on your
+    machine, GPU will not be used"). On a machine with drivers it is kept: there
+    it is a real problem.
+
+Both front doors use both parts: `stratkit launch` (`launch/plan.py` adds the
+defaults, `launch/attempt.py` filters each task's output, console and log
+alike) and the Spark runner (`spark/process.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ _PRE_INIT = "WARNING: All log messages before absl::InitializeLog() is called ar
 _ABSL_LINE = re.compile(r"^(?P<severity>[IWEF])\d{4} [\d:.]+\s+\d+\s+\S+:\d+\]")
 _SEVERITY = {"I": 0, "W": 1, "E": 2, "F": 3}
 _CUDA_PROBE = ("failed call to cuInit", "cuda_platform.cc", "cuda_executor.cc")
+_NO_DRIVER = "Could not find cuda drivers on your machine"
 
 
 def quiet_defaults(env: Mapping[str, str]) -> dict[str, str]:
@@ -50,10 +59,13 @@ class StartupNoise:
         except ValueError:
             self.level = 0
         self.gpus_hidden = env.get("CUDA_VISIBLE_DEVICES") == ""
+        self.no_driver = False  # TensorFlow said so: no GPU will be used
 
     def keep(self, line: str) -> bool:
         if self.level <= 0:
             return True
+        if _NO_DRIVER in line and _ABSL_LINE.match(line):
+            self.no_driver = True
         if line.startswith(_PRE_INIT):
             return False
         match = _ABSL_LINE.match(line)
@@ -62,4 +74,5 @@ class StartupNoise:
         severity = _SEVERITY[match["severity"]]
         if severity < self.level:
             return False
-        return not (self.gpus_hidden and severity == 2 and any(probe in line for probe in _CUDA_PROBE))
+        no_gpu_wanted = self.gpus_hidden or self.no_driver
+        return not (no_gpu_wanted and severity == 2 and any(probe in line for probe in _CUDA_PROBE))

@@ -38,3 +38,10 @@ def test_a_cuda_error_is_kept_where_gpus_were_asked_for():
 def test_an_explicit_level_0_shows_everything():
     noise = StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "0", "CUDA_VISIBLE_DEVICES": ""})
     assert all(noise.keep(line) for line in (PRE_INIT, ONEDNN, CUDA_STUB, CUINIT))
+
+
+def test_the_cuinit_error_is_dropped_after_tensorflow_found_no_cuda_driver_but_kept_where_drivers_exist():
+    noise = StartupNoise({"TF_CPP_MIN_LOG_LEVEL": "2"})  # a user's shell: GPUs not hidden
+    assert noise.keep(CUINIT)                              # no sign yet that the machine has no driver
+    assert not noise.keep(CUDA_STUB)                       # TF: "Could not find cuda drivers ... GPU will not be used"
+    assert not noise.keep(CUINIT) and noise.keep(REAL_ERROR)

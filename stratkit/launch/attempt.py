@@ -6,7 +6,8 @@ In order:
    and give every task its TF_CONFIG (`LaunchPlan.task_env`);
 2. start each task in its own process group, dying with the launcher, known
    to the reaper (`stratkit.process.children`, `stratkit.process.reaper`);
-   pump its output, prefixed, to our console and its log (`stratkit.process.pump`);
+   pump its output, prefixed, to our console and its log (`stratkit.process.pump`),
+   less TensorFlow's start-up noise (`stratkit.tf_logging`, as on Spark);
 3. watch, every 0.1 s, until one of five endings (`_Watch.verdict`): a signal
    to the launcher; a failure (weighed for `SETTLE` s, see `root_cause_rank`);
    every task done; the chief done and the rest past --exit-grace; --timeout;
@@ -26,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
+from stratkit import tf_logging
 from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.console import Console
@@ -172,9 +174,10 @@ class AttemptRunner:
                             f"pid {child.pid}{where}, {stamp} =====\n".encode())
         assert child.proc.stdout is not None and child.proc.stderr is not None
         name = child.task.name
+        noise = tf_logging.StartupNoise(env)  # TensorFlow's start-up lines, as on Spark (console and log alike)
         child.pump = OutputPump({"stdout": child.proc.stdout, "stderr": child.proc.stderr},
                                 lambda line: self.console.task_line(name, line, child.log),
-                                name=f"stratkit-{name}").start()
+                                name=f"stratkit-{name}", keep=noise.keep).start()
 
     # -- watch ------------------------------------------------------------------------------------
     def _watch(self, children: list[TaskProcess], watch: _Watch) -> tuple[str, TaskProcess | None, bool]:

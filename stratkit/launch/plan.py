@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from stratkit import tf_logging
 from stratkit.cluster import layout
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import primary_task
@@ -223,8 +224,9 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     base_env = dict(os.environ if env is None else env)
     argv = check_command(command, path=base_env.get("PATH"))
     check_not_in_slurm_step(base_env)
-    # The user's own settings win; unbuffered Python makes the prefixed output live.
-    defaults = {**thread_env(len(tasks)), "PYTHONUNBUFFERED": "1"}
+    # The user's own settings win; unbuffered Python makes the prefixed output live; TensorFlow's start-up
+    # noise is hidden as on Spark (`stratkit.tf_logging`; attempt.py drops the lines TF prints regardless).
+    defaults = {**thread_env(len(tasks)), "PYTHONUNBUFFERED": "1", **tf_logging.quiet_defaults(base_env)}
     extra = {k: v for k, v in defaults.items() if k not in base_env}
     # Validate every TF_CONFIG before starting anything (ports do not change validity).
     layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,

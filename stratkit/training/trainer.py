@@ -90,14 +90,19 @@ class Trainer:
             validation_data: Any = None, global_batch_size: int | None = None,
             per_replica_batch_size: int | None = None, backup_dir: str | None = None,
             callbacks: Iterable[Any] = (), scale_learning_rate: bool = False, warmup_epochs: int = 0,
-            verbose: Any = None, validation_steps: int | None = None, shuffle: bool = True) -> Any:
+            verbose: Any = None, validation_steps: int | None = None, shuffle: bool = True, *,
+            validation_split: float = 0.0, class_weight: dict | None = None, sample_weight: Any = None,
+            y: Any = None, batch_size: int | None = None, initial_epoch: int = 0, validation_freq: Any = 1,
+            validation_batch_size: int | None = None, **others: Any) -> Any:
         """Train `model` on `data` with the global batch split over every replica.
 
         Args:
             model: from `trainer.build`.
-            data: `(x, y)` numpy arrays, a `tf.data.Dataset` (unbatched, or batched
-                with the global batch), or `dataset_fn(input_context)` returning a
-                per-replica-batched dataset.
+            data: `(x, y)` / `(x, y, sample_weight)` numpy arrays, a `tf.data.Dataset`
+                (unbatched, or batched with the global batch), `dataset_fn(input_context)`
+                returning a per-replica-batched dataset, or a `keras.utils.PyDataset`
+                (its batch is the global batch). A Python generator is refused (it
+                cannot be read exactly; the message says what to pass instead).
             epochs: total epochs (a resumed run continues to this number).
             steps_per_epoch: steps per epoch (required with dataset_fn and on PS):
                 exactly this many run every epoch, the data repeated as needed;
@@ -113,6 +118,11 @@ class Trainer:
                 `num_replicas` (linear scaling rule) ...
             warmup_epochs: ... reached gradually over this many epochs.
             verbose: Keras verbosity; default: progress on the chief only.
+            shuffle: reshuffle numpy arrays each epoch (one seed on every worker).
+            validation_split, class_weight, sample_weight, y, batch_size, initial_epoch,
+                validation_freq, validation_batch_size: as in `model.fit`
+                (`stratkit.training.fit_args` says how each is honoured; `batch_size`
+                is the global batch). Other keywords are a `ConfigError`.
 
         Returns:
             The `keras.callbacks.History` (on PS also with `.steps`, the exact step
@@ -120,17 +130,34 @@ class Trainer:
         """
         from stratkit.strategy import side_effects
         from stratkit.training import callbacks as cb
-        from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size
+        from stratkit.training import fit_args
+        from stratkit.training.inputs import is_dataset_fn, is_py_dataset, prepare, resolve_global_batch_size
 
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigError(f"epochs must be a positive integer: got {epochs!r}. Fix: e.g. epochs=3")
+        fit_args.refuse_unknown(others)
+        fit_args.check_epochs(epochs)
         if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
+        global_batch_size = fit_args.merge_batch_size(batch_size, global_batch_size)
+        data = fit_args.join_arrays(data, y, sample_weight)
+        fit_args.check_class_weight(class_weight, data)
+        data, validation_data = fit_args.split_validation(data, validation_split, validation_data)
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
+        if class_weight is not None and is_dataset_fn(data):
+            raise ConfigError("class_weight cannot be applied to a dataset_fn's distributed dataset. Fix: yield "
+                              "(x, y, sample_weight) from the dataset_fn, with each row's class weight as its "
+                              "sample weight")
         if self._ps:
             from stratkit.training.ps import fit_parameter_server
+
+            fit_args.refuse_on_parameter_servers(class_weight=class_weight, initial_epoch=initial_epoch,
+                                                 validation_freq=validation_freq,
+                                                 validation_batch_size=validation_batch_size)
+            if is_py_dataset(data) or is_py_dataset(validation_data):
+                raise ConfigError("a keras.utils.PyDataset cannot be read by parameter-server training (each "
+                                  "worker builds its own tf.data pipeline). Fix: pass numpy arrays, a "
+                                  "tf.data.Dataset, or a dataset_fn(input_context)")
 
             return fit_parameter_server(self, model, data, epochs=epochs, steps_per_epoch=steps_per_epoch,
                                         validation_data=validation_data, global_batch_size=global_batch,
@@ -142,8 +169,12 @@ class Trainer:
                         shuffle=shuffle, seed=self.seed, tpu=tpu)
         val = None
         if validation_data is not None:
+            val_batch = None if is_py_dataset(validation_data) else global_batch
+            if validation_batch_size is not None:
+                val_batch = resolve_global_batch_size(validation_batch_size, None, self.num_replicas, required=True,
+                                                      data=validation_data)
             val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
-                          global_batch_size=global_batch, steps_per_epoch=validation_steps, training=False,
+                          global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
 
         callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
@@ -167,7 +198,8 @@ class Trainer:
         try:
             return model.fit(train.dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                              validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
-                             verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose)
+                             verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose,
+                             class_weight=class_weight, initial_epoch=initial_epoch, validation_freq=validation_freq)
         except Exception as exc:
             from stratkit.strategy.compression import overflow_error
 

@@ -615,3 +615,33 @@ def test_the_exception_scanner_keeps_the_last_exception_of_a_chain_despite_inter
     plain.feed("RuntimeError: my peer is gone")                 # what sys.exit("...") prints: no traceback
     plain.feed("2026-11-23 11:00:00 W tensorflow/core/x.cc:1] NotFoundError: a log line, not an exception")
     assert plain.exception[0] == "RuntimeError: my peer is gone"
+
+
+# TensorFlow's start-up lines on a machine without a GPU (measured with TF 2.21): absl's pre-init notice,
+# the oneDNN and cuda-driver INFO lines, the cuInit error.
+_TF_STARTUP_NOISE = ("All log messages before absl::InitializeLog()", "oneDNN custom operations",
+                     "Could not find cuda drivers", "failed call to cuInit")
+_IMPORTS_TF = """
+    import tensorflow as tf
+    print("devices:", [d.device_type for d in tf.config.list_physical_devices()], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_tasks_get_the_spark_runners_quiet_tensorflow_logging_unless_the_user_set_a_level(tmp_path):
+    # As a user's shell: neither TF_CPP_MIN_LOG_LEVEL nor CUDA_VISIBLE_DEVICES set.
+    script = _script(tmp_path, _IMPORTS_TF)
+    logs = tmp_path / "logs"
+    quiet = _run(["--workers", "1", "--log-dir", str(logs), "--", sys.executable, script],
+                 env={"TF_CPP_MIN_LOG_LEVEL": None, "CUDA_VISIBLE_DEVICES": None}, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "[worker:0] devices: [" in quiet.stdout
+    shown = quiet.stdout + quiet.stderr + (logs / "worker-0.log").read_text()
+    assert not [noise for noise in _TF_STARTUP_NOISE if noise in shown], shown
+
+    loud = _run(["--workers", "1", "--", sys.executable, script],
+                env={"TF_CPP_MIN_LOG_LEVEL": "0", "CUDA_VISIBLE_DEVICES": None}, timeout=120)
+    assert loud.returncode == 0, loud.stderr
+    assert "[worker:0] All log messages before absl::InitializeLog()" not in loud.stdout   # (it is on stderr)
+    assert re.search(r"^\[worker:0\] WARNING: All log messages before absl::InitializeLog\(\)", loud.stderr, re.M)
+    assert re.search(r"^\[worker:0\] I\d{4} .*\] ", loud.stderr, re.M), loud.stderr   # TF's own INFO lines

@@ -144,3 +144,42 @@ def test_plain_model_fit_in_make_strategy_scope_gets_the_keras3_fixes(tmp_path):
     assert chief["num_replicas"] == 2
     assert chief["history"]["loss"] == pytest.approx(worker["history"]["loss"], rel=1e-6)
     assert chief["evaluate"]["accuracy"] > 0.8
+
+
+FIT_ARGS_SCRIPT = """
+import json, sys
+import stratkit
+trainer = stratkit.Trainer()
+import keras, numpy as np
+rng = np.random.default_rng(0)
+x = rng.normal(size=(320, 8)).astype("float32")
+y = (x[:, :3].argmax(axis=1) + (x[:, 3] > 1.0)).clip(0, 2).astype("int32")
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    return model
+
+model = trainer.build(build)
+history = trainer.fit(model, x, y=y, epochs=3, global_batch_size=16, validation_split=0.25,
+                      class_weight={0: 1.0, 1: 4.0, 2: 0.5}, verbose=0)
+print(json.dumps({"weights": [w.tolist() for w in model.get_weights()], "replicas": trainer.num_replicas,
+                  "val_loss": history.history["val_loss"]}))
+"""
+
+
+def test_class_weight_and_validation_split_on_two_workers_equal_one_process():
+    results = run_cluster(FIT_ARGS_SCRIPT, worker_tf_configs(free_ports(2)), timeout=240, grace_after_failure=30)
+    assert all(r.ok for r in results), describe(results)
+    single = run_process(FIT_ARGS_SCRIPT, timeout=240)
+    assert single.ok, describe([single])
+    reference = single.last_json()
+    assert reference["replicas"] == 1
+    for result in results:
+        got = result.last_json()
+        assert got["replicas"] == 2
+        for w, ref in zip(got["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(np.array(w), np.array(ref), atol=1e-5)
+        assert got["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)

@@ -1,6 +1,6 @@
 """One input layer: what the user passes as `data`, turned into what each kind of run needs.
 
-Four input kinds, one adapter each (chosen once by `adapter_for`, as Keras'
+Five input kinds, one adapter each (chosen once by `adapter_for`, as Keras'
 `trainers/data_adapters/`):
   * `(x, y)` / `(x, y, sample_weight)` numpy arrays (or `x` alone for predict):
     `arrays.ArrayAdapter`;
@@ -11,7 +11,12 @@ Four input kinds, one adapter each (chosen once by `adapter_for`, as Keras'
     size is the global batch when none is given, and any other size is refused:
     `batched.BatchedDatasetAdapter`;
   * `dataset_fn(input_context)` returning a per-replica-batched dataset:
-    `dataset_fn.DatasetFnAdapter`.
+    `dataset_fn.DatasetFnAdapter`;
+  * a `keras.utils.PyDataset` (its batch is the global batch), handed to
+    Keras's own PyDataset adapter: `py_dataset.PyDatasetAdapter`.
+
+A Python generator is refused (`rules.generator_refusal` says why and what to
+pass instead).
 
 Every caller goes through an adapter: `Trainer.fit`/`evaluate`/`predict` on
 the synchronous strategies (`prepare`), evaluation and prediction in this
@@ -44,12 +49,14 @@ from stratkit.training.inputs.base import InputAdapter, PreparedData
 from stratkit.training.inputs.batched import BatchedDatasetAdapter
 from stratkit.training.inputs.dataset import DatasetAdapter
 from stratkit.training.inputs.dataset_fn import DatasetFnAdapter
+from stratkit.training.inputs.py_dataset import PyDatasetAdapter
 from stratkit.training.inputs.rules import (DEFAULT_SEED, batch_size_of, batched_element_spec, check_batched,
-                                            check_divisible, is_dataset, is_dataset_fn, resolve_global_batch_size)
+                                            check_divisible, generator_refusal, is_dataset, is_dataset_fn,
+                                            is_generator, is_py_dataset, resolve_global_batch_size)
 
 __all__ = ["DEFAULT_SEED", "InputAdapter", "PreparedData", "adapter_for", "batch_size_of", "batched_element_spec",
-           "check_batched", "check_divisible", "is_dataset", "is_dataset_fn", "local_dataset", "predict_data",
-           "predict_dataset", "prepare", "resolve_global_batch_size"]
+           "check_batched", "check_divisible", "is_dataset", "is_dataset_fn", "is_py_dataset", "local_dataset",
+           "predict_data", "predict_dataset", "prepare", "resolve_global_batch_size"]
 
 
 def adapter_for(data: Any) -> InputAdapter:
@@ -59,6 +66,10 @@ def adapter_for(data: Any) -> InputAdapter:
         return DatasetAdapter(data) if batched is None else BatchedDatasetAdapter(data, batched)
     if is_dataset_fn(data):
         return DatasetFnAdapter(data)
+    if is_py_dataset(data):
+        return PyDatasetAdapter(data)
+    if is_generator(data):
+        raise generator_refusal()
     return ArrayAdapter(data)
 
 

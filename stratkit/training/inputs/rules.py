@@ -24,6 +24,55 @@ def is_dataset(obj: Any) -> bool:
     return isinstance(obj, tf.data.Dataset)
 
 
+def is_py_dataset(obj: Any) -> bool:
+    """True for a `keras.utils.PyDataset` (imports Keras only for objects that might be one)."""
+    if obj is None or isinstance(obj, (tuple, list, dict)) or hasattr(obj, "__array__") \
+            or not hasattr(obj, "__getitem__"):
+        return False
+    import keras
+
+    return isinstance(obj, keras.utils.PyDataset)
+
+
+def is_generator(obj: Any) -> bool:
+    """True for a Python generator object (what Keras's `fit` reads with its generator adapter)."""
+    import types
+
+    return isinstance(obj, types.GeneratorType)
+
+
+def generator_refusal() -> ConfigError:
+    return ConfigError(
+        "data is a Python generator: it can be read only once, and Keras's fit under a strategy peeks at the first "
+        "batch through an iterator it then drops, losing the batches that iterator prefetched (how many depends "
+        "on the input pipeline: one process and N workers lose different ones), so training would not be exact. "
+        "Fix: wrap the batches in a keras.utils.PyDataset (__len__ and __getitem__; stratkit.Trainer takes it "
+        "as it is), or pass tf.data.Dataset.from_generator(<the generator function>, output_signature=...) "
+        "(the function, not a generator: every pass restarts it), or numpy arrays")
+
+
+def py_dataset_batch(data: Any) -> int:
+    """The rows in batch 0 of PyDataset `data` (read once: Keras reads it too, to learn the shapes)."""
+    import tensorflow as tf
+
+    first = data[0]
+    leaves = tf.nest.flatten(first)
+    if not leaves or not hasattr(leaves[0], "shape") or not len(leaves[0].shape):
+        raise ConfigError(f"the PyDataset's batch 0 is {type(first).__name__}, not batches of arrays. Fix: return "
+                          "(x, y) or (x, y, sample_weight) batches of arrays from __getitem__")
+    return int(leaves[0].shape[0])
+
+
+def check_py_dataset_batch(batch: int, global_batch_size: int | None) -> None:
+    """A PyDataset carries its own batching: its batch is the global batch."""
+    if global_batch_size is not None and batch != global_batch_size:
+        raise ConfigError(f"data is a keras.utils.PyDataset: it carries its own batching, and its batch of {batch} "
+                          f"rows is the global batch, but global_batch_size={global_batch_size} (or "
+                          "per_replica_batch_size x replicas) was given. Fix: drop global_batch_size / "
+                          f"per_replica_batch_size (the global batch is then {batch}), or make the PyDataset's "
+                          f"batches {global_batch_size} rows")
+
+
 def is_dataset_fn(data: Any) -> bool:
     """True for a `dataset_fn(input_context)` (any callable that is not a dataset or a container)."""
     return callable(data) and not isinstance(data, (tuple, list, dict)) and not is_dataset(data)
@@ -42,9 +91,17 @@ def resolve_global_batch_size(global_batch_size: int | None, per_replica_batch_s
                               num_replicas: int, *, required: bool, data: Any = None) -> int | None:
     """Exactly one of the two sizes; global = per_replica x num_replicas.
 
-    With `data` already batched (a `tf.data.Dataset` batched with B): no size
-    given means the global batch is B; a size given must be B.
+    With `data` already batched (a `tf.data.Dataset` batched with B, or a
+    `keras.utils.PyDataset` of B-row batches): no size given means the global
+    batch is B; a size given must be B.
     """
+    if is_generator(data):
+        raise generator_refusal()
+    if is_py_dataset(data):
+        resolved = _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=False)
+        batch = py_dataset_batch(data)
+        check_py_dataset_batch(batch, resolved)
+        return batch
     batched = batch_size_of(data)
     if batched is None:
         return _resolve_sizes(global_batch_size, per_replica_batch_size, num_replicas, required=required)
