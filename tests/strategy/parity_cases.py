@@ -8,6 +8,7 @@ accumulation, BatchNorm, custom metrics and a custom train_step.
 """
 
 import json
+import os
 import sys
 
 import stratkit
@@ -107,7 +108,8 @@ def case(name):
             model = GuideModel(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs))
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
         return fit(model, EYE(4), ONES(4), 4, epochs=2)
-    if name == "batchnorm":
+    if name in ("batchnorm", "batchnorm_exact"):   # exact: the global batch's moments (STRATKIT_SYNC_BATCHNORM=1)
+        os.environ["STRATKIT_SYNC_BATCHNORM"] = "1" if name == "batchnorm_exact" else "0"
         with scope():
             model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones"),
                                       keras.layers.BatchNormalization(), keras.layers.Dense(1, kernel_initializer="ones")])
@@ -115,8 +117,11 @@ def case(name):
         rng = np.random.default_rng(0)
         out = fit(model, rng.normal(size=(60, 3)).astype("float32"), rng.normal(size=(60, 1)).astype("float32"), 16,
                   epochs=2)
-        out["moving"] = [float(v) for v in np.concatenate([np.ravel(model.layers[1].moving_mean),
-                                                           np.ravel(model.layers[1].moving_variance)])]
+        statistics = [model.layers[1].moving_mean, model.layers[1].moving_variance]
+        out["moving"] = [float(v) for s in statistics for v in np.ravel(s)]
+        # how far the replicas' own copies of the statistics are apart (0: every replica holds the same model)
+        copies = [[np.ravel(c.numpy()) for c in strategy.experimental_local_results(s.value)] for s in statistics]
+        out["copies_spread"] = float(max(np.abs(c - cs[0]).max() for cs in copies for c in cs))
         out["predict"] = [float(v) for v in np.ravel(model.predict(np.eye(3, dtype="float32"), verbose=0))]
         return out
     if name == "loss_scaling":      # mixed_float16: the first batch overflows on the second replica's half only

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
-         "scalar_loss", "accumulation", "custom_metric", "train_step", "batchnorm", "loss_scaling",
+         "scalar_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
          "trainer_uneven"]
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
@@ -79,19 +79,27 @@ def _assert_same_math(case: str, expected: dict, got: dict) -> None:
         assert ok, f"{case}{path}: one process {want}, 2 replicas {have}"
 
 
+#: Keras's default BatchNormalization normalises each replica's rows: not one process's math by design (the
+#: exact variant is "batchnorm_exact"); what must hold is that every replica ends with the same model.
+SAME_MODEL_ONLY = {"batchnorm"}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_a_local_mirrored_strategy_over_two_cpus_equals_one_process(case, one_process, mirrored):
-    _assert_same_math(case, one_process[case], mirrored[case])
+    assert mirrored[case].get("copies_spread", 0.0) == 0.0, f"{case}: the replicas' statistics differ"
+    if case not in SAME_MODEL_ONLY:
+        _assert_same_math(case, one_process[case], mirrored[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_two_workers_equal_one_process_and_each_other(case, one_process, two_workers):
     chief, worker = two_workers
     assert dict(_flat(chief[case])) == dict(_flat(worker[case])), f"{case}: the workers differ: {chief[case]} vs {worker[case]}"
-    _assert_same_math(case, one_process[case], chief[case])
+    if case not in SAME_MODEL_ONLY:
+        _assert_same_math(case, one_process[case], chief[case])
 
 
-LAUNCHED = ["batchnorm", "scalar_loss", "custom_metric", "train_step", "uneven"]
+LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]
 
 
 def test_the_same_script_under_stratkit_launch_equals_one_process(one_process):

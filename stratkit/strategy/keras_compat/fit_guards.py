@@ -41,7 +41,7 @@ from typing import Any
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
 from stratkit.strategy.collectives import min_over_workers
-from stratkit.strategy.keras_compat import global_gradient, metric_guard, synced_logs
+from stratkit.strategy.keras_compat import batchnorm, global_gradient, metric_guard, synced_logs
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -196,6 +196,20 @@ def _num_workers(strategy: Any) -> int:
     return sum(len(cluster.get(role, ())) for role in ("chief", "worker"))
 
 
+_said_batchnorm = False
+
+
+def _say_batchnorm_once(strategy: Any) -> None:
+    global _said_batchnorm
+    if not _said_batchnorm:
+        _said_batchnorm = True
+        log.warning("BatchNormalization on %d replicas: each replica normalises its own rows (as Keras and "
+                    "PyTorch DDP do) and stratkit averages the moving statistics over the replicas at each "
+                    "epoch's end and before every evaluation, so every worker holds the same model. For one "
+                    "process's math (the global batch's moments) set %s=1 (costs a collective per layer and step).",
+                    global_gradient.replicas_of(strategy), batchnorm.ENV_VAR)
+
+
 def _guarded(name: str, original: Any) -> Any:
     """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
     signature = inspect.signature(original)
@@ -226,6 +240,16 @@ def _guarded(name: str, original: Any) -> Any:
             if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
                 bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
+        if global_gradient.replicas_of(strategy) and global_gradient.installed() and \
+                batchnorm.has_per_replica_statistics(self):
+            bound = signature.bind(self, *args, **kwargs)
+            given = bound.arguments.get("callbacks")
+            if given is None or isinstance(given, (list, tuple)):
+                # first: ModelCheckpoint & co. at an epoch's end see the averaged statistics
+                bound.arguments["callbacks"] = [batchnorm.averaging_callback(self, strategy), *(given or [])]
+                args, kwargs = bound.args[1:], bound.kwargs
+                if name == "fit":
+                    _say_batchnorm_once(strategy)
         _inside_guarded_call.active = True
         exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
             global_gradient.installed()
