@@ -142,6 +142,7 @@ def tf_python(version: str, cache: Path, fresh: bool) -> tuple[str, str]:
 def keras_overlay(python: str, version: str, cache: Path, fresh: bool) -> Path:
     """A directory holding only ``keras==version``, to put first on PYTHONPATH."""
     target = cache / f"keras-{version}"
+    cache.mkdir(parents=True, exist_ok=True)     # its install.log lives there
     if fresh and target.exists():
         shutil.rmtree(target)
     if not (target / "keras" / "__init__.py").exists():
@@ -376,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--fresh", action="store_true", help="rebuild the cached environments first")
     run.add_argument("--timeout", type=float, default=2400.0, help="seconds per row (default %(default)s)")
     run.set_defaults(func=cmd_run)
+    overlay = sub.add_parser("overlay", help="install Keras releases into the cache (what make test needs: the "
+                                             "version-gate tests use releases below the floor, and install nothing)")
+    overlay.add_argument("versions", nargs="*", default=list(DEFAULT_REFUSED))
+    overlay.add_argument("--cache", default=str(DEFAULT_CACHE))
+    overlay.set_defaults(func=lambda a: [keras_overlay(sys.executable, v, Path(a.cache), fresh=False)
+                                         for v in a.versions] and 0)
     render = sub.add_parser("render", help="rewrite README's Supported versions table from the JSON")
     render.add_argument("--json", default=str(DEFAULT_JSON))
     render.add_argument("--readme", default=str(REPO / "README.md"))

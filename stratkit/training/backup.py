@@ -41,6 +41,7 @@ from typing import Any
 import keras
 
 from stratkit import files, status
+from stratkit.strategy.keras_compat import save_guards
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
 
@@ -148,7 +149,8 @@ def save_epoch(model: Any, directory: str, epoch: int, keep: int = 2) -> str:
     """Write model+optimizer state after `epoch` atomically, record its checksum, then prune old epochs."""
     files.check_dir(directory, _WHAT)
     final = weights_path(directory, epoch)
-    files.write_with(final, lambda tmp: model.save_weights(tmp, overwrite=True))
+    with save_guards.own_path():     # this worker's own backup file, not a shared path
+        files.write_with(final, lambda tmp: model.save_weights(tmp, overwrite=True))
     on_disk = set(available_epochs(directory))
     meta = read_metadata(directory)
     digests = {e: d for e, d in meta.digests.items() if epoch - keep < e < epoch and e in on_disk and d}

@@ -295,10 +295,13 @@ class Trainer:
 
     @staticmethod
     def _write(model: Any, path: str) -> None:
-        if path.endswith(".weights.h5"):
-            model.save_weights(path, overwrite=True)
-        else:
-            model.save(path, overwrite=True)
+        from stratkit.strategy.keras_compat import save_guards
+
+        with save_guards.own_path():     # save() already chose the chief's path or a private one
+            if path.endswith(".weights.h5"):
+                model.save_weights(path, overwrite=True)
+            else:
+                model.save(path, overwrite=True)
 
 
 def _predict_locally(model: Any, dataset: Any) -> Any:

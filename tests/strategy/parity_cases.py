@@ -76,6 +76,13 @@ class GuideModel(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+class MeanLossModel(keras.Model):
+    """compute_loss overridden as its docstring shows: a plain mean, no Keras loss object."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred - y))
+
+
 def case(name):
     keras.utils.set_random_seed(1)
     sgd = lambda lr=0.1, **kw: (lambda: keras.optimizers.SGD(lr, **kw))  # noqa: E731
@@ -98,6 +105,12 @@ def case(name):
         return fit(dense(2, sgd(1.0, clipvalue=0.3)), np.ones((4, 2), "float32"), ONES(4), 4)
     if name == "scalar_loss":       # the user's loss returns its batch mean as one scalar
         return fit(dense(4, sgd(), loss=lambda t, p: tf.reduce_mean(tf.square(t - p))), EYE(4), ONES(4), 4, epochs=2)
+    if name == "compute_loss":       # an even split: the plain mean of each replica's half is one process's
+        with scope():
+            inputs = keras.Input((4,))
+            model = MeanLossModel(inputs, keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")(inputs))
+            model.compile(optimizer=keras.optimizers.SGD(0.1))
+        return fit(model, EYE(4), ONES(4), 4, epochs=2)
     if name == "accumulation":
         return fit(dense(4, sgd(gradient_accumulation_steps=2)), EYE(4), ONES(4), 2, epochs=2)
     if name == "custom_metric":

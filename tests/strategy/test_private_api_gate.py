@@ -355,7 +355,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
     },
     "stratkit/strategy/keras_compat/batchnorm.py": {
         "module path keras.src.layers.normalization.batch_normalization",
-        "patch cls._moments", "private _moments", "private _reduction_axes",
+        "patch cls._moments", "private _moments", "private _reduction_axes", "private _flatten_layers",
     },
     "stratkit/strategy/keras_compat/global_gradient.py": {
         "import keras.src.backend", "import keras.src.ops",

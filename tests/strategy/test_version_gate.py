@@ -10,6 +10,7 @@ the installed functions.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,10 +34,13 @@ BELOW_FLOOR = ("3.10.0", "3.3.3")
 def old_keras(request: pytest.FixtureRequest) -> Iterator[tuple[str, Path]]:
     """(version, directory holding only that Keras), installed once into the compat cache."""
     version = request.param
-    try:
-        target = compat.keras_overlay(sys.executable, version, compat.DEFAULT_CACHE, fresh=False)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot pip install keras=={version} (no package index reachable?): {exc}")
+    target = compat.DEFAULT_CACHE / f"keras-{version}"
+    if not (target / "keras" / "__init__.py").exists():   # tests install nothing (they reach only loopback)
+        reason = (f"keras=={version} is not in {compat.DEFAULT_CACHE}: `make test` installs it "
+                  f"(python tools/compat.py overlay)")
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
     yield version, target
 
 

@@ -130,10 +130,10 @@ def averaging_callback(model: Any, strategy: Any) -> Any:
     import keras
 
     class AverageBatchNormStatistics(keras.callbacks.Callback):
-        def _average(self, *_: Any) -> None:
+        def average(self, *_: Any) -> None:
             average_moving_statistics(model, strategy)
 
-        on_epoch_end = on_test_begin = on_predict_begin = on_train_end = _average
+        on_epoch_end = on_test_begin = on_predict_begin = on_train_end = average
 
     return AverageBatchNormStatistics()
 

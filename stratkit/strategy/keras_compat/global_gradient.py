@@ -21,13 +21,17 @@ hangs. Here, in a replica context of such a strategy:
    clipping, the loss scale's finiteness test and the update run on the
    global gradient, identically on every replica; the later all-reduce inside
    ``_backend_update_step`` is skipped.
-3. **Reported loss** (inside ``fit``/``evaluate`` only, see :func:`fit_mode`):
-   the loss *value* each replica sees is N x its share (one process's loss when
-   the split is even; their mean is one process's loss always), while its
-   gradient stays the share. A custom ``train_step`` that logs ``loss`` then
-   reports what one process reports, and Keras's own loss tracker is weighted
-   by the global row count (``unscale_loss_for_distribution``). Outside
-   ``fit`` (a custom training loop), values stay shares, as in Keras.
+3. **Inside ``fit``/``evaluate``** (see :func:`fit_mode`) a loss reads as one
+   process's: each replica's loss is N x its share (exactly one process's loss
+   when the split is even; their mean is one process's loss always), Keras's
+   1/N scaling of added losses is off, and the optimizer *averages* the
+   all-reduced gradients. So code written for one process is exact as it is: a
+   custom ``train_step`` that logs its loss, a ``compute_loss`` override that
+   returns ``ops.mean(...)``, a loss function returning its batch mean. Keras's
+   own loss tracker is weighted by the global row count
+   (``unscale_loss_for_distribution``). Outside ``fit`` (a custom training
+   loop) Keras's convention stays: a loss is the replica's share, gradients are
+   summed.
 
 Metric logs are synchronised by :mod:`.synced_logs`, BatchNorm's moments by
 :mod:`.batchnorm`. Installed by the gate (``keras_compat.apply``) on tested
@@ -113,12 +117,9 @@ def _sum_across_replicas(count: Any, rows: Any) -> tuple[Any, Any]:
 
 
 def _as_loss_value(share: Any, replicas: int) -> Any:
-    """In fit: value = N x share, gradient = share. Elsewhere the share itself (Keras's convention)."""
-    if not _fit_depth:
-        return share
-    from keras.src import ops
-
-    return share + ops.stop_gradient(share * (replicas - 1))
+    """In fit: N x share, what one process computes when the split is even (gradients are averaged over
+    the replicas there, see :func:`_reduced_apply`). Elsewhere the share itself (Keras's convention)."""
+    return share * replicas if _fit_depth else share
 
 
 def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = None,
@@ -151,8 +152,9 @@ def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = N
         return values
     if tuple(values.shape) == ():
         # the loss function reduced its own batch already (e.g. tf.reduce_mean): Keras would leave it
-        # whole on every replica, so the summed gradient would be N times one process's
-        return _as_loss_value(values / replicas, replicas)
+        # whole on every replica, so the summed gradient would be N times one process's. Its share is 1/N
+        # (in fit, where gradients are averaged, the value itself).
+        return values if _fit_depth else values / replicas
     total = ops.sum(values)
     if reduction == "sum":
         return _as_loss_value(total, replicas)
@@ -168,14 +170,10 @@ def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = N
 
 
 def scale_loss_for_distribution(value: Any) -> Any:
-    """Replacement for Keras's: in fit, the value stays whole and only the gradient is divided by N."""
-    replicas = sync_replicas()
-    if not replicas or not _fit_depth:
-        return _originals["scale_loss_for_distribution"](value)
-    from keras.src import ops
-
-    share = value / replicas
-    return share + ops.stop_gradient(value - share)
+    """Replacement for Keras's: in fit the value stays whole (gradients are averaged over the replicas)."""
+    if _fit_depth and sync_replicas():
+        return value
+    return _originals["scale_loss_for_distribution"](value)
 
 
 def unscale_loss_for_distribution(value: Any) -> Any:
@@ -219,6 +217,8 @@ def _reduced_apply(original: Any) -> Any:
         variables = list(trainable_variables) if trainable_variables is not None else (
             list(self._trainable_variables) if self.built else [None] * len(grads))
         reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, variables)))]
+        if _fit_depth:      # in fit a loss value reads as one process's: the gradient is the replicas' mean
+            reduced = [_scaled(g, 1.0 / sync_replicas()) for g in reduced]
         _local.reduced = getattr(_local, "reduced", 0) + 1
         try:
             return original(self, reduced, trainable_variables)

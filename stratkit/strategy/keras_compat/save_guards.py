@@ -20,8 +20,10 @@ Wraps the public methods of ``keras.Model``; installed by ``keras_compat.apply``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 import threading
 from typing import Any
 
@@ -35,6 +37,18 @@ _METHODS = ("save", "save_weights", "export")
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
 _inside = threading.local()
+
+
+@contextlib.contextmanager
+def own_path() -> Iterator[None]:
+    """Saves inside this block write where they are told: stratkit's own per-worker files (backups, a
+    Trainer.save that already chose chief-or-private) are not the users' shared path."""
+    before = getattr(_inside, "active", False)
+    _inside.active = True
+    try:
+        yield
+    finally:
+        _inside.active = before
 
 
 def _is_chief(strategy: Any) -> bool:
