@@ -59,7 +59,10 @@ README_END = "<!-- compat-table:end -->"
 
 #: The version-sensitive tests: short name -> pytest node id.
 COMPAT_TESTS: dict[str, str] = {
-    "exact_math": "tests/strategy/test_global_gradient.py",
+    "exact_launch": "tests/strategy/test_global_gradient.py::"
+                    "test_the_same_script_under_stratkit_launch_equals_one_process",
+    "exact_mirrored": "tests/strategy/test_global_gradient.py::"
+                      "test_a_local_mirrored_strategy_over_two_cpus_equals_one_process[accumulation]",
     "mwms=1proc": "tests/training/test_trainer_multiworker.py::test_two_worker_sgd_equals_single_process_with_double_batch",
     "mirrored": "tests/training/test_trainer_multiworker.py::test_mirrored_over_two_logical_cpus_equals_single_device",
     "ps": "tests/training/test_parameter_server.py::test_chief_two_workers_one_ps_train_digits_with_exact_step_count",

@@ -370,7 +370,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _trainable_variables", "private _update_model_variables_moving_average",
     },
     "stratkit/strategy/keras_compat/synced_logs.py": {
-        "import keras.src.backend", "module path keras.src.trainers.trainer",
+        "import keras.src.backend", "import keras.src.utils.python_utils", "module path keras.src.trainers.trainer",
         "patch cls._get_metrics_result_or_logs", "private _get_metrics_result_or_logs",
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {

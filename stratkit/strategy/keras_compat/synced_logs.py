@@ -107,7 +107,9 @@ def _get_metrics_result_or_logs(self: Any, logs: Any) -> Any:
     reads as this worker's own. The last step's synchronised logs are already the epoch's results."""
     if (isinstance(logs, dict) and logs and global_gradient.replicas_of(self.distribute_strategy)
             and getattr(self.train_step, _WRAPPED, False)):
-        return logs
+        from keras.src.utils import python_utils
+
+        return python_utils.pythonify_logs(logs)    # numbers, as Keras's own metric results are
     return _originals["_get_metrics_result_or_logs"](self, logs)
 
 
