@@ -70,25 +70,15 @@ def _network_rule():
         pytest.fail(f"traffic outside loopback and the test hosts:\n{refused}", pytrace=False)
 
 
-def hosts_gate() -> None:
-    """Skip (or, with STRATKIT_REQUIRE_HOSTS=1, fail) the running test where test hosts cannot be made."""
-    reason = hosts.unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get(hosts.REQUIRE_VARIABLE) == "1":
-        pytest.fail(f"{hosts.REQUIRE_VARIABLE}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("hosts") is not None:
-        hosts_gate()
+        hosts.gate()
 
 
 @pytest.fixture
 def make_test_hosts():
     """`make_test_hosts(n, names=True)` -> [Host h1..hn]; all removed, with their processes, after the test."""
-    hosts_gate()
+    hosts.gate()
     with ExitStack() as stack:
         def make(n: int, names: bool = True) -> list[hosts.Host]:
             return stack.enter_context(hosts.make_hosts(n, names=names))

@@ -67,6 +67,7 @@ class Host:
     address: str
     netns: str
     holder: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def argv(self, argv: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
         """`argv` prefixed so that it runs on this host (in `cwd`, default: the caller's)."""
@@ -82,7 +83,10 @@ class Host:
         command = self.argv(argv, cwd)
         if self.holder is None and cwd is not None:
             kw["cwd"] = cwd
-        return subprocess.Popen(command, env=dict(env) if env is not None else None, **kw)
+        proc = subprocess.Popen(command, env=dict(env) if env is not None else None, **kw)
+        # Killed at teardown by pid too: until nsenter has joined the namespace, `ip netns pids` misses it.
+        self.started.append(proc)
+        return proc
 
     def run(self, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
             check: bool = False, **kw: Any) -> subprocess.CompletedProcess:
@@ -155,6 +159,19 @@ def unavailable_reason() -> str | None:
         _ip("netns", "del", probe, check=False)
         _PROBED = None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
     return _PROBED  # type: ignore[return-value]
+
+
+def gate(reason: str | None = None) -> None:
+    """Skip the running test where test hosts (or what `reason` names) are missing; with
+    STRATKIT_REQUIRE_HOSTS=1 (CI) fail it instead, so CI cannot pass by skipping."""
+    import pytest
+
+    reason = reason or unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_VARIABLE) == "1":
+        pytest.fail(f"{REQUIRE_VARIABLE}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -249,6 +266,10 @@ def make_hosts(n: int, names: bool = True) -> Iterator[list[Host]]:
                 host.holder = _hold_names(host, etc_hosts)
         yield hosts
     finally:
+        for host in hosts:
+            for proc in host.started:
+                if proc.poll() is None:
+                    proc.kill()
         for netns in reversed(made):
             kill_namespace(netns)
         for host in hosts:

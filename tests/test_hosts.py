@@ -8,7 +8,6 @@ from contextlib import nullcontext
 
 import pytest
 
-import conftest
 import hosts
 from procs import alive
 
@@ -69,18 +68,17 @@ def test_teardown_kills_leftovers_and_removes_namespaces(fail):
     pids: list[int] = []
     with pytest.raises(RuntimeError) if fail else nullcontext():
         with hosts.make_hosts(2) as made:
-            # a detached process that would outlive the test: own session, not waited for
-            sleeper = made[1].popen(["sleep", "1000"], start_new_session=True)
-            pids.append(sleeper.pid)
+            # a detached grandchild that would outlive the test (its parent exits: nobody waits for it)
+            spawner = made[1].popen(["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo $!"],
+                                    stdout=subprocess.PIPE, text=True)
+            pids.append(int(spawner.communicate(timeout=10)[0]))
             namespaces += [h.netns for h in made]
             assert set(namespaces) <= set(hosts.our_namespaces())
-            assert sleeper.pid in made[1].pids()
+            assert pids[0] in made[1].pids() and alive(pids[0])
             if fail:
                 raise RuntimeError("the test failed")
-    sleeper.wait(timeout=10)   # reap it: it was SIGKILLed by the teardown, not by us
-    assert sleeper.returncode == -9
     assert not any(alive(p) for p in pids)
-    prefix = namespaces[0].rsplit("-", 1)[0]
+    prefix = namespaces[0].rsplit("-", 1)[0] + "-"
     assert not [n for n in hosts.our_namespaces() if n.startswith(prefix)]
 
 
@@ -100,9 +98,9 @@ def test_skip_becomes_a_failure_when_hosts_are_required(monkeypatch):
     monkeypatch.setattr(hosts, "unavailable_reason", lambda: "test hosts need root")
     monkeypatch.delenv(hosts.REQUIRE_VARIABLE, raising=False)
     with pytest.raises(pytest.skip.Exception, match="need root"):
-        conftest.hosts_gate()
+        hosts.gate()
     monkeypatch.setenv(hosts.REQUIRE_VARIABLE, "1")
     with pytest.raises(pytest.fail.Exception, match="STRATKIT_REQUIRE_HOSTS=1 but test hosts need root"):
-        conftest.hosts_gate()
+        hosts.gate()
     monkeypatch.setattr(hosts, "unavailable_reason", lambda: None)
-    conftest.hosts_gate()
+    hosts.gate()

@@ -6,6 +6,7 @@ One cluster for the module (it starts in about a second); each test submits its 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import conftest
 import hosts
 import slurm_cluster
 from procs import REPO_ROOT, child_env, run_process
@@ -30,12 +30,8 @@ NOISE = ("All log messages before absl::InitializeLog", "cuInit")
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    conftest.hosts_gate()
-    reason = slurm_cluster.unavailable_reason()
-    if reason:
-        if os.environ.get(hosts.REQUIRE_VARIABLE) == "1":
-            pytest.fail(f"{hosts.REQUIRE_VARIABLE}=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+    hosts.gate()
+    hosts.gate(slurm_cluster.unavailable_reason())
     workdir = tmp_path_factory.mktemp("slurm")
     with hosts.make_hosts(2) as made, slurm_cluster.slurm_cluster(made, workdir) as cluster:
         yield cluster
@@ -48,7 +44,7 @@ def _env(**extra):
 
 
 def _results(out: str) -> list[dict]:
-    import json
+    """The RESULT lines parity_cases.py prints, one per task."""
     return [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
@@ -59,7 +55,7 @@ def test_srun_trains_like_one_process_and_quietly(slurm):
     assert len(workers) == 2, step.stdout[-6000:]
     one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=180)
     assert one.ok, one.stderr[-3000:]
-    reference = one.last_json() if one.stdout.lstrip().startswith("{") else _results(one.stdout)[0]
+    reference = _results(one.stdout)[0]
     for worker in workers:
         got, want = worker["trainer_uneven"]["w"], reference["trainer_uneven"]["w"]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)
@@ -113,9 +109,8 @@ def test_example_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
 
 
 def test_teardown_leaves_no_daemons(tmp_path):
-    conftest.hosts_gate()
-    if slurm_cluster.unavailable_reason():
-        pytest.skip(slurm_cluster.unavailable_reason())
+    hosts.gate()
+    hosts.gate(slurm_cluster.unavailable_reason())
     with hosts.make_hosts(1) as made:
         with pytest.raises(RuntimeError, match="on purpose"):
             with slurm_cluster.slurm_cluster(made, tmp_path / "one") as cluster:
