@@ -58,6 +58,7 @@ def slurm_conf(hosts: Sequence[Host], workdir: Path, socket: Path) -> str:
         "SlurmdTimeout=30",
         "SlurmctldTimeout=30",
         "KillWait=5",
+        "MinJobAge=6",   # sbatch --wait sleeps 2, 8, 32 s between polls while below MinJobAge / 3: keep it at 2 s
         "MessageTimeout=20",
         f"StateSaveLocation={workdir}/state",
         f"SlurmdSpoolDir={workdir}/spool-%n",
