@@ -198,7 +198,9 @@ class NodeSupervisor(Supervisor):
         if failure is None:  # no decision (e.g. stopped while waiting): as this node saw it
             return attempt
         outcome = "timed_out" if failure.timed_out_after is not None else "failed"
-        return dataclasses.replace(attempt, outcome=outcome, failure=failure)
+        # This node's own root cause is the report's head, not one of its "other tasks".
+        others = tuple(t for t in attempt.tasks if not (t.pid == failure.pid and failure.task.startswith(t.task + " ")))
+        return dataclasses.replace(attempt, outcome=outcome, failure=failure, tasks=others)
 
 
 def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join_timeout: float,
