@@ -1,13 +1,18 @@
 """stratkit: distributed Keras 3 training on TensorFlow as a one-line decision.
 
 Importing stratkit and calling `detect()` never imports TensorFlow; the names
-that need TensorFlow (`make_strategy`, `Trainer`, ...) load it on first use.
+that need TensorFlow (`make_strategy`, `Trainer`, ...) load it on first use
+(in a task srun started, with TensorFlow's start-up noise filtered:
+`tf_logging.quiet_tensorflow_import`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
+from stratkit import tf_logging
 from stratkit.cluster import STRATEGIES, ClusterSpec, detect
 from stratkit.errors import ConfigError, KerasCompatError, StratkitError
 
@@ -34,7 +39,12 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'stratkit' has no attribute {name!r}")
     import importlib
 
-    module = importlib.import_module(module_name)
+    if "tensorflow" not in sys.modules and tf_logging.started_by_srun(os.environ):
+        # Slurm started this task: no stratkit parent filters TensorFlow's start-up lines, so do it here
+        with tf_logging.quiet_tensorflow_import():
+            module = importlib.import_module(module_name)
+    else:
+        module = importlib.import_module(module_name)
     value = module if module_name.endswith(name) else getattr(module, name)
     globals()[name] = value
     return value

@@ -22,12 +22,26 @@ configured:
 Both front doors use both parts: `stratkit launch` (`launch/plan.py` adds the
 defaults, `launch/attempt.py` filters each task's output, console and log
 alike) and the Spark runner (`spark/process.py`).
+
+A task that Slurm starts (`srun python train.py`) has no stratkit parent to do
+either, so `quiet_tensorflow_import` does both inside the task, around
+TensorFlow's import and its device probe (where every start-up line is
+printed): `stratkit/__init__` uses it when a name that needs TensorFlow is
+first taken from `stratkit` in an srun task that has not imported TensorFlow
+yet. For that window the process's stderr (fd 2, where C++ writes) goes through
+a small filter process that writes the kept lines to the real stderr, line by
+line: a crash inside the window loses nothing (the filter reads to the end
+after the task dies).
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 
 LEVEL_VAR = "TF_CPP_MIN_LOG_LEVEL"
 DEFAULT_LEVEL = "2"
@@ -76,3 +90,65 @@ class StartupNoise:
             return False
         no_gpu_wanted = self.gpus_hidden or self.no_driver
         return not (no_gpu_wanted and severity == 2 and any(probe in line for probe in _CUDA_PROBE))
+
+
+def started_by_srun(env: Mapping[str, str]) -> bool:
+    """True in a task of an `srun` job step (a batch script itself is not one)."""
+    return "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env
+
+
+def _probe_devices() -> None:
+    """Import TensorFlow and list its devices: where it prints its start-up lines (the CUDA probe too).
+    Listing physical devices creates no context, so a strategy can still be configured after it."""
+    import tensorflow as tf
+
+    tf.config.list_physical_devices()
+
+
+@contextmanager
+def quiet_tensorflow_import(env: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """Inside the block, TensorFlow's start-up noise on fd 2 is dropped as `StartupNoise` decides;
+    at its end TensorFlow is imported and its devices probed. Sets the quiet default in `env`
+    (default `os.environ`, which TensorFlow's C++ reads at import) unless the user set a level."""
+    env = os.environ if env is None else env
+    env.update(quiet_defaults(env))
+    if StartupNoise(env).level <= 0 or "tensorflow" in sys.modules:
+        yield
+        _probe_devices()
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        # -I: the filter needs only this file and the standard library (no site, no PYTHONPATH). Own
+        # session: a signal to the task's process group (Ctrl-C, a kill of the task) leaves it to read to
+        # the end, so what the task wrote before it died still comes out.
+        filter_ = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                   stdout=saved, stderr=saved, env=dict(env), start_new_session=True)
+    except OSError:
+        os.close(saved)
+        yield
+        _probe_devices()
+        return
+    assert filter_.stdin is not None
+    os.dup2(filter_.stdin.fileno(), 2)
+    try:
+        yield
+        _probe_devices()
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        filter_.stdin.close()
+        filter_.wait()
+
+
+def _filter(source, sink, env: Mapping[str, str]) -> None:
+    noise = StartupNoise(env)
+    for raw in source:
+        if noise.keep(raw.decode(errors="replace").rstrip("\r\n")):
+            sink.write(raw)
+            sink.flush()
+
+
+if __name__ == "__main__":      # the filter process of quiet_tensorflow_import
+    _filter(sys.stdin.buffer, sys.stdout.buffer, os.environ)

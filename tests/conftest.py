@@ -13,9 +13,12 @@ import importlib.util
 import os
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+
+import hosts
 
 GUARD_DIR = Path(__file__).resolve().parent / "netguard"
 
@@ -65,3 +68,34 @@ def _network_rule():
             handle.seek(start)
             refused = handle.read().strip()
         pytest.fail(f"traffic outside loopback and the test hosts:\n{refused}", pytrace=False)
+
+
+def hosts_gate() -> None:
+    """Skip (or, with STRATKIT_REQUIRE_HOSTS=1, fail) the running test where test hosts cannot be made."""
+    reason = hosts.unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get(hosts.REQUIRE_VARIABLE) == "1":
+        pytest.fail(f"{hosts.REQUIRE_VARIABLE}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("hosts") is not None:
+        hosts_gate()
+
+
+@pytest.fixture
+def make_test_hosts():
+    """`make_test_hosts(n, names=True)` -> [Host h1..hn]; all removed, with their processes, after the test."""
+    hosts_gate()
+    with ExitStack() as stack:
+        def make(n: int, names: bool = True) -> list[hosts.Host]:
+            return stack.enter_context(hosts.make_hosts(n, names=names))
+        yield make
+
+
+@pytest.fixture
+def two_hosts(make_test_hosts) -> list[hosts.Host]:
+    """Test hosts h1 (198.18.0.1) and h2 (198.18.0.2), each resolving the other's name."""
+    return make_test_hosts(2)

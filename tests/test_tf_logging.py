@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from procs import child_env, run_process
 from stratkit.tf_logging import StartupNoise, quiet_defaults
 
 # Measured with TensorFlow 2.21 on a CPU machine: printed before TF configures its logging.
@@ -45,3 +49,38 @@ def test_the_cuinit_error_is_dropped_after_tensorflow_found_no_cuda_driver_but_k
     assert noise.keep(CUINIT)                              # no sign yet that the machine has no driver
     assert not noise.keep(CUDA_STUB)                       # TF: "Could not find cuda drivers ... GPU will not be used"
     assert not noise.keep(CUINIT) and noise.keep(REAL_ERROR)
+
+
+# A task srun started: stratkit filters TensorFlow's start-up lines inside the task itself.
+SRUN_TASK = {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0", "TF_CPP_MIN_LOG_LEVEL": None,
+             "CUDA_VISIBLE_DEVICES": None}
+TAKE_TRAINER = ("import os, sys, stratkit\nstratkit.Trainer\n"
+                "print('level', os.environ.get('TF_CPP_MIN_LOG_LEVEL'), file=sys.stderr)\n")
+
+
+@pytest.mark.slow
+def test_an_srun_task_importing_tensorflow_through_stratkit_is_quiet():
+    result = run_process(TAKE_TRAINER, env=SRUN_TASK, timeout=120)
+    assert result.ok, result.stderr
+    assert "absl::InitializeLog" not in result.stderr and "cuInit" not in result.stderr, result.stderr
+    assert "level 2" in result.stderr
+
+
+@pytest.mark.slow
+def test_an_explicit_level_in_an_srun_task_wins():
+    result = run_process(TAKE_TRAINER, env={**SRUN_TASK, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120)
+    assert result.ok, result.stderr
+    assert "absl::InitializeLog" in result.stderr and "level 0" in result.stderr
+
+
+def test_a_crash_inside_the_quiet_window_keeps_its_error():
+    code = ("import os\nfrom stratkit.tf_logging import quiet_tensorflow_import\n"
+            "with quiet_tensorflow_import():\n"
+            f"    os.write(2, {PRE_INIT!r}.encode() + b'\\n')\n"
+            "    os.write(2, b'F0000 00:00:1.0 1 x.cc:1] real fatal error\\nplain line\\n')\n"
+            "    os._exit(3)\n")
+    # stderr read to its end: the filter holds it until it has passed on everything
+    result = subprocess.run([sys.executable, "-c", code], env=child_env(env={"TF_CPP_MIN_LOG_LEVEL": None}),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    assert result.stderr.splitlines() == ["F0000 00:00:1.0 1 x.cc:1] real fatal error", "plain line"]

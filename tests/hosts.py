@@ -1,0 +1,260 @@
+"""Test hosts: a few "machines" on one Linux box, for tests that need a real cluster.
+
+``make_hosts(n)`` makes ``n`` network namespaces ``h1``..``hn`` with addresses
+198.18.0.1..n/24 (RFC 2544's benchmarking range: never a real network), joined by
+a bridge that lives in a namespace of its own (the "switch"), so the root
+namespace gets no interface, no route and no firewall rule: nothing on a test
+host can reach this machine's network or the outside, and the root namespace's
+bridge netfilter settings never see the hosts' traffic.
+
+With ``names=True`` (the default) each host also gets its own UTS and mount
+namespace, held by a small ``sleep`` process: its hostname is ``hN`` and an
+``/etc/hosts`` listing every host is bind-mounted over its own, so ``h1``,
+``h2``, ... resolve on every host as on a real cluster (Slurm's slurmctld
+insists on running on the host its slurm.conf names).
+
+Commands run "on" a host through ``nsenter`` (never ``ip netns exec``, which
+remounts /sys and hides the cgroup mount Slurm needs)::
+
+    with make_hosts(2) as (h1, h2):
+        server = h2.popen([sys.executable, "-m", "http.server", "8000"])
+        h1.run(["curl", "http://h2:8000/"], timeout=30)
+
+Leaving the block (also on an exception or a test failure) SIGKILLs every
+process left in each host's network namespace and deletes the namespaces;
+namespaces left by a test run that was itself SIGKILLed are swept at the next
+``make_hosts``. Names in the root namespace carry the pid of the test run
+(``stratkit-<pid>-<n>-h1``), so parallel runs never collide.
+
+Needs root and ``ip``, ``nsenter``, ``unshare``; :func:`unavailable_reason` says
+what is missing (tests marked ``hosts`` skip with it, or fail when
+``STRATKIT_REQUIRE_HOSTS=1``: see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NETWORK = "198.18.0"
+PREFIX = "stratkit-"
+REQUIRE_VARIABLE = "STRATKIT_REQUIRE_HOSTS"
+TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname")
+_SEQUENCE = itertools.count()
+_PROBED: str | None | bool = False   # False: not probed yet
+
+
+class HostsUnavailable(RuntimeError):
+    """Test hosts cannot be made on this machine (the message says why)."""
+
+
+@dataclass
+class Host:
+    """One test host: a network namespace (plus, with names, its own hostname and /etc/hosts)."""
+
+    name: str
+    address: str
+    netns: str
+    holder: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def argv(self, argv: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        """`argv` prefixed so that it runs on this host (in `cwd`, default: the caller's)."""
+        wd = os.fspath(cwd) if cwd is not None else os.getcwd()
+        if self.holder is not None:
+            return ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--uts",
+                    f"--wd={wd}", "--", *argv]
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
+
+    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: Any) -> subprocess.Popen:
+        """Start `argv` on this host (`subprocess.Popen`'s keywords; env default: ours)."""
+        cwd = kw.pop("cwd", None)
+        command = self.argv(argv, cwd)
+        if self.holder is None and cwd is not None:
+            kw["cwd"] = cwd
+        return subprocess.Popen(command, env=dict(env) if env is not None else None, **kw)
+
+    def run(self, argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
+            check: bool = False, **kw: Any) -> subprocess.CompletedProcess:
+        """Run `argv` on this host to the end, output captured as text (stderr into stdout unless
+        given). Past `timeout` its process group is killed and `subprocess.TimeoutExpired` raised."""
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.STDOUT)
+        kw.setdefault("text", True)
+        kw.setdefault("start_new_session", True)
+        proc = self.popen(argv, env=env, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+        except BaseException:
+            _kill_group(proc.pid)
+            proc.wait()
+            raise
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        if check:
+            result.check_returncode()
+        return result
+
+    def pids(self) -> list[int]:
+        """Every process in this host's network namespace (its name holder included)."""
+        return netns_pids(self.netns)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise HostsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def netns_pids(netns: str) -> list[int]:
+    result = _ip("netns", "pids", netns, check=False)
+    return [int(p) for p in result.stdout.split() if p.isdigit()]
+
+
+def our_namespaces() -> list[str]:
+    """Names of the network namespaces test hosts made (this run's and any left behind)."""
+    result = _ip("netns", "list", check=False)
+    names = [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+    return [n for n in names if n.startswith(PREFIX)]
+
+
+def unavailable_reason() -> str | None:
+    """Why test hosts cannot be made here, or None (probed once: one namespace made and deleted)."""
+    global _PROBED
+    if _PROBED is not False:
+        return _PROBED  # type: ignore[return-value]
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        _PROBED = "test hosts need root (network, mount and UTS namespaces)"
+    elif missing:
+        _PROBED = f"test hosts need {', '.join(missing)} (iproute2, util-linux)"
+    else:
+        probe = f"{PREFIX}{os.getpid()}-probe"
+        made = _ip("netns", "add", probe, check=False)
+        _ip("netns", "del", probe, check=False)
+        _PROBED = None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
+    return _PROBED  # type: ignore[return-value]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def kill_namespace(netns: str, deadline: float = 10.0) -> None:
+    """SIGKILL every process in `netns` (again, until none is left: one may fork), then delete it."""
+    end = time.monotonic() + deadline
+    while True:
+        pids = [p for p in netns_pids(netns) if p != os.getpid()]
+        if not pids or time.monotonic() > end:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    _ip("netns", "del", netns, check=False)
+
+
+def sweep_stale() -> None:
+    """Delete namespaces a test run left behind when it was SIGKILLed (its pid is gone)."""
+    for name in our_namespaces():
+        match = re.match(rf"{re.escape(PREFIX)}(\d+)-", name)
+        if match and not _pid_alive(int(match.group(1))):
+            kill_namespace(name)
+
+
+def hosts_file(hosts: Sequence[Host]) -> str:
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    lines += [f"{h.address}\t{h.name}" for h in hosts]
+    return "\n".join(lines) + "\n"
+
+
+def _hold_names(host: Host, etc_hosts: Path) -> subprocess.Popen[bytes]:
+    """A process in the host's network namespace with its own mount and UTS namespaces: hostname
+    `host.name`, `etc_hosts` bind-mounted on /etc/hosts (private propagation: the root namespace's
+    /etc/hosts is untouched). Commands join its namespaces with nsenter --target."""
+    script = 'mount --bind "$1" /etc/hosts && hostname "$2" && echo ready && exec sleep infinity'
+    holder = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{host.netns}", "--", "unshare", "--mount", "--uts",
+         "--propagation", "private", "--", "sh", "-c", script, "sh", str(etc_hosts), host.name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    line = holder.stdout.readline() if holder.stdout else b""
+    if line.strip() != b"ready":
+        holder.kill()
+        err = holder.communicate()[1].decode(errors="replace").strip()
+        raise HostsUnavailable(f"cannot give {host.name} its own hostname and /etc/hosts: {err}")
+    return holder
+
+
+@contextmanager
+def make_hosts(n: int, names: bool = True) -> Iterator[list[Host]]:
+    """`n` test hosts h1..hn on 198.18.0.0/24, removed with every process on them at the end."""
+    if not 1 <= n <= 250:
+        raise ValueError("between 1 and 250 hosts")
+    reason = unavailable_reason()
+    if reason:
+        raise HostsUnavailable(reason)
+    sweep_stale()
+    tag = f"{PREFIX}{os.getpid()}-{next(_SEQUENCE)}"
+    switch = f"{tag}-sw"
+    hosts = [Host(name=f"h{i}", address=f"{NETWORK}.{i}", netns=f"{tag}-h{i}") for i in range(1, n + 1)]
+    made: list[str] = []
+    tmp = tempfile.TemporaryDirectory(prefix="stratkit-hosts-")
+    try:
+        _ip("netns", "add", switch)
+        made.append(switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for host in hosts:
+            _ip("netns", "add", host.netns)
+            made.append(host.netns)
+            _ip("-n", switch, "link", "add", host.name, "type", "veth", "peer", "name", "eth0", "netns", host.netns)
+            _ip("-n", switch, "link", "set", host.name, "master", "br0", "up")
+            _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip("-n", host.netns, "link", "set", "lo", "up")
+            _ip("-n", host.netns, "link", "set", "eth0", "up")
+        if names:
+            etc_hosts = Path(tmp.name) / "hosts"
+            etc_hosts.write_text(hosts_file(hosts))
+            etc_hosts.chmod(0o644)
+            for host in hosts:
+                host.holder = _hold_names(host, etc_hosts)
+        yield hosts
+    finally:
+        for netns in reversed(made):
+            kill_namespace(netns)
+        for host in hosts:
+            if host.holder is not None:
+                host.holder.wait()
+                for stream in (host.holder.stdout, host.holder.stderr):
+                    if stream:
+                        stream.close()
+        tmp.cleanup()
