@@ -252,3 +252,35 @@ def test_a_launcher_with_a_wrong_token_is_refused_and_the_run_goes_on_without_it
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
             first.communicate()
+
+
+# -- two test hosts (network namespaces h1, h2 at 198.18.0.1/.2; tests/hosts.py) ---------------------
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_two_hosts_train_as_one_cluster_with_the_second_starting_late():
+    import hosts
+
+    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=240)
+    assert one.ok, one.stderr[-3000:]
+    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])["trainer_uneven"]
+    script = [sys.executable, str(PARITY), "mwms", "trainer_uneven"]
+    port = 29400
+    with hosts.make_hosts(2) as (h1, h2):
+        argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                f"{h1.address}:{port}", "--stop-grace", "3", "--rdzv-timeout", "120", "--", *script]
+        env = child_env(None, {TOKEN_VAR: TOKEN})
+        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        time.sleep(8)
+        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=240) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    (out0, err0), (out1, err1) = outs
+    assert f"node 0 of 2 ({h1.address})" in err0 and f"node 1 of 2 ({h2.address})" in err1, (err0[-2000:], err1)
+    assert "started: pid" in err1 and f"at {h2.address}:" in err1, err1[-2000:]  # its own address, not h1's
+    for prefix, stdout in (("[worker:0] RESULT ", out0), ("[worker:1] RESULT ", out1)):
+        line = next(line for line in stdout.splitlines() if line.startswith(prefix))
+        got = json.loads(line[len(prefix):])["trainer_uneven"]
+        for a, b in zip(want["w"] + want["h"]["loss"], got["w"] + got["h"]["loss"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want, got)
