@@ -18,7 +18,8 @@ be checked before anything starts (the layout of all N*K workers through
 
 The tasks run on the machine's network (they must reach the other hosts), so
 the private network is off, and the launcher says once what that exposes.
-Restarts (`--max-restarts`) are refused with --nnodes for now.
+With `--max-restarts R` every node joins the next round after a task failed
+(each node's own attempt counter; the rendezvous decides for all of them).
 
 Imports no TensorFlow.
 """
@@ -114,7 +115,8 @@ class NodeAttemptRunner(AttemptRunner):
             if outcome in ("failed", "timed_out") and culprit is not None and self.reported is None:
                 failure = culprit.failure(self.number, self.plan.timeout if outcome == "timed_out" else None)
                 self.reported = self.named(failure)
-                self.link.report(self.reported)  # now, before the stop grace: the other nodes stop at once
+                # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished)
+                self.link.report(self.reported, final=verdict[2])
             return verdict
         remote = self.link.decision if isinstance(self.link.decision, TaskFailure) else None
         if remote is None and self.link.lost:
@@ -139,7 +141,8 @@ class NodeSupervisor(Supervisor):
     def run(self):  # type: ignore[no-untyped-def]
         s = self.settings
         try:
-            self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node)
+            self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
+                                           attempts=self.plan.attempts)
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
@@ -158,20 +161,39 @@ class NodeSupervisor(Supervisor):
         return None
 
     def _attempts(self, reaper: Reaper) -> list[Attempt]:
+        """Join the round of each attempt, run this node's tasks, follow the decision (restart or end)."""
+        attempts: list[Attempt] = []
+        total = self.plan.attempts
+        for number in range(total):
+            if self.signals:
+                break
+            attempt, restart = self._attempt(number, reaper)
+            attempts.append(attempt)
+            if not restart or self.signals:
+                break
+            failure = attempt.failure
+            assert failure is not None
+            self.console.say(f"attempt {number + 1} of {total} failed: {failure.task} {failure.reason}")
+            self.console.say(f"restarting the whole cluster on every node (restart {number + 1} of "
+                             f"{self.plan.max_restarts}); a script using Trainer.fit(backup_dir=...) on storage "
+                             "every node shares resumes at the epoch reached")
+        return attempts
+
+    def _attempt(self, number: int, reaper: Reaper) -> tuple[Attempt, bool]:
         s = self.settings
         link = NodeLink(s.host, s.port, s.token, serving=self.server is not None,
                         workers_per_node=s.workers_per_node, join_timeout=s.join_timeout, say=self.console.say)
         holds: list[socket.socket] = []
         try:
-            address = link.connect(0)
+            address = link.connect(number)
             holds = reserve_ports(address, s.workers_per_node)
             link.join([h.getsockname()[1] for h in holds])
             tasks = [Task("worker", link.node * s.workers_per_node + i) for i in range(s.workers_per_node)]
             plan = dataclasses.replace(self.plan, tasks=tasks)
             self.console.say(f"node {link.node} of {s.nnodes} ({address}): {', '.join(t.name for t in tasks)}")
-            runner = NodeAttemptRunner(plan, 0, self.console, reaper, None, self.signals, link=link, holds=holds)
-            attempt = runner.run()
-            return [self._decided(attempt, runner, link)]
+            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
+            attempt = self._decided(runner.run(), runner, link)
+            return attempt, link.restart and attempt.outcome != "succeeded"
         finally:
             for hold in holds:
                 hold.close()
@@ -182,10 +204,10 @@ class NodeSupervisor(Supervisor):
         if attempt.outcome == "interrupted":
             signum = self.signals[0] if self.signals else 0
             link.report(TaskFailure(f"node {link.node} ({link.address})", None,
-                                    ended=f"its launcher was stopped by {signal_name(signum)}"))
+                                    ended=f"its launcher was stopped by {signal_name(signum)}"), final=True)
             return attempt
         if runner.reported is None and link.decision is None and not link.lost:
-            link.report(None)  # this node's tasks succeeded
+            link.report(None, final=attempt.after_success)  # this node's tasks succeeded
         # Wait for the decision: after a success, as long as the other nodes train (heartbeats bound it).
         while not link.wait(0.2 if attempt.outcome == "succeeded" else SETTLE + LOST_AFTER):
             if self.signals or attempt.outcome != "succeeded":
@@ -234,12 +256,8 @@ def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | Non
     """
     base_env = dict(os.environ if env is None else env)
     settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env)
-    if max_restarts:
-        raise ConfigError(f"--max-restarts {max_restarts} with --nnodes: restarting a cluster across machines is "
-                          "not supported yet. Fix: drop --max-restarts (or set it to 0) and restart every node "
-                          "yourself; Trainer.fit(backup_dir=...) on storage every node shares resumes at the epoch "
-                          "reached")
-    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=False, ps=0, evaluator=False, max_restarts=0,
+    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=False, ps=0, evaluator=False,
+                       max_restarts=max_restarts,
                        log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
                        handle_signals=handle_signals, private_network=False)

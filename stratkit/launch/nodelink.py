@@ -54,6 +54,8 @@ class NodeLink:
         self.address = ""
         self.decision: TaskFailure | bool | None = None
         self.lost: str | None = None
+        #: The decision's: every node starts the next attempt.
+        self.restart = False
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._decided = threading.Event()
@@ -86,8 +88,9 @@ class NodeLink:
                 time.sleep(0.5)
                 continue
             raise ConfigError(f"the rendezvous at --rdzv-endpoint {self.endpoint} refused this node: its "
-                              f"{TOKEN_VAR} differs from the serving node's. Fix: set the same {TOKEN_VAR} on "
-                              "every node")
+                              f"{TOKEN_VAR} differs from the serving node's (or this is attempt {attempt + 1} and "
+                              f"the serving node allows fewer: a smaller --max-restarts). Fix: set the same "
+                              f"{TOKEN_VAR} (and --max-restarts) on every node")
         sock.settimeout(LOST_AFTER)
         self.sock = sock
         self.address = sock.getsockname()[0]
@@ -146,6 +149,7 @@ class NodeLink:
                 if kind == "END":
                     failure = data.get("failure")
                     self.decision = False if failure is None else failure_from_json(failure)
+                    self.restart = bool(data.get("restart"))
                     self._decided.set()
                     return
         except TimeoutError:
@@ -169,12 +173,12 @@ class NodeLink:
             except OSError:
                 return False
 
-    def report(self, failure: TaskFailure | None) -> None:
-        """This node's tasks ended: DONE, or FAILED with the failure."""
+    def report(self, failure: TaskFailure | None, final: bool = False) -> None:
+        """This node's tasks ended: DONE, or FAILED with the failure; `final`: no restart after this attempt."""
         if failure is None:
-            self.send("DONE", {})
+            self.send("DONE", {"final": final})
         else:
-            self.send("FAILED", failure_to_json(failure))
+            self.send("FAILED", {"failure": failure_to_json(failure), "final": final})
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the decision (or the loss); True once there is one."""

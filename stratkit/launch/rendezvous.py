@@ -15,8 +15,8 @@ Protocol (UTF-8 lines, each at most `MAX_MESSAGE` bytes; JSON after the kind):
     node -> server   JOIN {"serving", "host", "ports"}    this node's task address and held ports
     server -> node   CLUSTER {"node", "nnodes", "cluster", "hosts"}   once all N joined
     both ways        HB                                   every `HEARTBEAT` s
-    node -> server   DONE {} | FAILED {failure}           how this node's tasks ended
-    server -> node   END {"failure": failure | null}      the decision every node reports
+    node -> server   DONE {"final"} | FAILED {"failure", "final"}   how this node's tasks ended
+    server -> node   END {"failure": failure | null, "restart"}     the decision every node follows
     server -> node   REFUSED <why>                        e.g. the rendezvous is full
 
 Node ranks: the serving node is 0, the others in the order they joined. The
@@ -27,7 +27,10 @@ A node is lost when its connection closes (its launcher died: at once) or it
 is silent for `LOST_AFTER` s (its host is gone); that is a failure of the run.
 The decision: the first failure reported, or a crash reported within `SETTLE`
 s of it (the launcher's root-cause rule); every node then stops its tasks and
-ends with that failure's exit status.
+ends with that failure's exit status, or, with --max-restarts, every node
+joins the next round (the attempt number is the HELLO's number) and starts
+its tasks again on new ports. No restart after a node was lost, after worker 0
+finished training, or after a node was interrupted (the node says "final").
 
 Imports no TensorFlow.
 """
@@ -122,31 +125,53 @@ class _Node:
                 return False
 
 
-class RendezvousServer:
-    """Node 0's rendezvous: bound to `host`:`port` only (raises OSError when this machine cannot bind it)."""
+@dataclass
+class _Round:
+    """One attempt's rendezvous: who joined, the cluster, how each node's tasks ended, the decision."""
 
-    def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int) -> None:
-        self.nnodes, self.workers_per_node = nnodes, workers_per_node
+    number: int
+    nodes: list[_Node] = field(default_factory=list)  # joined, in join order (node 0 first once formed)
+    formed: bool = False
+    decision: dict[str, Any] | None = None
+    failures: list[tuple[int, TaskFailure]] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    final: bool = False  # a node said this attempt must not be restarted
+
+
+class RendezvousServer:
+    """Node 0's rendezvous: bound to `host`:`port` only (raises OSError when this machine cannot bind it).
+
+    One round per attempt (`attempts` = --max-restarts + 1): a node's HELLO names its attempt.
+    """
+
+    def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
+                 attempts: int = 1) -> None:
+        self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
         self._lock = threading.Lock()
-        self._nodes: list[_Node] = []  # joined, in join order
-        self.formed = False
-        self.decision: dict[str, Any] | None = None
-        self._failures: list[tuple[int, TaskFailure]] = []
-        self._done: set[int] = set()
+        self._rounds: dict[int, _Round] = {}
         self._closing = threading.Event()
-        self._listener = listener.AuthListener(host, port, token, self._admit)
+        self._listener = listener.AuthListener(host, port, token, self._admit, max_number=attempts)
         threading.Thread(target=self._heartbeats, name="stratkit-rdzv-heartbeat", daemon=True).start()
 
-    def _admit(self, conn: socket.socket, attempt: int, label: str, rest: bytes) -> None:
+    @property
+    def rejected(self) -> int:
+        return self._listener.rejected
+
+    def round(self, number: int) -> _Round:
         with self._lock:
-            full = len(self._nodes) >= self.nnodes or self.formed
+            return self._rounds.setdefault(number, _Round(number))
+
+    def _admit(self, conn: socket.socket, attempt: int, label: str, rest: bytes) -> None:
+        round_ = self.round(attempt)
+        with self._lock:
+            full = len(round_.nodes) >= self.nnodes or round_.formed
         if full:
             self._listener.reject(conn, b"REFUSED the rendezvous already has its nodes\n")
             return
-        threading.Thread(target=self._serve_node, args=(conn, label, rest), name="stratkit-rdzv-node",
+        threading.Thread(target=self._serve_node, args=(round_, conn, label, rest), name="stratkit-rdzv-node",
                          daemon=True).start()
 
-    def _serve_node(self, conn: socket.socket, label: str, rest: bytes) -> None:
+    def _serve_node(self, round_: _Round, conn: socket.socket, label: str, rest: bytes) -> None:
         node = _Node(conn, label)
         conn.settimeout(LOST_AFTER)
         joined = False
@@ -156,22 +181,21 @@ class RendezvousServer:
             for raw in listener.bounded_lines(conn, rest, MAX_MESSAGE):
                 kind, data = parse(raw)
                 if kind == "JOIN" and not joined:
-                    joined = self._join(node, data)
+                    joined = self._join(round_, node, data)
                     if not joined:
                         return
-                elif kind == "DONE" and node.rank is not None:
-                    self._finished(node.rank, None)
-                elif kind == "FAILED" and node.rank is not None:
-                    self._finished(node.rank, failure_from_json(data))
+                elif kind in ("DONE", "FAILED") and node.rank is not None:
+                    failure = failure_from_json(data["failure"]) if kind == "FAILED" else None
+                    self._finished(round_, node.rank, failure, bool(data.get("final")))
         except TimeoutError:
             why = f"no heartbeat for {LOST_AFTER:g} s (its host is gone, or the network between)"
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # a broken peer is a lost node, never a crash here
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a broken peer is lost, no crash
             why = f"its connection failed ({type(exc).__name__}: {exc})"
         finally:
             conn.close()
-            self._gone(node, why)
+            self._gone(round_, node, why)
 
-    def _join(self, node: _Node, data: Any) -> bool:
+    def _join(self, round_: _Round, node: _Node, data: Any) -> bool:
         try:
             node.serving, node.host = bool(data["serving"]), str(data["host"])
             node.ports = tuple(int(p) for p in data["ports"])
@@ -179,29 +203,27 @@ class RendezvousServer:
             node.send(b"REFUSED a malformed JOIN\n")
             return False
         with self._lock:
-            others = [n for n in self._nodes if not n.serving]
-            if self.formed or len(node.ports) != self.workers_per_node or (
-                    not node.serving and len(others) >= self.nnodes - 1):
-                refused = True
-            else:
-                refused = False
-                self._nodes.append(node)
-                ready = len(self._nodes) == self.nnodes
+            others = [n for n in round_.nodes if not n.serving]
+            refused = round_.formed or len(node.ports) != self.workers_per_node or (
+                not node.serving and len(others) >= self.nnodes - 1)
+            if not refused:
+                round_.nodes.append(node)
+            ready = not refused and len(round_.nodes) == self.nnodes
         if refused:
             node.send(f"REFUSED the rendezvous has its {self.nnodes} node(s), or this node's "
                       f"--workers-per-node differs from the serving node's {self.workers_per_node}\n".encode())
             return False
         if ready:
-            self._form()
+            self._form(round_)
         return True
 
-    def _form(self) -> None:
+    def _form(self, round_: _Round) -> None:
         with self._lock:
-            nodes = sorted(self._nodes, key=lambda n: not n.serving)  # stable: the others in join order
+            nodes = sorted(round_.nodes, key=lambda n: not n.serving)  # stable: the others in join order
             for rank, node in enumerate(nodes):
                 node.rank = rank
-            self._nodes = nodes
-            self.formed = True
+            round_.nodes = nodes
+            round_.formed = True
         tasks = layout.plan_tasks(self.nnodes * self.workers_per_node)
         addresses = [layout.format_address(n.host, p) for n in nodes for p in n.ports]
         cluster = layout.build_cluster(tasks, addresses)
@@ -210,48 +232,52 @@ class RendezvousServer:
             node.send(message("CLUSTER", {"node": node.rank, "nnodes": self.nnodes, "cluster": cluster,
                                            "hosts": hosts}))
 
-    def _gone(self, node: _Node, why: str) -> None:
+    def _gone(self, round_: _Round, node: _Node, why: str) -> None:
         with self._lock:
-            if not self.formed:
-                if node in self._nodes:
-                    self._nodes.remove(node)  # left before the cluster formed: its place is free again
+            if not round_.formed:
+                if node in round_.nodes:
+                    round_.nodes.remove(node)  # left before the cluster formed: its place is free again
                 return
-            if node.rank is None or self.decision is not None or node.rank in self._done:
+            if node.rank is None or round_.decision is not None or node.rank in round_.done:
                 return
-        self._finished(node.rank, TaskFailure(f"node {node.rank} ({node.host})", None, ended=f"lost: {why}"))
+        # A lost node is final: the others cannot form the cluster again without it.
+        self._finished(round_, node.rank, TaskFailure(f"node {node.rank} ({node.host})", None, ended=f"lost: {why}"),
+                       final=True)
 
-    def _finished(self, rank: int, failure: TaskFailure | None) -> None:
+    def _finished(self, round_: _Round, rank: int, failure: TaskFailure | None, final: bool) -> None:
         with self._lock:
-            if self.decision is not None or rank in self._done:
+            if round_.decision is not None or rank in round_.done:
                 return
-            self._done.add(rank)
+            round_.done.add(rank)
+            round_.final = round_.final or final
             if failure is None:
-                if len(self._done) == self.nnodes and not self._failures:
-                    self._decide()
+                if len(round_.done) == self.nnodes and not round_.failures:
+                    self._decide(round_)
                 return
-            self._failures.append((len(self._failures), failure))
-            first = len(self._failures) == 1
+            round_.failures.append((len(round_.failures), failure))
+            first = len(round_.failures) == 1
         if first:
-            threading.Timer(SETTLE, self._settle).start()
+            threading.Timer(SETTLE, self._settle, args=(round_,)).start()
 
-    def _settle(self) -> None:
+    def _settle(self, round_: _Round) -> None:
         with self._lock:
-            self._decide()
+            self._decide(round_)
 
-    def _decide(self) -> None:
-        """Called with the lock held: the decision, once, to every node."""
-        if self.decision is not None:
+    def _decide(self, round_: _Round) -> None:
+        """Called with the lock held: the decision, once, to every node of the round."""
+        if round_.decision is not None:
             return
-        failure = min(self._failures, key=_rank)[1] if self._failures else None
-        self.decision = {"failure": None if failure is None else failure_to_json(failure)}
-        end = message("END", self.decision)
-        for node in self._nodes:
+        failure = min(round_.failures, key=_rank)[1] if round_.failures else None
+        restart = failure is not None and not round_.final and round_.number + 1 < self.attempts
+        round_.decision = {"failure": None if failure is None else failure_to_json(failure), "restart": restart}
+        end = message("END", round_.decision)
+        for node in round_.nodes:
             node.send(end)
 
     def _heartbeats(self) -> None:
         while not self._closing.wait(HEARTBEAT):
             with self._lock:
-                nodes = list(self._nodes)
+                nodes = [n for r in self._rounds.values() if r.decision is None for n in r.nodes]
             for node in nodes:
                 node.send(b"HB\n")
 
@@ -259,7 +285,7 @@ class RendezvousServer:
         self._closing.set()
         self._listener.close()
         with self._lock:
-            nodes = list(self._nodes)
+            nodes = [n for r in self._rounds.values() for n in r.nodes]
         for node in nodes:
             try:
                 node.conn.shutdown(socket.SHUT_RDWR)

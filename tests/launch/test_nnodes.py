@@ -43,7 +43,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"], [TOKEN_VAR, "not set", "secrets.token_hex"]),
     (["--nnodes", "2"], ["--rdzv-endpoint", "HOST:PORT"]),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1"], ["--rdzv-endpoint", "'127.0.0.1'", "HOST:PORT"]),
-    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--max-restarts", "1"], ["--max-restarts 1", "not supported"]),
+    (["--nnodes", "0", "--rdzv-endpoint", "127.0.0.1:1"], ["--nnodes", "got 0"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers-per-node", "0"], ["--workers-per-node", "got 0"]),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--private-network"], ["--private-network", "reach"]),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers", "2"], ["--workers 2", "--workers-per-node"]),
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--print-tf-config"], ["--print-tf-config", "--hosts"]),
@@ -73,15 +74,15 @@ def test_a_wrong_token_is_refused_and_never_joins():
         stranger = NodeLink("127.0.0.1", port, b"f" * 32, serving=False, workers_per_node=1, join_timeout=5)
         with pytest.raises(ConfigError, match=TOKEN_VAR):
             stranger.connect(0)
-        assert server._nodes == [] and not server.formed
+        assert server.round(0).nodes == [] and not server.round(0).formed
         # a node with the token then joins (its ports: whatever it holds)
         good = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=True, workers_per_node=1, join_timeout=5)
         assert good.connect(0) == "127.0.0.1"
         good.send("JOIN", {"serving": True, "host": "127.0.0.1", "ports": [1234]})
         deadline = time.monotonic() + 5
-        while not server._nodes and time.monotonic() < deadline:
+        while not server.round(0).nodes and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(server._nodes) == 1 and server._listener.rejected >= 1
+        assert len(server.round(0).nodes) == 1 and server.rejected >= 1
         good.close()
     finally:
         server.close()
@@ -201,15 +202,42 @@ def test_a_task_failing_on_node_two_stops_both_nodes_with_its_report():
     _assert_gone(_pids(err0) + _pids(err1))
 
 
+FAIL_ONCE_ON_WORKER_1 = textwrap.dedent("""
+    import json, os, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    attempt = os.environ["STRATKIT_RESTART_COUNT"]
+    print(f"task {index} attempt {attempt} at {json.loads(os.environ['TF_CONFIG'])['cluster']['worker'][index]}",
+          flush=True)
+    if attempt == "0":
+        if index == 1:
+            raise SystemExit(3)
+        time.sleep(60)  # worker 0 still trains when worker 1 fails: a restart (not after it finished)
+""")
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_every_node_on_new_ports():
+    nodes = _two_nodes([sys.executable, "-c", FAIL_ONCE_ON_WORKER_1], "--max-restarts", "1", late=2.0, timeout=90)
+    (code0, out0, err0), (code1, out1, err1) = nodes
+    assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+    for err in (err0, err1):
+        assert "attempt 1 of 2 failed: worker:1 on node 1 (127.0.0.1) exited with code 3" in err, err[-3000:]
+        assert "restart 1 of 1" in err and "done: every task succeeded (attempt 2 of 2" in err, err[-3000:]
+    first, second = (re.findall(r"task 0 attempt (\d) at (\S+)", out0))
+    assert first[0] == "0" and second[0] == "1" and first[1] != second[1], out0  # new ports
+    _assert_gone(_pids(err0) + _pids(err1))
+
+
 SLEEP = "import time; print('up', flush=True); time.sleep(300)"
 
 
 @pytest.mark.slow
 def test_a_node_killed_stops_the_other_within_the_heartbeat_bound_and_leaves_nothing_running():
     port = free_ports(1)[0]
-    first = _node(port, [sys.executable, "-c", SLEEP])
+    # --max-restarts: a lost node is final (the others cannot form the cluster without it): no restart
+    first = _node(port, [sys.executable, "-c", SLEEP], "--max-restarts", "1")
     time.sleep(2)
-    second = _node(port, [sys.executable, "-c", SLEEP])
+    second = _node(port, [sys.executable, "-c", SLEEP], "--max-restarts", "1")
     try:
         # wait until node 1's task runs (its "up" line)
         deadline = time.monotonic() + 60
@@ -223,7 +251,7 @@ def test_a_node_killed_stops_the_other_within_the_heartbeat_bound_and_leaves_not
         _, err0 = first.communicate(timeout=60)
         assert time.monotonic() - killed < 60
         assert first.returncode not in (0, None), err0[-2000:]
-        assert "node 1 (127.0.0.1)" in err0 and "lost" in err0, err0[-3000:]
+        assert "node 1 (127.0.0.1)" in err0 and "lost" in err0 and "restarting" not in err0, err0[-3000:]
         _, err1 = second.communicate(timeout=10)
         _assert_gone(_pids(err0) + _pids(err1))
     finally:
