@@ -21,7 +21,8 @@ from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
 from stratkit.launch.multinode import DEFAULT_RDZV_TIMEOUT, launch_node
 from stratkit.launch.plan import (
-    CROSS_HOST_SECURITY,
+    GRPC_EXPOSED,
+    NETWORK_MUST_BE_PRIVATE,
     DEFAULT_EXIT_GRACE,
     DEFAULT_HOST,
     DEFAULT_STOP_GRACE,
@@ -316,7 +317,8 @@ def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str,
              "# Run each block on its host, in any order (the tasks wait for each other); the ports must be",
              "# reachable between the hosts. For restarts, start every task again (resume: Trainer.fit(backup_dir=...)",
              "# on storage every host shares).",
-             *textwrap.wrap(f"Security: {CROSS_HOST_SECURITY}", 98, initial_indent="# ", subsequent_indent="# ")]
+             *textwrap.wrap(f"Security: {GRPC_EXPOSED}:", 118, initial_indent="# ", subsequent_indent="# "),
+             *textwrap.wrap(NETWORK_MUST_BE_PRIVATE, 118, initial_indent="# ", subsequent_indent="# ")]
     run = shlex.join(command)
     for task, host, address in placed:
         tf_config = task_tf_config(cluster, task, env)

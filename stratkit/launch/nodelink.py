@@ -90,7 +90,8 @@ class NodeLink:
             raise ConfigError(f"the rendezvous at --rdzv-endpoint {self.endpoint} refused this node: its "
                               f"{TOKEN_VAR} differs from the serving node's (or this is attempt {attempt + 1} and "
                               f"the serving node allows fewer: a smaller --max-restarts). Fix: set the same "
-                              f"{TOKEN_VAR} (and --max-restarts) on every node")
+                              f"{TOKEN_VAR} (and --max-restarts) on every node; if another program holds that port on the "
+                              "serving host, choose a free port for --rdzv-endpoint")
         sock.settimeout(LOST_AFTER)
         self.sock = sock
         self.address = sock.getsockname()[0]

@@ -228,6 +228,17 @@ def test_max_restarts_restarts_every_node_on_new_ports():
     _assert_gone(_pids(err0) + _pids(err1))
 
 
+@pytest.mark.slow
+def test_a_node_alone_gives_up_after_the_join_timeout_naming_the_flag():
+    port = free_ports(1)[0]
+    started = time.monotonic()
+    alone = _node(port, [sys.executable, "-c", "print('never')"], "--rdzv-timeout", "3")
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 2 and "never" not in out, err
+    assert "--rdzv-timeout 3" in err and "not all nodes joined" in err, err
+    assert time.monotonic() - started < 30
+
+
 SLEEP = "import time; print('up', flush=True); time.sleep(300)"
 
 
