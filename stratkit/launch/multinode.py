@@ -118,6 +118,12 @@ class NodeAttemptRunner(AttemptRunner):
                 # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished)
                 self.link.report(self.reported, final=verdict[2])
             return verdict
+        if self.link.decision is False:  # node 0's worker 0 finished and the rest had --exit-grace: stop, a success
+            names = ", ".join(c.task.name for c in running)
+            self.console.say(f"{names} still running {self.plan.exit_grace:g} s after worker:0 (on node 0) finished: "
+                             "stopping them (not a failure: training is done; raise --exit-grace to wait longer)")
+            self._stop(running, "after_success")
+            return "succeeded", None, True
         remote = self.link.decision if isinstance(self.link.decision, TaskFailure) else None
         if remote is None and self.link.lost:
             remote = self.link.lost_failure()
@@ -142,7 +148,7 @@ class NodeSupervisor(Supervisor):
         s = self.settings
         try:
             self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
-                                           attempts=self.plan.attempts)
+                                           attempts=self.plan.attempts, exit_grace=self.plan.exit_grace)
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:

@@ -27,7 +27,9 @@ A node is lost when its connection closes (its launcher died: at once) or it
 is silent for `LOST_AFTER` s (its host is gone); that is a failure of the run.
 The decision: the first failure reported, or a crash reported within `SETTLE`
 s of it (the launcher's root-cause rule); every node then stops its tasks and
-ends with that failure's exit status, or, with --max-restarts, every node
+ends with that failure's exit status; once node 0 (worker 0) finished, the
+others get its --exit-grace, then every node stops what still runs, as a
+success (as locally). Or, with --max-restarts, every node
 joins the next round (the attempt number is the HELLO's number) and starts
 its tasks again on new ports. No restart after a node was lost, after worker 0
 finished training, or after a node was interrupted (the node says "final").
@@ -145,8 +147,9 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
-                 attempts: int = 1) -> None:
+                 attempts: int = 1, exit_grace: float = 30.0) -> None:
         self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
+        self.exit_grace = exit_grace
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
         self._closing = threading.Event()
@@ -253,6 +256,8 @@ class RendezvousServer:
             if failure is None:
                 if len(round_.done) == self.nnodes and not round_.failures:
                     self._decide(round_)
+                elif rank == 0 and not round_.failures:  # worker 0 finished: the rest get --exit-grace
+                    threading.Timer(self.exit_grace, self._settle, args=(round_,)).start()
                 return
             round_.failures.append((len(round_.failures), failure))
             first = len(round_.failures) == 1

@@ -229,6 +229,18 @@ def test_max_restarts_restarts_every_node_on_new_ports():
 
 
 @pytest.mark.slow
+def test_other_nodes_get_the_exit_grace_after_worker_0_finished_then_stop_as_a_success():
+    script = "import json, os, time; time.sleep(300 * json.loads(os.environ['TF_CONFIG'])['task']['index'])"
+    started = time.monotonic()
+    nodes = _two_nodes([sys.executable, "-c", script], "--exit-grace", "2", late=1.0, timeout=90)
+    assert time.monotonic() - started < 40
+    (code0, _, err0), (code1, _, err1) = nodes
+    assert code0 == code1 == 0, (err0[-2000:], err1[-2000:])
+    assert "worker:1 still running 2 s after worker:0 (on node 0) finished" in err1, err1[-2000:]
+    _assert_gone(_pids(err0) + _pids(err1))
+
+
+@pytest.mark.slow
 def test_a_node_alone_gives_up_after_the_join_timeout_naming_the_flag():
     port = free_ports(1)[0]
     started = time.monotonic()
