@@ -152,6 +152,7 @@ class RendezvousServer:
         self.exit_grace = exit_grace
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
+        self._connections = 0  # authenticated connections (one thread each), capped at 2 * nnodes
         self._closing = threading.Event()
         self._listener = listener.AuthListener(host, port, token, self._admit, max_number=attempts)
         threading.Thread(target=self._heartbeats, name="stratkit-rdzv-heartbeat", daemon=True).start()
@@ -168,8 +169,12 @@ class RendezvousServer:
         round_ = self.round(attempt)
         with self._lock:
             full = len(round_.nodes) >= self.nnodes or round_.formed
-        if full:
-            self._listener.reject(conn, b"REFUSED the rendezvous already has its nodes\n")
+            busy = self._connections >= 2 * self.nnodes
+            if not (full or busy):
+                self._connections += 1
+        if full or busy:
+            self._listener.reject(conn, listener.BUSY if busy and not full else
+                                  b"REFUSED the rendezvous already has its nodes\n")
             return
         threading.Thread(target=self._serve_node, args=(round_, conn, label, rest), name="stratkit-rdzv-node",
                          daemon=True).start()
@@ -196,6 +201,8 @@ class RendezvousServer:
             why = f"its connection failed ({type(exc).__name__}: {exc})"
         finally:
             conn.close()
+            with self._lock:
+                self._connections -= 1
             self._gone(round_, node, why)
 
     def _join(self, round_: _Round, node: _Node, data: Any) -> bool:
