@@ -124,7 +124,7 @@ class AttemptRunner:
         started = time.monotonic()
         outcome, culprit, after_success = "failed", None, False
         try:
-            cluster = build_cluster(self.plan.tasks, [c.address for c in children if c.address is not None])
+            cluster = self._cluster(children)
             for child in children:
                 self._spawn(child, self.plan.task_env(cluster, child.task, self.number))
             outcome, culprit, after_success = self._watch(children, _Watch(started))
@@ -152,6 +152,10 @@ class AttemptRunner:
             holds = reserve_ports(plan.host, len(serving), plan.base_port)
         by_task = {t: (format_address(plan.host, h.getsockname()[1]), h) for t, h in zip(serving, holds)}
         return [TaskProcess(t, self.number, *by_task.get(t, (None, None))) for t in plan.tasks]
+
+    def _cluster(self, children: list[TaskProcess]) -> dict[str, list[str]]:
+        """This attempt's TF_CONFIG cluster: every task's held address (on a node of several: the rendezvous')."""
+        return build_cluster(self.plan.tasks, [c.address for c in children if c.address is not None])
 
     def _spawn(self, child: TaskProcess, env: dict[str, str]) -> None:
         plan, total = self.plan, self.plan.attempts

@@ -12,13 +12,17 @@ import ipaddress
 import math
 import os
 import shlex
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
+from stratkit.launch.multinode import DEFAULT_RDZV_TIMEOUT, launch_node
 from stratkit.launch.plan import (
+    GRPC_EXPOSED,
+    NETWORK_MUST_BE_PRIVATE,
     DEFAULT_EXIT_GRACE,
     DEFAULT_HOST,
     DEFAULT_STOP_GRACE,
@@ -35,6 +39,7 @@ examples:
   stratkit launch --workers 2 -- python train.py --epochs 3
   stratkit launch --chief --workers 2 --ps 1 --max-restarts 2 --log-dir logs -- python train.py
   stratkit launch --hosts h1,h2 --print-tf-config -- python train.py   # what to run on each machine
+  STRATKIT_RDZV_TOKEN=<secret> stratkit launch --nnodes 2 --rdzv-endpoint h1:29400 -- python train.py  # on h1 and h2
 
 exit code: 0 when every task succeeded; else the failed task's code, 128+N when it died of signal N,
 124 after --timeout, 130 after Ctrl-C, 2 for a usage error.
@@ -93,6 +98,10 @@ _FLAGS = (
     _Flag("stop_grace", "STRATKIT_STOP_GRACE", _float_value),
     _Flag("hosts", "STRATKIT_HOSTS", _str_value),
     _Flag("private_network", "STRATKIT_PRIVATE_NETWORK", _bool_value),
+    _Flag("nnodes", "STRATKIT_NNODES", _int_value),
+    _Flag("rdzv_endpoint", "STRATKIT_RDZV_ENDPOINT", _str_value),
+    _Flag("workers_per_node", "STRATKIT_WORKERS_PER_NODE", _int_value),
+    _Flag("rdzv_timeout", "STRATKIT_RDZV_TIMEOUT", _float_value),
 )
 
 
@@ -155,6 +164,17 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "[STRATKIT_PRIVATE_NETWORK]")
     net.add_argument("--hosts", default=None, metavar="H1,H2,...",
                      help="several machines: with --print-tf-config, print what to run on each [STRATKIT_HOSTS]")
+    nodes = parser.add_argument_group("several machines (the same command on every node)")
+    nodes.add_argument("--nnodes", type=count, default=None, metavar="N",
+                       help="run on N machines: the node that owns --rdzv-endpoint's address serves the rendezvous "
+                            "(node 0), the others join it; every node presents STRATKIT_RDZV_TOKEN [STRATKIT_NNODES]")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="the rendezvous: an address of node 0 and a free port [STRATKIT_RDZV_ENDPOINT]")
+    nodes.add_argument("--workers-per-node", type=count, default=None, metavar="K",
+                       help="worker tasks on each node (default 1) [STRATKIT_WORKERS_PER_NODE]")
+    nodes.add_argument("--rdzv-timeout", type=seconds, default=None, metavar="S",
+                       help=f"seconds every node waits for all N to join (default {DEFAULT_RDZV_TIMEOUT:g}) "
+                            "[STRATKIT_RDZV_TIMEOUT]")
     net.add_argument("--print-tf-config", action="store_true",
                      help="print each task's `export TF_CONFIG=...` and command instead of running them")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -181,6 +201,13 @@ def run_launch(args: argparse.Namespace) -> int:
     command = list(args.command or [])
     if command and command[0] == "--":
         command = command[1:]
+    if options["nnodes"] is not None:
+        return _run_nodes(command, options, bool(args.print_tf_config))
+    for dest in ("rdzv_endpoint", "workers_per_node", "rdzv_timeout"):
+        if options[dest] is not None:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} is for a launch on several machines. Fix: add --nnodes N (the number of "
+                              f"machines), or drop {flag}")
     hosts = _parse_hosts(options["hosts"]) if options["hosts"] else None
     if args.print_tf_config:
         print(format_host_plan(command, hosts or [options["host"] or DEFAULT_HOST], options))
@@ -198,6 +225,34 @@ def run_launch(args: argparse.Namespace) -> int:
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
         private_network=options["private_network"])
+    return result.returncode
+
+
+def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: bool) -> int:
+    """`--nnodes N`: this node's share; the flags that have no meaning there are refused, each with the fix."""
+    refused = {"workers": "--workers-per-node K (each node runs K workers)", "chief": "drop --chief (workers only)",
+               "ps": "drop --ps (workers only)", "evaluator": "drop --evaluator (workers only)",
+               "hosts": "drop --hosts: start the same command on every node",
+               "host": "drop --host: each node's tasks use the address its connection to --rdzv-endpoint used",
+               "base_port": "drop --base-port: every node picks free ports and the rendezvous shares them"}
+    for dest, fix in refused.items():
+        if options[dest]:
+            raise ConfigError(f"--{dest.replace('_', '-')} {options[dest]} does not go with --nnodes. Fix: {fix}")
+    if options["private_network"]:
+        raise ConfigError("--private-network gives the tasks a loopback-only network, but with --nnodes they must "
+                          "reach the other machines. Fix: drop --private-network, and keep the network between the "
+                          "hosts private to the cluster (a firewall)")
+    if print_tf_config:
+        raise ConfigError("--print-tf-config prints a plan with fixed ports for --hosts; with --nnodes the "
+                          "rendezvous picks the ports at start. Fix: drop --print-tf-config, or use --hosts instead "
+                          "of --nnodes")
+    result = launch_node(
+        command, nnodes=options["nnodes"], rdzv_endpoint=options["rdzv_endpoint"],
+        workers_per_node=1 if options["workers_per_node"] is None else options["workers_per_node"],
+        rdzv_timeout=DEFAULT_RDZV_TIMEOUT if options["rdzv_timeout"] is None else options["rdzv_timeout"],
+        max_restarts=options["max_restarts"] or 0, log_dir=options["log_dir"] or None, timeout=options["timeout"],
+        exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
+        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"])
     return result.returncode
 
 
@@ -262,10 +317,8 @@ def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str,
              "# Run each block on its host, in any order (the tasks wait for each other); the ports must be",
              "# reachable between the hosts. For restarts, start every task again (resume: Trainer.fit(backup_dir=...)",
              "# on storage every host shares).",
-             "# Security: each task's TensorFlow gRPC server listens on all interfaces of its host, with",
-             "# no authentication or TLS, and runs any graph a client sends:",
-             "# the network between the hosts must be private to the cluster (a firewall that admits only the",
-             "# cluster's hosts to these ports)."]
+             *textwrap.wrap(f"Security: {GRPC_EXPOSED}:", 118, initial_indent="# ", subsequent_indent="# "),
+             *textwrap.wrap(NETWORK_MUST_BE_PRIVATE, 118, initial_indent="# ", subsequent_indent="# ")]
     run = shlex.join(command)
     for task, host, address in placed:
         tf_config = task_tf_config(cluster, task, env)

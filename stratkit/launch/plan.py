@@ -41,6 +41,12 @@ RESTART_VAR = "STRATKIT_RESTART_COUNT"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_EXIT_GRACE = 30.0
 DEFAULT_STOP_GRACE = 10.0
+#: What a cluster across machines cannot be protected from (the printed plan and --nnodes say it, once).
+GRPC_EXPOSED = ("each task's TensorFlow gRPC server listens on all interfaces of its host, with no authentication "
+                "or TLS, and runs any graph a client sends")
+NETWORK_MUST_BE_PRIVATE = ("the network between the hosts must be private to the cluster (a firewall that admits "
+                           "only the cluster's hosts to these ports).")
+CROSS_HOST_SECURITY = f"{GRPC_EXPOSED}: {NETWORK_MUST_BE_PRIVATE}"
 
 
 class Task(layout.Task):

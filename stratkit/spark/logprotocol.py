@@ -23,7 +23,6 @@ rank and label of a HELLO before its token matched.
 from __future__ import annotations
 
 import errno
-import hmac
 import socket
 import sys
 import threading
@@ -31,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from stratkit import status
-from stratkit.process import pump
+from stratkit.process import listener, pump
 
 #: Lines kept per task for error messages: the one tail rule of `stratkit.process.pump` (also the launcher's).
 TAIL_LINES = pump.TAIL_LINES
@@ -39,41 +38,26 @@ TAIL_LINES = pump.TAIL_LINES
 MAX_LINE = pump.TAIL_LINE_CHARS
 #: The same bound in bytes, as read from a socket (a UTF-8 character is at most 4 bytes).
 MAX_LINE_BYTES = 4 * MAX_LINE
-#: Longest HELLO line ("HELLO <32 hex digits> <rank> <label>" is under 100 bytes).
-MAX_HELLO = 512
+#: Longest HELLO line (`stratkit.process.listener`'s bound).
+MAX_HELLO = listener.MAX_HELLO
 #: The exit code a task reports when it failed before its training process started.
 SETUP_FAILED = -1000
 
-OK = b"OK\n"
-BUSY = b"BUSY\n"
+OK = listener.OK
+BUSY = listener.BUSY
 
 log = status.logger(__name__)
 
 
 # -- the driver's side of the format ------------------------------------------------------------
-def parse_hello(line: bytes, token: bytes, max_tasks: int | None) -> tuple[int, str] | None:
-    """(rank, label) from a HELLO line (without its newline), or None. Bytes only until the token matched.
-
-    A rank outside 0..max_tasks-1 is refused (no check when `max_tasks` is None).
-    """
-    parts = line.rstrip(b"\r").split(b" ", 3)
-    if len(parts) != 4 or parts[0] != b"HELLO":
-        return None
-    if not hmac.compare_digest(parts[1], token):  # constant time for any bytes, any length
-        return None
-    rank_text = parts[2]
-    if not (rank_text.isdigit() and len(rank_text) <= 6):  # bytes.isdigit(): ASCII digits only
-        return None
-    rank = int(rank_text)
-    if max_tasks is not None and rank >= max_tasks:
-        return None
-    return rank, parts[3].decode("utf-8", errors="replace")
+#: (rank, label) from a HELLO line, or None: the token check of `stratkit.process.listener` (the one rule).
+parse_hello = listener.check_hello
 
 
 def messages(conn: socket.socket, start: bytes) -> Iterator[tuple[str, str]]:
     """The (kind, text) messages an authenticated task sends on `conn` after its HELLO (`start`: bytes
     already read past it); each line bounded by `MAX_LINE_BYTES`, until the connection ends."""
-    for raw in _bounded_lines(conn, start, MAX_LINE_BYTES):
+    for raw in listener.bounded_lines(conn, start, MAX_LINE_BYTES):
         kind, _, text = raw.decode("utf-8", errors="replace").partition(" ")
         yield kind, text
 
@@ -89,32 +73,6 @@ def exit_code(text: str) -> int:
 def abort(reason: str) -> bytes:
     """The ABORT message that tells a task to kill its training process."""
     return f"ABORT {reason}\n".encode()
-
-
-def _bounded_lines(conn: socket.socket, start: bytes, limit: int) -> Iterator[bytes]:
-    """The lines arriving on `conn` (without their newline); a line longer than `limit` bytes is cut to its first
-    `limit` bytes and the rest of it is read and dropped, so memory stays bounded whatever the peer sends."""
-    buffer = bytearray(start)
-    skipping = False  # inside the dropped rest of an over-long line
-    while True:
-        end = buffer.find(b"\n")
-        if end >= 0:
-            if not skipping:
-                yield bytes(buffer[:end])
-            skipping = False
-            del buffer[:end + 1]
-            continue
-        if len(buffer) > limit:
-            if not skipping:
-                yield bytes(buffer[:limit])
-            skipping = True
-            buffer.clear()
-        data = conn.recv(65536)
-        if not data:
-            if buffer and not skipping:
-                yield bytes(buffer)
-            return
-        buffer += data
 
 
 # -- the task's end ---------------------------------------------------------------------------

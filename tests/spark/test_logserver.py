@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from stratkit.process import listener
 from stratkit.spark import logserver
 from stratkit.spark.logserver import MAX_LINE, LogClient, LogServer
 
@@ -161,7 +162,7 @@ def test_a_malformed_hello_is_a_rejected_client_and_nothing_else(hello):
 
 
 def test_idle_connections_pin_no_thread_and_are_dropped_after_the_hello_timeout(server, monkeypatch):
-    monkeypatch.setattr(logserver, "HELLO_TIMEOUT", 1.0)
+    monkeypatch.setattr(listener, "HELLO_TIMEOUT", 1.0)
     threads_before = threading.active_count()
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(40)]
     try:
@@ -195,7 +196,7 @@ def test_a_flood_of_connections_is_bounded_and_tasks_still_get_in(server):
 
 
 def test_a_trickled_hello_gets_no_more_time_than_a_whole_one(server, monkeypatch):
-    monkeypatch.setattr(logserver, "HELLO_TIMEOUT", 1.0)
+    monkeypatch.setattr(listener, "HELLO_TIMEOUT", 1.0)
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         try:

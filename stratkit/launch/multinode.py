@@ -1,0 +1,277 @@
+"""`stratkit launch --nnodes N --rdzv-endpoint HOST:PORT`: this node's share of a cluster across machines.
+
+The same command runs on every node. `launch_node` checks everything that can
+be checked before anything starts (the layout of all N*K workers through
+`plan_launch`, the token, the endpoint), then `NodeSupervisor`:
+
+1. serves the rendezvous when this machine can bind the endpoint's address
+   (`stratkit.launch.rendezvous.RendezvousServer`: node 0), and joins it like
+   every node (`stratkit.launch.nodelink.NodeLink`): its task address is the local address of that
+   connection, its ports are held (`stratkit.process.ports`) until its tasks
+   listen, and the rendezvous hands back its node rank and the one cluster;
+2. runs this node's tasks as one local attempt (`NodeAttemptRunner`, the local
+   launcher's `AttemptRunner`: prefixed output, logs, stopping, the report),
+   which also ends when the rendezvous decides that another node failed or the
+   rendezvous is lost;
+3. reports how its tasks ended, waits for the decision, and ends with the
+   exit status every node ends with (the root-cause report names the node).
+
+The tasks run on the machine's network (they must reach the other hosts), so
+the private network is off, and the launcher says once what that exposes.
+With `--max-restarts R` every node joins the next round after a task failed
+(each node's own attempt counter; the rendezvous decides for all of them).
+
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from stratkit.errors import ConfigError
+from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
+from stratkit.launch.isolation import PrivateNetwork
+from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, Task, plan_launch, reserve_ports, thread_env
+from stratkit.launch.nodelink import NodeLink
+from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
+from stratkit.launch.results import Attempt
+from stratkit.launch.supervisor import Supervisor
+from stratkit.process.reaper import Reaper
+from stratkit.process.report import TaskFailure, signal_name
+from stratkit.strategy.server import RUN_DIR_VAR
+
+DEFAULT_RDZV_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The multi-node flags, checked."""
+
+    nnodes: int
+    host: str
+    port: int
+    workers_per_node: int
+    join_timeout: float
+    token: bytes
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) of --rdzv-endpoint; a ConfigError naming the flag otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT. Fix: the address of the node that serves "
+                          "the rendezvous and a free port, the same on every node, e.g. --rdzv-endpoint "
+                          "10.0.0.1:29400")
+    return host, int(port)
+
+
+class _Remote:
+    """The root cause of another node (or the rendezvous' loss), in the place of a local task."""
+
+    def __init__(self, failure: TaskFailure) -> None:
+        self._failure = failure
+
+    def failure(self, attempt: int, timed_out_after: float | None) -> TaskFailure:
+        return self._failure
+
+    def join_output(self, timeout: float = 0.0) -> None:
+        pass
+
+
+@dataclass
+class NodeAttemptRunner(AttemptRunner):
+    """One attempt of this node's tasks, with the cluster from the rendezvous; ends on another node's failure too."""
+
+    link: NodeLink | None = None
+    holds: Sequence[socket.socket] = ()
+    reported: TaskFailure | None = None
+
+    def _place_tasks(self) -> list[TaskProcess]:
+        assert self.link is not None
+        workers = self.link.cluster["worker"]
+        return [TaskProcess(t, self.number, workers[t.index], h) for t, h in zip(self.plan.tasks, self.holds)]
+
+    def _cluster(self, children: list[TaskProcess]) -> dict[str, list[str]]:
+        assert self.link is not None
+        return self.link.cluster
+
+    def _verdict(self, running: list[TaskProcess], watch: _Watch, now: float):  # type: ignore[override]
+        assert self.link is not None
+        verdict = super()._verdict(running, watch, now)
+        if verdict is not None:
+            outcome, culprit, _ = verdict
+            if outcome in ("failed", "timed_out") and culprit is not None and self.reported is None:
+                failure = culprit.failure(self.number, self.plan.timeout if outcome == "timed_out" else None)
+                self.reported = self.named(failure)
+                # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished)
+                self.link.report(self.reported, final=verdict[2])
+            return verdict
+        if self.link.decision is False:  # node 0's worker 0 finished and the rest had --exit-grace: stop, a success
+            names = ", ".join(c.task.name for c in running)
+            self.console.say(f"{names} still running {self.plan.exit_grace:g} s after worker:0 (on node 0) finished: "
+                             "stopping them (not a failure: training is done; raise --exit-grace to wait longer)")
+            self._stop(running, "after_success")
+            return "succeeded", None, True
+        remote = self.link.decision if isinstance(self.link.decision, TaskFailure) else None
+        if remote is None and self.link.lost:
+            remote = self.link.lost_failure()
+        if remote is not None:
+            return "failed", _Remote(remote), watch.primary_done is not None  # type: ignore[return-value]
+        return None
+
+    def named(self, failure: TaskFailure) -> TaskFailure:
+        assert self.link is not None
+        return dataclasses.replace(failure, task=f"{failure.task} on node {self.link.node} ({self.link.address})")
+
+
+class NodeSupervisor(Supervisor):
+    """The supervisor of one node: the rendezvous around the local attempt (see the module docstring)."""
+
+    def __init__(self, plan: LaunchPlan, settings: NodeSettings) -> None:
+        super().__init__(plan)
+        self.settings = settings
+        self.server: RendezvousServer | None = None
+
+    def run(self):  # type: ignore[no-untyped-def]
+        s = self.settings
+        try:
+            self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
+                                           attempts=self.plan.attempts, exit_grace=self.plan.exit_grace)
+        except OSError:
+            self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
+        try:
+            return super().run()
+        finally:
+            if self.server is not None:
+                self.server.close()
+
+    def _open_network(self) -> PrivateNetwork | None:
+        role = (f"serving the rendezvous on {self.settings.endpoint}" if self.server is not None
+                else f"joining the rendezvous at {self.settings.endpoint}")
+        self.console.say(f"{self.settings.nnodes} nodes, {self.settings.workers_per_node} worker(s) each; {role}. "
+                         f"WARNING: the tasks use the machine's network (TensorFlow's gRPC servers cannot be "
+                         f"protected across hosts): {CROSS_HOST_SECURITY}")
+        self.console.event("exposed", host=self.settings.host)
+        return None
+
+    def _attempts(self, reaper: Reaper) -> list[Attempt]:
+        """Join the round of each attempt, run this node's tasks, follow the decision (restart or end)."""
+        attempts: list[Attempt] = []
+        total = self.plan.attempts
+        for number in range(total):
+            if self.signals:
+                break
+            attempt, restart = self._attempt(number, reaper)
+            attempts.append(attempt)
+            if not restart or self.signals:
+                break
+            failure = attempt.failure
+            assert failure is not None
+            self.console.say(f"attempt {number + 1} of {total} failed: {failure.task} {failure.reason}")
+            self.console.say(f"restarting the whole cluster on every node (restart {number + 1} of "
+                             f"{self.plan.max_restarts}); a script using Trainer.fit(backup_dir=...) on storage "
+                             "every node shares resumes at the epoch reached")
+        return attempts
+
+    def _attempt(self, number: int, reaper: Reaper) -> tuple[Attempt, bool]:
+        s = self.settings
+        link = NodeLink(s.host, s.port, s.token, serving=self.server is not None,
+                        workers_per_node=s.workers_per_node, join_timeout=s.join_timeout, say=self.console.say)
+        holds: list[socket.socket] = []
+        try:
+            address = link.connect(number)
+            holds = reserve_ports(address, s.workers_per_node)
+            link.join([h.getsockname()[1] for h in holds])
+            tasks = [Task("worker", link.node * s.workers_per_node + i) for i in range(s.workers_per_node)]
+            plan = dataclasses.replace(self.plan, tasks=tasks)
+            self.console.say(f"node {link.node} of {s.nnodes} ({address}): {', '.join(t.name for t in tasks)}")
+            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
+            attempt = self._decided(runner.run(), runner, link)
+            return attempt, link.restart and attempt.outcome != "succeeded"
+        finally:
+            for hold in holds:
+                hold.close()
+            link.close()
+
+    def _decided(self, attempt: Attempt, runner: NodeAttemptRunner, link: NodeLink) -> Attempt:
+        """This node's attempt as every node reports it: with the rendezvous' decision."""
+        if attempt.outcome == "interrupted":
+            signum = self.signals[0] if self.signals else 0
+            link.report(TaskFailure(f"node {link.node} ({link.address})", None,
+                                    ended=f"its launcher was stopped by {signal_name(signum)}"), final=True)
+            return attempt
+        if runner.reported is None and link.decision is None and not link.lost:
+            link.report(None, final=attempt.after_success)  # this node's tasks succeeded
+        # Wait for the decision: after a success, as long as the other nodes train (heartbeats bound it).
+        while not link.wait(0.2 if attempt.outcome == "succeeded" else SETTLE + LOST_AFTER):
+            if self.signals or attempt.outcome != "succeeded":
+                break
+        decision = link.decision
+        if decision is False:
+            return attempt
+        failure = decision if isinstance(decision, TaskFailure) else (
+            link.lost_failure() if link.lost else (runner.reported or attempt.failure))
+        if failure is None:  # no decision (e.g. stopped while waiting): as this node saw it
+            return attempt
+        outcome = "timed_out" if failure.timed_out_after is not None else "failed"
+        # This node's own root cause is the report's head, not one of its "other tasks".
+        others = tuple(t for t in attempt.tasks if not (t.pid == failure.pid and failure.task.startswith(t.task + " ")))
+        return dataclasses.replace(attempt, outcome=outcome, failure=failure, tasks=others)
+
+
+def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join_timeout: float,
+                  environ: Mapping[str, str]) -> NodeSettings:
+    """The multi-node flags checked, with the token from STRATKIT_RDZV_TOKEN (ConfigErrors name the flag)."""
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ConfigError(f"--nnodes must be a whole number >= 1, got {nnodes!r}. Fix: the number of machines, "
+                          "e.g. --nnodes 2")
+    if not endpoint:
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the node that serves "
+                          "the rendezvous. Fix: e.g. --rdzv-endpoint 10.0.0.1:29400 on every node")
+    if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) or workers_per_node < 1:
+        raise ConfigError(f"--workers-per-node must be a whole number >= 1, got {workers_per_node!r}. Fix: e.g. "
+                          "--workers-per-node 1 (the default)")
+    if not join_timeout > 0:
+        raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {join_timeout!r}. Fix: e.g. --rdzv-timeout "
+                          f"{DEFAULT_RDZV_TIMEOUT:g}")
+    host, port = parse_endpoint(endpoint)
+    return NodeSettings(nnodes, host, port, workers_per_node, float(join_timeout), check_token(environ.get(TOKEN_VAR)))
+
+
+def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | None, workers_per_node: int = 1,
+                rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT, max_restarts: int = 0,
+                log_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
+                exit_grace: float = 30.0, stop_grace: float = 10.0, env: Mapping[str, str] | None = None,
+                stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True):
+    """Run this node's share of an `nnodes`-machine cluster (see the module docstring); returns a LaunchResult.
+
+    Raises:
+        ConfigError: on a bad flag, a missing token or a refused join, naming the flag and the fix.
+    """
+    base_env = dict(os.environ if env is None else env)
+    settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env)
+    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=False, ps=0, evaluator=False,
+                       max_restarts=max_restarts,
+                       log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
+                       stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
+                       handle_signals=handle_signals, private_network=False)
+    for key, value in thread_env(workers_per_node).items():  # this node's share of its cores
+        if key not in base_env:
+            plan.extra_env[key] = value
+    plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
+    try:
+        return NodeSupervisor(plan, settings).run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

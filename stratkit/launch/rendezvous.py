@@ -1,0 +1,305 @@
+"""The rendezvous of a multi-node launch: which node is which, the one TF_CONFIG cluster, and who failed.
+
+`stratkit launch --nnodes N --rdzv-endpoint HOST:PORT` runs on every node. The
+launcher that can bind HOST:PORT serves the rendezvous (`RendezvousServer`, node
+0, here, with the wire format both ends speak); every launcher, node 0's
+included, joins it over TCP (`stratkit.launch.nodelink.NodeLink`). Who may
+connect is `stratkit.process.listener.AuthListener`'s rule: a HELLO with the
+shared token from STRATKIT_RDZV_TOKEN, compared in constant time before any
+other byte is trusted, one selector thread for the unauthenticated, bounded
+lines. An authenticated node gets one thread (at most N).
+
+Protocol (UTF-8 lines, each at most `MAX_MESSAGE` bytes; JSON after the kind):
+    node -> server   HELLO <token> <attempt> <hostname>   (the listener's)
+    server -> node   OK                                   the token matched (else: closed)
+    node -> server   JOIN {"serving", "host", "ports"}    this node's task address and held ports
+    server -> node   CLUSTER {"node", "nnodes", "cluster", "hosts"}   once all N joined
+    both ways        HB                                   every `HEARTBEAT` s
+    node -> server   DONE {"final"} | FAILED {"failure", "final"}   how this node's tasks ended
+    server -> node   END {"failure": failure | null, "restart"}     the decision every node follows
+    server -> node   REFUSED <why>                        e.g. the rendezvous is full
+
+Node ranks: the serving node is 0, the others in the order they joined. The
+cluster is `stratkit.cluster.layout`'s (workers only: node r runs workers
+r*K .. r*K+K-1), built here once and checked by every node for its own tasks.
+
+A node is lost when its connection closes (its launcher died: at once) or it
+is silent for `LOST_AFTER` s (its host is gone); that is a failure of the run.
+The decision: the first failure reported, or a crash reported within `SETTLE`
+s of it (the launcher's root-cause rule); every node then stops its tasks and
+ends with that failure's exit status; once node 0 (worker 0) finished, the
+others get its --exit-grace, then every node stops what still runs, as a
+success (as locally). Or, with --max-restarts, every node
+joins the next round (the attempt number is the HELLO's number) and starts
+its tasks again on new ports. No restart after a node was lost, after worker 0
+finished training, or after a node was interrupted (the node says "final").
+
+Imports no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from stratkit.cluster import layout
+from stratkit.errors import ConfigError
+from stratkit.process import listener
+from stratkit.process.report import TaskFailure
+
+TOKEN_VAR = "STRATKIT_RDZV_TOKEN"
+#: Seconds between heartbeats, both ways.
+HEARTBEAT = 1.0
+#: Seconds of silence after which a peer is lost (its host gone, or the network between).
+LOST_AFTER = 10.0
+#: After the first failure, how long a crash elsewhere can still become the root cause.
+SETTLE = 1.0
+#: Longest message: a failure carries a task's last lines (50 of at most 8000 characters, JSON-escaped).
+MAX_MESSAGE = 4 * 2**20
+MIN_TOKEN = 16
+
+
+def check_token(value: str | None) -> bytes:
+    """STRATKIT_RDZV_TOKEN as the listener compares it; a ConfigError naming the variable when unusable."""
+    fix = (f"Fix: export {TOKEN_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))') and set the same "
+           "value on every node")
+    if not value:
+        raise ConfigError(f"{TOKEN_VAR} is not set: --nnodes needs a shared secret every node presents to the "
+                          f"rendezvous. {fix}")
+    if len(value) < MIN_TOKEN or not value.isascii() or not value.isprintable() or " " in value:
+        raise ConfigError(f"{TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces "
+                          f"(got {len(value)} character(s)). {fix}")
+    return value.encode("ascii")
+
+
+def failure_to_json(failure: TaskFailure) -> dict[str, Any]:
+    return asdict(failure)
+
+
+def failure_from_json(data: Any) -> TaskFailure:
+    """A TaskFailure from a peer's message (authenticated, but read field by field)."""
+    if not isinstance(data, dict):
+        raise ValueError("a failure is an object")
+    known = {f.name for f in fields(TaskFailure)}
+    values = {k: v for k, v in data.items() if k in known}
+    for key in ("last_lines", "exception"):
+        values[key] = tuple(str(x) for x in values.get(key) or ())
+    return TaskFailure(**values)
+
+
+def _rank(item: tuple[int, TaskFailure]) -> tuple[bool, int]:
+    """A crash (a death by signal) beats an exit code; then the first reported (as `AttemptRunner.root_cause_rank`)."""
+    order, failure = item
+    code = failure.returncode or 0
+    return not (code < 0 or 128 < code < 160), order
+
+
+def message(kind: str, data: Any = None) -> bytes:
+    return (kind + ("" if data is None else " " + json.dumps(data)) + "\n").encode()
+
+
+def parse(raw: bytes) -> tuple[str, Any]:
+    kind, _, text = raw.decode("utf-8", errors="replace").partition(" ")
+    if kind in ("JOIN", "CLUSTER", "DONE", "FAILED", "END"):
+        return kind, json.loads(text) if text else None
+    return kind, text
+
+
+@dataclass
+class _Node:
+    conn: socket.socket
+    label: str
+    serving: bool = False
+    host: str = ""
+    ports: tuple[int, ...] = ()
+    rank: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, data: bytes) -> bool:
+        with self.lock:
+            try:
+                self.conn.sendall(data)
+                return True
+            except OSError:
+                return False
+
+
+@dataclass
+class _Round:
+    """One attempt's rendezvous: who joined, the cluster, how each node's tasks ended, the decision."""
+
+    number: int
+    nodes: list[_Node] = field(default_factory=list)  # joined, in join order (node 0 first once formed)
+    formed: bool = False
+    decision: dict[str, Any] | None = None
+    failures: list[tuple[int, TaskFailure]] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+    final: bool = False  # a node said this attempt must not be restarted
+
+
+class RendezvousServer:
+    """Node 0's rendezvous: bound to `host`:`port` only (raises OSError when this machine cannot bind it).
+
+    One round per attempt (`attempts` = --max-restarts + 1): a node's HELLO names its attempt.
+    """
+
+    def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
+                 attempts: int = 1, exit_grace: float = 30.0) -> None:
+        self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
+        self.exit_grace = exit_grace
+        self._lock = threading.Lock()
+        self._rounds: dict[int, _Round] = {}
+        self._connections = 0  # authenticated connections (one thread each), capped at 2 * nnodes
+        self._closing = threading.Event()
+        self._listener = listener.AuthListener(host, port, token, self._admit, max_number=attempts)
+        threading.Thread(target=self._heartbeats, name="stratkit-rdzv-heartbeat", daemon=True).start()
+
+    @property
+    def rejected(self) -> int:
+        return self._listener.rejected
+
+    def round(self, number: int) -> _Round:
+        with self._lock:
+            return self._rounds.setdefault(number, _Round(number))
+
+    def _admit(self, conn: socket.socket, attempt: int, label: str, rest: bytes) -> None:
+        round_ = self.round(attempt)
+        with self._lock:
+            full = len(round_.nodes) >= self.nnodes or round_.formed
+            busy = self._connections >= 2 * self.nnodes
+            if not (full or busy):
+                self._connections += 1
+        if full or busy:
+            self._listener.reject(conn, listener.BUSY if busy and not full else
+                                  b"REFUSED the rendezvous already has its nodes\n")
+            return
+        threading.Thread(target=self._serve_node, args=(round_, conn, label, rest), name="stratkit-rdzv-node",
+                         daemon=True).start()
+
+    def _serve_node(self, round_: _Round, conn: socket.socket, label: str, rest: bytes) -> None:
+        node = _Node(conn, label)
+        conn.settimeout(LOST_AFTER)
+        joined = False
+        why = "its launcher's connection closed (the launcher ended or was killed)"
+        try:
+            node.send(listener.OK)
+            for raw in listener.bounded_lines(conn, rest, MAX_MESSAGE):
+                kind, data = parse(raw)
+                if kind == "JOIN" and not joined:
+                    joined = self._join(round_, node, data)
+                    if not joined:
+                        return
+                elif kind in ("DONE", "FAILED") and node.rank is not None:
+                    failure = failure_from_json(data["failure"]) if kind == "FAILED" else None
+                    self._finished(round_, node.rank, failure, bool(data.get("final")))
+        except TimeoutError:
+            why = f"no heartbeat for {LOST_AFTER:g} s (its host is gone, or the network between)"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a broken peer is lost, no crash
+            why = f"its connection failed ({type(exc).__name__}: {exc})"
+        finally:
+            conn.close()
+            with self._lock:
+                self._connections -= 1
+            self._gone(round_, node, why)
+
+    def _join(self, round_: _Round, node: _Node, data: Any) -> bool:
+        try:
+            node.serving, node.host = bool(data["serving"]), str(data["host"])
+            node.ports = tuple(int(p) for p in data["ports"])
+        except (KeyError, TypeError, ValueError):
+            node.send(b"REFUSED a malformed JOIN\n")
+            return False
+        with self._lock:
+            others = [n for n in round_.nodes if not n.serving]
+            refused = round_.formed or len(node.ports) != self.workers_per_node or (
+                not node.serving and len(others) >= self.nnodes - 1)
+            if not refused:
+                round_.nodes.append(node)
+            ready = not refused and len(round_.nodes) == self.nnodes
+        if refused:
+            node.send(f"REFUSED the rendezvous has its {self.nnodes} node(s), or this node's "
+                      f"--workers-per-node differs from the serving node's {self.workers_per_node}\n".encode())
+            return False
+        if ready:
+            self._form(round_)
+        return True
+
+    def _form(self, round_: _Round) -> None:
+        with self._lock:
+            nodes = sorted(round_.nodes, key=lambda n: not n.serving)  # stable: the others in join order
+            for rank, node in enumerate(nodes):
+                node.rank = rank
+            round_.nodes = nodes
+            round_.formed = True
+        tasks = layout.plan_tasks(self.nnodes * self.workers_per_node)
+        addresses = [layout.format_address(n.host, p) for n in nodes for p in n.ports]
+        cluster = layout.build_cluster(tasks, addresses)
+        hosts = [n.host for n in nodes]
+        for node in nodes:
+            node.send(message("CLUSTER", {"node": node.rank, "nnodes": self.nnodes, "cluster": cluster,
+                                           "hosts": hosts}))
+
+    def _gone(self, round_: _Round, node: _Node, why: str) -> None:
+        with self._lock:
+            if not round_.formed:
+                if node in round_.nodes:
+                    round_.nodes.remove(node)  # left before the cluster formed: its place is free again
+                return
+            if node.rank is None or round_.decision is not None or node.rank in round_.done:
+                return
+        # A lost node is final: the others cannot form the cluster again without it.
+        self._finished(round_, node.rank, TaskFailure(f"node {node.rank} ({node.host})", None, ended=f"lost: {why}"),
+                       final=True)
+
+    def _finished(self, round_: _Round, rank: int, failure: TaskFailure | None, final: bool) -> None:
+        with self._lock:
+            if round_.decision is not None or rank in round_.done:
+                return
+            round_.done.add(rank)
+            round_.final = round_.final or final
+            if failure is None:
+                if len(round_.done) == self.nnodes and not round_.failures:
+                    self._decide(round_)
+                elif rank == 0 and not round_.failures:  # worker 0 finished: the rest get --exit-grace
+                    threading.Timer(self.exit_grace, self._settle, args=(round_,)).start()
+                return
+            round_.failures.append((len(round_.failures), failure))
+            first = len(round_.failures) == 1
+        if first:
+            threading.Timer(SETTLE, self._settle, args=(round_,)).start()
+
+    def _settle(self, round_: _Round) -> None:
+        with self._lock:
+            self._decide(round_)
+
+    def _decide(self, round_: _Round) -> None:
+        """Called with the lock held: the decision, once, to every node of the round."""
+        if round_.decision is not None:
+            return
+        failure = min(round_.failures, key=_rank)[1] if round_.failures else None
+        restart = failure is not None and not round_.final and round_.number + 1 < self.attempts
+        round_.decision = {"failure": None if failure is None else failure_to_json(failure), "restart": restart}
+        end = message("END", round_.decision)
+        for node in round_.nodes:
+            node.send(end)
+
+    def _heartbeats(self) -> None:
+        while not self._closing.wait(HEARTBEAT):
+            with self._lock:
+                nodes = [n for r in self._rounds.values() if r.decision is None for n in r.nodes]
+            for node in nodes:
+                node.send(b"HB\n")
+
+    def close(self) -> None:
+        self._closing.set()
+        self._listener.close()
+        with self._lock:
+            nodes = [n for r in self._rounds.values() for n in r.nodes]
+        for node in nodes:
+            try:
+                node.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -1,0 +1,337 @@
+"""`stratkit launch --nnodes N --rdzv-endpoint HOST:PORT`: one cluster across several launchers.
+
+The fast tests check the flags and the rendezvous' authentication in-process.
+The slow ones start two real launcher processes on loopback (`--no-private-network`:
+the tasks must reach each other), the second a few seconds late, as two
+machines would: the training equals one process, a failure on one node stops
+both with its report, a node killed stops the other, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import alive, child_env, free_ports, run_process
+from stratkit.cli import main
+from stratkit.errors import ConfigError
+from stratkit.launch.nodelink import NodeLink
+from stratkit.launch.rendezvous import TOKEN_VAR, RendezvousServer
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+PARITY = Path(__file__).resolve().parents[1] / "strategy" / "parity_cases.py"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name == "TF_CONFIG" or name.startswith(("STRATKIT_", "SLURM_")):
+            monkeypatch.delenv(name, raising=False)
+
+
+# -- flags ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"], [TOKEN_VAR, "not set", "secrets.token_hex"]),
+    (["--nnodes", "2"], ["--rdzv-endpoint", "HOST:PORT"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1"], ["--rdzv-endpoint", "'127.0.0.1'", "HOST:PORT"]),
+    (["--nnodes", "0", "--rdzv-endpoint", "127.0.0.1:1"], ["--nnodes", "got 0"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers-per-node", "0"], ["--workers-per-node", "got 0"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--private-network"], ["--private-network", "reach"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers", "2"], ["--workers 2", "--workers-per-node"]),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--print-tf-config"], ["--print-tf-config", "--hosts"]),
+    (["--rdzv-endpoint", "127.0.0.1:1"], ["--rdzv-endpoint", "--nnodes N"]),
+])
+def test_a_bad_multi_node_setting_is_refused_before_anything_starts_naming_the_flag(argv, words, capsys, monkeypatch):
+    if words[0] != TOKEN_VAR:
+        monkeypatch.setenv(TOKEN_VAR, TOKEN)
+    assert main(["launch", *argv, "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, err
+    assert "Fix:" in err
+
+
+def test_a_short_token_is_refused_naming_the_variable(capsys, monkeypatch):
+    monkeypatch.setenv(TOKEN_VAR, "short")
+    assert main(["launch", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--", "python", "x.py"]) == 2
+    assert TOKEN_VAR in capsys.readouterr().err
+
+
+# -- the rendezvous, in-process ----------------------------------------------------------------------
+def test_a_wrong_token_is_refused_and_never_joins():
+    port = free_ports(1)[0]
+    server = RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1)
+    try:
+        stranger = NodeLink("127.0.0.1", port, b"f" * 32, serving=False, workers_per_node=1, join_timeout=5)
+        with pytest.raises(ConfigError, match=TOKEN_VAR):
+            stranger.connect(0)
+        assert server.round(0).nodes == [] and not server.round(0).formed
+        # a node with the token then joins (its ports: whatever it holds)
+        good = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=True, workers_per_node=1, join_timeout=5)
+        assert good.connect(0) == "127.0.0.1"
+        good.send("JOIN", {"serving": True, "host": "127.0.0.1", "ports": [1234]})
+        deadline = time.monotonic() + 5
+        while not server.round(0).nodes and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(server.round(0).nodes) == 1 and server.rejected >= 1
+        good.close()
+    finally:
+        server.close()
+
+
+def test_the_cluster_is_the_layouts_with_the_serving_node_first():
+    port = free_ports(1)[0]
+    server = RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=2)
+    links = []
+    try:
+        import threading
+        for serving, ports in ((False, [7001, 7002]), (True, [7003, 7004])):  # the joining node first
+            link = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=serving, workers_per_node=2, join_timeout=10)
+            link.connect(0)
+            links.append(link)
+            thread = threading.Thread(target=link.join, args=(ports,), daemon=True)
+            thread.start()
+            time.sleep(0.2)
+        for link in links:
+            deadline = time.monotonic() + 5
+            while link.node < 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert [link.node for link in links] == [1, 0]
+        assert links[0].cluster == {"worker": ["127.0.0.1:7003", "127.0.0.1:7004", "127.0.0.1:7001",
+                                               "127.0.0.1:7002"]}
+    finally:
+        for link in links:
+            link.close()
+        server.close()
+
+
+# -- two launchers on loopback (slow) ---------------------------------------------------------------
+def _node(port: int, script: list[str], *extra: str, token: str = TOKEN) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--no-private-network", "--stop-grace", "3", *extra, "--", *script]
+    return subprocess.Popen(argv, env=child_env(None, {TOKEN_VAR: token}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _two_nodes(script: list[str], *extra: str, late: float = 3.0,
+               timeout: float = 240) -> list[tuple[int, str, str]]:
+    port = free_ports(1)[0]
+    first = _node(port, script, *extra)
+    time.sleep(late)
+    second = _node(port, script, *extra)
+    out = []
+    for proc in (first, second):
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        out.append((proc.returncode, stdout, stderr))
+    return out
+
+
+def _pids(stderr: str) -> list[int]:
+    return [int(p) for p in re.findall(r"started: pid (\d+)", stderr)]
+
+
+def _assert_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"left running: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_nodes_train_as_one_process():
+    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=240)
+    assert one.ok, one.stderr[-3000:]
+    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])["trainer_uneven"]
+    nodes = _two_nodes([sys.executable, str(PARITY), "mwms", "trainer_uneven"])
+    for code, stdout, stderr in nodes:
+        assert code == 0, stderr[-4000:]
+    (_, out0, err0), (_, out1, err1) = nodes
+    assert "serving the rendezvous" in err0 and "node 0 of 2" in err0, err0[-2000:]
+    assert "joining the rendezvous" in err1 and "node 1 of 2" in err1, err1[-2000:]
+    assert "gRPC servers cannot be protected across hosts" in err0
+    for prefix, stdout in (("[worker:0] RESULT ", out0), ("[worker:1] RESULT ", out1)):
+        line = next(line for line in stdout.splitlines() if line.startswith(prefix))  # its own tasks' lines
+        got = json.loads(line[len(prefix):])["trainer_uneven"]
+        flat_want = want["w"] + [v for k in sorted(want["h"]) if k != "examples_per_sec" for v in want["h"][k]]
+        flat_got = got["w"] + [v for k in sorted(got["h"]) if k != "examples_per_sec" for v in got["h"][k]]
+        assert len(flat_want) == len(flat_got)
+        for a, b in zip(flat_want, flat_got):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want, got)
+    assert "[worker:1]" not in out0 and "[worker:0]" not in out1
+
+
+FAIL_ON_WORKER_1 = textwrap.dedent("""
+    import json, os, sys, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    print(f"task {index} up", flush=True)
+    if index == 1:
+        time.sleep(1)
+        raise RuntimeError("node two broke on purpose")
+    time.sleep(120)
+""")
+
+
+@pytest.mark.slow
+def test_a_task_failing_on_node_two_stops_both_nodes_with_its_report():
+    started = time.monotonic()
+    nodes = _two_nodes([sys.executable, "-c", FAIL_ON_WORKER_1], late=2.0, timeout=90)
+    assert time.monotonic() - started < 60
+    (code0, _, err0), (code1, _, err1) = nodes
+    assert code0 == code1 == 1, (err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert "root cause" in err and "worker:1 on node 1 (127.0.0.1)" in err, err[-3000:]
+        assert "RuntimeError: node two broke on purpose" in err, err[-3000:]
+    assert "worker:0 (pid" in err0 and "stopped by the launcher after worker:1 on node 1" in err0, err0[-3000:]
+    _assert_gone(_pids(err0) + _pids(err1))
+
+
+FAIL_ONCE_ON_WORKER_1 = textwrap.dedent("""
+    import json, os, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    attempt = os.environ["STRATKIT_RESTART_COUNT"]
+    print(f"task {index} attempt {attempt} at {json.loads(os.environ['TF_CONFIG'])['cluster']['worker'][index]}",
+          flush=True)
+    if attempt == "0":
+        if index == 1:
+            raise SystemExit(3)
+        time.sleep(60)  # worker 0 still trains when worker 1 fails: a restart (not after it finished)
+""")
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_every_node_on_new_ports():
+    nodes = _two_nodes([sys.executable, "-c", FAIL_ONCE_ON_WORKER_1], "--max-restarts", "1", late=2.0, timeout=90)
+    (code0, out0, err0), (code1, out1, err1) = nodes
+    assert code0 == code1 == 0, (err0[-3000:], err1[-3000:])
+    for err in (err0, err1):
+        assert "attempt 1 of 2 failed: worker:1 on node 1 (127.0.0.1) exited with code 3" in err, err[-3000:]
+        assert "restart 1 of 1" in err and "done: every task succeeded (attempt 2 of 2" in err, err[-3000:]
+    first, second = (re.findall(r"task 0 attempt (\d) at (\S+)", out0))
+    assert first[0] == "0" and second[0] == "1" and first[1] != second[1], out0  # new ports
+    _assert_gone(_pids(err0) + _pids(err1))
+
+
+@pytest.mark.slow
+def test_other_nodes_get_the_exit_grace_after_worker_0_finished_then_stop_as_a_success():
+    script = "import json, os, time; time.sleep(300 * json.loads(os.environ['TF_CONFIG'])['task']['index'])"
+    started = time.monotonic()
+    nodes = _two_nodes([sys.executable, "-c", script], "--exit-grace", "2", late=1.0, timeout=90)
+    assert time.monotonic() - started < 40
+    (code0, _, err0), (code1, _, err1) = nodes
+    assert code0 == code1 == 0, (err0[-2000:], err1[-2000:])
+    assert "worker:1 still running 2 s after worker:0 (on node 0) finished" in err1, err1[-2000:]
+    _assert_gone(_pids(err0) + _pids(err1))
+
+
+@pytest.mark.slow
+def test_a_node_alone_gives_up_after_the_join_timeout_naming_the_flag():
+    port = free_ports(1)[0]
+    started = time.monotonic()
+    alone = _node(port, [sys.executable, "-c", "print('never')"], "--rdzv-timeout", "3")
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 2 and "never" not in out, err
+    assert "--rdzv-timeout 3" in err and "not all nodes joined" in err, err
+    assert time.monotonic() - started < 30
+
+
+SLEEP = "import time; print('up', flush=True); time.sleep(300)"
+
+
+@pytest.mark.slow
+def test_a_node_killed_stops_the_other_within_the_heartbeat_bound_and_leaves_nothing_running():
+    port = free_ports(1)[0]
+    # --max-restarts: a lost node is final (the others cannot form the cluster without it): no restart
+    first = _node(port, [sys.executable, "-c", SLEEP], "--max-restarts", "1")
+    time.sleep(2)
+    second = _node(port, [sys.executable, "-c", SLEEP], "--max-restarts", "1")
+    try:
+        # wait until node 1's task runs (its "up" line)
+        deadline = time.monotonic() + 60
+        line = ""
+        while "up" not in line and time.monotonic() < deadline:
+            line = second.stdout.readline()
+        assert "[worker:1] up" in line, line
+        time.sleep(1)
+        killed = time.monotonic()
+        os.kill(second.pid, signal.SIGKILL)
+        _, err0 = first.communicate(timeout=60)
+        assert time.monotonic() - killed < 60
+        assert first.returncode not in (0, None), err0[-2000:]
+        assert "node 1 (127.0.0.1)" in err0 and "lost" in err0 and "restarting" not in err0, err0[-3000:]
+        _, err1 = second.communicate(timeout=10)
+        _assert_gone(_pids(err0) + _pids(err1))
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+@pytest.mark.slow
+def test_a_launcher_with_a_wrong_token_is_refused_and_the_run_goes_on_without_it():
+    port = free_ports(1)[0]
+    first = _node(port, [sys.executable, "-c", "print('trained')"], "--rdzv-timeout", "60")
+    try:
+        time.sleep(2)
+        intruder = _node(port, [sys.executable, "-c", "print('intruder ran')"], token="x" * 32)
+        out, err = intruder.communicate(timeout=60)
+        assert intruder.returncode == 2, err
+        assert TOKEN_VAR in err and "refused" in err and "intruder ran" not in out
+        second = _node(port, [sys.executable, "-c", "print('trained')"])
+        out1, err1 = second.communicate(timeout=60)
+        out0, err0 = first.communicate(timeout=60)
+        assert first.returncode == second.returncode == 0, (err0[-2000:], err1[-2000:])
+        assert "[worker:0] trained" in out0 and "[worker:1] trained" in out1
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+
+
+# -- two test hosts (network namespaces h1, h2 at 198.18.0.1/.2; tests/hosts.py) ---------------------
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_two_hosts_train_as_one_cluster_with_the_second_starting_late():
+    import hosts
+
+    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=240)
+    assert one.ok, one.stderr[-3000:]
+    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])["trainer_uneven"]
+    script = [sys.executable, str(PARITY), "mwms", "trainer_uneven"]
+    port = 29400
+    with hosts.make_hosts(2) as (h1, h2):
+        argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                f"{h1.address}:{port}", "--stop-grace", "3", "--rdzv-timeout", "120", "--", *script]
+        env = child_env(None, {TOKEN_VAR: TOKEN})
+        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        time.sleep(8)
+        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=240) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    (out0, err0), (out1, err1) = outs
+    assert f"node 0 of 2 ({h1.address})" in err0 and f"node 1 of 2 ({h2.address})" in err1, (err0[-2000:], err1)
+    assert "started: pid" in err1 and f"at {h2.address}:" in err1, err1[-2000:]  # its own address, not h1's
+    for prefix, stdout in (("[worker:0] RESULT ", out0), ("[worker:1] RESULT ", out1)):
+        line = next(line for line in stdout.splitlines() if line.startswith(prefix))
+        got = json.loads(line[len(prefix):])["trainer_uneven"]
+        for a, b in zip(want["w"] + want["h"]["loss"], got["w"] + got["h"]["loss"]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want, got)
