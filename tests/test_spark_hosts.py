@@ -289,8 +289,11 @@ def test_losing_a_host_mid_run_fails_the_run_with_its_cause_and_leaves_nothing_r
     print(f"h2 lost: the run failed {took:.1f} s later: {out.get('message', out)}")
     assert out.get("error") == "SparkTrainingError", log[-6000:]
     assert "timeout" not in out["message"].split("\n", 1)[0].lower(), out["message"]
-    # The report has a root cause section. Seen so far: it names the task on h1 (killed by Spark once the
-    # barrier stage lost h2's executor), not the one on h2, whose log connection just ends (issue 24 follow-up).
+    # The root cause is the task on h2, whose connection to the driver just ended, not the task on h1 that
+    # Spark killed once the barrier stage had lost h2's executor.
+    lost = next(line.split("]", 1)[0][1:] for line in log.splitlines() if line.endswith("SLEEPING ON h2"))
     assert "root cause" in out["message"], out["message"]
+    assert out["message"].startswith(f"task {lost} "), out["message"]
+    assert "without an exit code" in out["message"], out["message"]
     assert took < 60, f"the run took {took:.0f} s to fail after h2 was lost:\n{out['message']}"
     assert _nothing_left(cluster, cluster.h1) == [], log[-4000:]

@@ -105,8 +105,9 @@ def explain(error: BaseException, state: AttemptState, server: LogServer, roles:
         return stage_failed(text, attempt, attempts)
     failure = TaskFailure(label, code, tuple(lines), attempt=attempt - 1, exception=exception,
                           ended=ended(code))
-    how = "failed before its training process started" if code == SETUP_FAILED else \
-        f"failed with exit code {code}"
+    how = "failed before its training process started" if code == SETUP_FAILED else (
+        "was lost: its connection to the driver ended without an exit code" if code is None else
+        f"failed with exit code {code}")
     return SparkTrainingError(
         f"task {label} (rank {rank}) {how} ({which}); the other tasks were stopped.\n"
         + report(failure, other_tasks(roles, server, rank, f"after {label} failed")),
@@ -137,7 +138,8 @@ def first_line(error: BaseException) -> str:
 def ended(code: int | None) -> str | None:
     """How a task ended in words, where the return code's wording (`describe_returncode`) does not apply."""
     if code is None:
-        return "ended without reporting an exit code"
+        return ("ended without reporting an exit code: its process, its executor or its host is gone "
+                "(killed, out of memory, or the machine lost)")
     if code == SETUP_FAILED:
         return "the task failed before its training process started"
     return None

@@ -93,6 +93,7 @@ class LogServer:
         self.host = host
         self._on_exit = on_exit
         self._on_fatal = on_fatal
+        self._closing = False       # set once we abort or shut down: connections ending then are ours
         self._stream = stream
         self._max_tasks = max_tasks
         self._max_connections = MAX_CONNECTIONS if max_tasks is None else 2 * max_tasks
@@ -161,8 +162,12 @@ class LogServer:
                     if self._on_exit is not None:
                         self._on_exit(task)
         except OSError:
-            pass  # a task that vanished; Spark reports the task failure itself
+            pass  # a task that vanished: told below
         finally:
+            if task is not None and task.exit_code is None and not self._closing and self._on_exit is not None:
+                # its connection ended without an exit record, and not because we stopped it: its process or
+                # its host is gone. It is the root cause, not the tasks Spark kills afterwards.
+                self._on_exit(task)
             with self._lock:
                 if task is not None and self._connections.get(task.rank) is conn:
                     del self._connections[task.rank]
@@ -196,6 +201,7 @@ class LogServer:
     def abort_all(self, reason: str) -> int:
         """Tell every connected task to kill its training process; returns how many were told."""
         message = logprotocol.abort(reason)
+        self._closing = True        # connections that end from here on were ended by us
         with self._lock:
             connections = list(self._connections.values())
         told = 0
@@ -209,6 +215,7 @@ class LogServer:
 
     def shutdown(self, drain_seconds: float = 2.0) -> None:
         """Stop accepting, give open connections `drain_seconds` to deliver their last lines, close all."""
+        self._closing = True
         self._listener.close()
         deadline = time.monotonic() + drain_seconds
         with self._lock:
