@@ -216,11 +216,20 @@ def replace_dir_with(path: str, write: Callable[[str], None]) -> None:
     directory, name = os.path.split(os.path.abspath(path))
     scratch = tempfile.mkdtemp(prefix=temp_name() + "-", dir=directory)
     try:
-        new, old = os.path.join(scratch, name), os.path.join(scratch, "old")
+        new = os.path.join(scratch, name)
         write(new)
-        if os.path.lexists(path):
-            os.rename(path, old)
-        os.rename(new, path)
+        for attempt in range(20):   # another writer (a worker saving the same export) may move in between
+            if os.path.lexists(path):
+                try:
+                    os.rename(path, os.path.join(scratch, f"old-{attempt}"))
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rename(new, path)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == 19:
+                    raise
         fsync_dir(directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

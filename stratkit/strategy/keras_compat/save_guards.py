@@ -5,16 +5,16 @@ crashed in MergeV2Checkpoints in 3 of 6 runs, h5py could not lock the file,
 once a SavedModel did not load. TF's own advice is that every worker calls
 save (a save can read synchronised variables), so each still writes, but:
 
-* a non-chief worker writes to a private temporary directory
-  (``stratkit.strategy.scratch``: removed afterwards, even after a SIGKILL),
-  with one log line;
-* the chief writes the path atomically: a file through
-  ``files.write_with`` (temp sibling, fsync, rename), an export directory
-  through ``files.replace_dir_with``.
+every worker writes the path it was given, atomically: a file through
+``files.write_with`` (a private temporary, fsync, rename), an export directory
+through ``files.replace_dir_with``. Workers that share a path replace it whole,
+one after the other (their models are the same). A non-chief worker is not
+redirected: TensorFlow's tutorials have it save to its own temporary path and
+load that back.
 
 Only under multi-worker MWMS (one process, Mirrored, one worker: Keras's own
 method, untouched), and only for a path (not ``overwrite=False``, not a sharded
-or unzipped save: Keras's own method, with non-chief routing still applied).
+or unzipped save: Keras's own method).
 Wraps the public methods of ``keras.Model``; installed by ``keras_compat.apply``.
 """
 
@@ -27,11 +27,8 @@ from collections.abc import Iterator
 import threading
 from typing import Any
 
-from stratkit import status
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
-
-log = status.logger(__name__)
 
 _METHODS = ("save", "save_weights", "export")
 _lock = threading.Lock()
@@ -49,12 +46,6 @@ def own_path() -> Iterator[None]:
         yield
     finally:
         _inside.active = before
-
-
-def _is_chief(strategy: Any) -> bool:
-    from stratkit.strategy.keras_compat.fit_guards import _is_chief as is_chief
-
-    return is_chief(strategy)
 
 
 def _atomic(name: str, path: str, kwargs: dict[str, Any]) -> bool:
@@ -78,17 +69,9 @@ def _guarded(name: str, original: Any) -> Any:
         path = os.fspath(filepath)
         _inside.active = True  # save_weights inside save, export's own saves: decided once, here
         try:
-            if not _is_chief(strategy):
-                from stratkit.strategy import scratch
-
-                private = scratch.make("stratkit-save-worker-")
-                try:
-                    log.info("model.%s(%r) on a non-chief worker wrote a private temporary copy (removed): "
-                             "only the chief writes that path", name, path)
-                    return original(self, os.path.join(private, os.path.basename(path.rstrip("/")) or "model"),
-                                    *args, **kwargs)
-                finally:
-                    scratch.remove([private])
+            # Every worker writes the path it was given (TF's tutorials have each non-chief worker save to its
+            # own temporary path and load it back), always through a private temporary and a rename: workers
+            # that share a path replace it whole, one after the other, never a mix or a half-written file.
             if not _atomic(name, path, kwargs):
                 return original(self, filepath, *args, **kwargs)
             from stratkit import files
