@@ -195,8 +195,5 @@ class NodeLink:
         with self._send_lock:
             sock, self.sock = self.sock, None
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            listener.shut(sock)
             sock.close()

@@ -299,7 +299,4 @@ class RendezvousServer:
         with self._lock:
             nodes = [n for r in self._rounds.values() for n in r.nodes]
         for node in nodes:
-            try:
-                node.conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            listener.shut(node.conn)

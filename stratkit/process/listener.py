@@ -55,6 +55,14 @@ _RETRY_NOW = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, err
 _RETRY_LATER = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
+def shut(conn: socket.socket) -> None:
+    """End both directions of `conn` now (a blocked reader on it wakes up); it may already be gone."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def check_hello(line: bytes, token: bytes, max_number: int | None) -> tuple[int, str] | None:
     """(number, label) from a HELLO line (without its newline), or None. Bytes only until the token matched.
 

@@ -188,8 +188,5 @@ class LogClient:
         with self._lock:
             sock, self._sock = self._sock, None
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            listener.shut(sock)
             sock.close()

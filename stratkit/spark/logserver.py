@@ -225,8 +225,5 @@ class LogServer:
         with self._lock:
             connections = list(self._connections.values())
         for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            listener.shut(conn)
 
