@@ -318,8 +318,16 @@ class Backup(keras.callbacks.Callback):
         self.keep = max(int(keep), 2)
         self.resumed_epoch = 0
         self._past_end = False
+        self._decided: tuple[int, Any, Any] | None = None
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
+    def decide(self) -> int:
+        """The epoch this run resumes at (0: from the start), agreed by every worker; decided once.
+
+        The trainer asks before it builds the input pipeline (each epoch's data order depends on it);
+        `on_train_begin` then loads that epoch's weights and optimizer state.
+        """
+        if self._decided is not None:
+            return self._decided[0]
         files.check_dir(self.backup_dir, _WHAT)
         prepare_dir(self.directory)  # every worker cleans only its own directory
         local = find_resume_point(self.directory)
@@ -338,6 +346,12 @@ class Backup(keras.callbacks.Callback):
                                   f"worker has no intact checkpoint for it in {self.directory!r}. Fix: keep "
                                   "backup_dir on storage every worker can read, or move backup_dir away to start "
                                   "over")
+        self._decided = (epoch, point, local)
+        return epoch
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        epoch = self.decide()
+        _, point, local = self._decided
         if epoch > 0:
             if local.note and point is local:
                 warn(local.note)
@@ -357,6 +371,7 @@ class Backup(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         keras_compat.set_resume_epoch(self.model, None)
+        self._decided = None  # a later fit with this callback decides again
         if self._past_end:
             return  # nothing was trained: the backup stays (every worker decides the same)
         # Training finished: the backup has served its purpose (Keras semantics). Each

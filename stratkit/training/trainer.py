@@ -164,9 +164,17 @@ class Trainer:
                                         backup_dir=backup_dir, callbacks=callbacks, verbose=verbose,
                                         validation_steps=validation_steps)
         tpu = self.spec.strategy == "tpu"
+        backup = None
+        if backup_dir is not None:
+            from stratkit.training.backup import Backup
+
+            backup = Backup(os.fspath(backup_dir), is_chief=self.is_chief, rank=max(self.spec.worker_rank, 0),
+                            agree_on_epoch=self._min_over_workers)
+        # The epoch training starts at fixes the data order of every epoch after it (numpy arrays).
+        first_epoch = max(backup.decide() if backup is not None else 0, initial_epoch or 0)
         train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                         global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
-                        shuffle=shuffle, seed=self.seed, tpu=tpu)
+                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=first_epoch)
         val = None
         if validation_data is not None:
             val_batch = None if is_py_dataset(validation_data) else global_batch
@@ -190,13 +198,11 @@ class Trainer:
 
         if timeline.enabled():
             callback_list.append(cb.PhaseMarks())
-        if backup_dir is not None:
-            from stratkit.training.backup import Backup
-
-            callback_list.insert(0, Backup(os.fspath(backup_dir), is_chief=self.is_chief,
-                                           rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers))
+        if backup is not None:
+            callback_list.insert(0, backup)
         try:
-            return model.fit(train.dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
+            return model.fit(train.dataset, epochs=epochs,
+                             steps_per_epoch=train.steps_per_epoch if train.endless else steps_per_epoch,
                              validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
                              verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose,
                              class_weight=class_weight, initial_epoch=initial_epoch, validation_freq=validation_freq)

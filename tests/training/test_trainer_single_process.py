@@ -214,3 +214,47 @@ def test_checkpoint_metadata_naming_a_missing_file_means_start_over(tmp_path):
     assert backup.latest_epoch(str(tmp_path)) == 0
     (tmp_path / backup.METADATA).write_text('{"epo')  # truncated by hand: still no crash
     assert backup.latest_epoch(str(tmp_path)) == 0
+
+
+# -- a resumed run reads each epoch's data as an uninterrupted one ------------------------------------
+def _adam_mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("steps", [None, 3])  # one pass per epoch (a partial last batch) | steps across passes
+def test_epochs_split_over_two_fits_train_as_one_fit_with_shuffled_arrays(trainer, steps):
+    """fit(epochs=2) then fit(epochs=5, initial_epoch=2) == fit(epochs=5): each epoch's order depends on the epoch.
+
+    Before: every fit (every resumed process) restarted the sequence of shuffles at epoch 1's order.
+    """
+    data = _data(45)  # 45 rows, global batch 8: 6 batches per pass, the last of 5 rows
+    whole = trainer.build(_adam_mlp)
+    trainer.fit(whole, data, epochs=5, global_batch_size=8, steps_per_epoch=steps, verbose=0)
+    split = trainer.build(_adam_mlp)
+    trainer.fit(split, data, epochs=2, global_batch_size=8, steps_per_epoch=steps, verbose=0)
+    trainer.fit(split, data, epochs=5, initial_epoch=2, global_batch_size=8, steps_per_epoch=steps, verbose=0)
+    for a, b in zip(whole.get_weights(), split.get_weights(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    # and the epochs really read different orders (shuffled): training twice on one order differs
+    fixed = trainer.build(_adam_mlp)
+    trainer.fit(fixed, data, epochs=2, global_batch_size=8, steps_per_epoch=steps, verbose=0)
+    trainer.fit(fixed, data, epochs=3, global_batch_size=8, steps_per_epoch=steps, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(whole.get_weights(), fixed.get_weights())) > 1e-4
+
+
+def test_each_epoch_reads_every_row_once_in_a_new_order():
+    from stratkit.training.inputs import prepare as prepare_inputs
+
+    x = np.arange(10, dtype="float32")[:, None]
+    prepared = prepare_inputs((x, x), strategy=None, num_replicas=1, global_batch_size=4, training=True)
+    assert prepared.endless and prepared.steps_per_epoch == 3
+    batches = [b[0].numpy()[:, 0] for b in prepared.dataset.take(6)]
+    assert [len(b) for b in batches] == [4, 4, 2, 4, 4, 2]
+    first, second = np.concatenate(batches[:3]), np.concatenate(batches[3:])
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert list(first) != list(second)
+    later = prepare_inputs((x, x), strategy=None, num_replicas=1, global_batch_size=4, training=True, first_epoch=1)
+    assert list(np.concatenate([b[0].numpy()[:, 0] for b in later.dataset.take(3)])) == list(second)

@@ -52,6 +52,39 @@ class ArrayAdapter(DatasetAdapter):
         # reshuffle_each_iteration: a new order on each pass, also within one repeated stream.
         return dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
 
+    def _epoch_stream(self, *, global_batch_size: int, steps_per_epoch: int | None, drop: bool, seed: int,
+                      first_epoch: int) -> Any:
+        """Every epoch's batches from `first_epoch` on, one endless stream; pass p's order is a function of (seed, p).
+
+        So a run resumed at epoch E (from `backup_dir`, at another world size,
+        or by `initial_epoch`) reads exactly the batches an uninterrupted run
+        reads from epoch E on: `dataset.shuffle(reshuffle_each_iteration=True)`
+        instead restarts its sequence of orders in every new process. Without
+        `steps_per_epoch` an epoch is one pass, ending with its partial batch;
+        with it, batches run on across passes (all full), and the resumed stream
+        skips the E * steps * batch rows read before.
+        """
+        import tensorflow as tf
+
+        arrays = numpy_arrays(self.data)
+        rows = arrays if len(arrays) > 1 else arrays[0]
+        n = self.num_examples()
+        key = tf.constant(seed % 2**31, tf.int64)
+
+        def order(p: Any) -> Any:
+            return tf.data.Dataset.from_tensor_slices(
+                tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), seed=tf.stack([key, p])))
+
+        if steps_per_epoch is None:
+            indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
+                lambda p: order(p).batch(global_batch_size, drop_remainder=drop))
+        else:
+            read = first_epoch * steps_per_epoch * global_batch_size
+            indices = tf.data.Dataset.range(read // n, 2**62).flat_map(order).skip(read % n)
+            indices = indices.batch(global_batch_size, drop_remainder=True)
+        return indices.map(lambda i: tf.nest.map_structure(lambda a: tf.gather(a, i), rows),
+                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
     def predict_inputs(self, batch_size: int) -> Any:
         import tensorflow as tf
 

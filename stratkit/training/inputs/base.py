@@ -22,6 +22,8 @@ class PreparedData:
     steps_per_epoch: int | None
     num_examples: int | None
     kind: str  # "numpy", "dataset", "batched_dataset" or "dataset_fn"
+    #: The dataset runs on across epochs (numpy arrays reshuffled by epoch): `fit` needs `steps_per_epoch`.
+    endless: bool = False
 
 
 class InputAdapter:
@@ -40,7 +42,7 @@ class InputAdapter:
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
         """The dataset for one of the strategy's fit/evaluate/predict (see `inputs.prepare`)."""
         raise NotImplementedError
 

@@ -25,7 +25,7 @@ class BatchedDatasetAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
         """Repeated if asked, sharded, never re-batched."""
         if global_batch_size is None and self.batch_size > 0:
             global_batch_size = self.batch_size

@@ -29,10 +29,18 @@ class DatasetAdapter(InputAdapter):
     def _shuffled(self, dataset: Any, *, buffer: int | None, seed: int) -> Any:
         return dataset  # the user's dataset decides its own order
 
+    def _epoch_stream(self, *, global_batch_size: int, steps_per_epoch: int | None, drop: bool, seed: int,
+                      first_epoch: int) -> Any:
+        """The batches of every epoch from `first_epoch` on, each epoch's order fixed by (seed, epoch); or None.
+
+        None: this input's order is its own (a dataset decides it), so it cannot be keyed by epoch.
+        """
+        return None
+
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
         import tensorflow as tf
 
         if global_batch_size is None:
@@ -43,7 +51,10 @@ class DatasetAdapter(InputAdapter):
             self._check_for_tpu()
         num_examples = self.num_examples()
         dataset = self.examples()
+        stream = None
         if training and shuffle:
+            stream = self._epoch_stream(global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch,
+                                        drop=drop, seed=seed, first_epoch=first_epoch)
             dataset = self._shuffled(dataset, buffer=num_examples, seed=seed)
         if num_examples is not None and num_examples < global_batch_size and (training or drop):
             raise ConfigError(f"global_batch_size={global_batch_size} is larger than the {num_examples} examples in "
@@ -56,15 +67,18 @@ class DatasetAdapter(InputAdapter):
                               f"so its only batch does not split evenly over {num_replicas} replicas. Fix: pass a "
                               f"multiple of {num_replicas} examples "
                               f"(e.g. {num_examples - num_examples % num_replicas})")
-        if training and steps_per_epoch is not None:  # the steps rule: every step asked for runs
-            dataset = dataset.repeat()  # before batching: batches run on across passes, all full
-        dataset = dataset.batch(global_batch_size, drop_remainder=drop)
+        if stream is not None:
+            dataset = stream  # endless: fit must be given the steps (PreparedData.endless)
+        else:
+            if training and steps_per_epoch is not None:  # the steps rule: every step asked for runs
+                dataset = dataset.repeat()  # before batching: batches run on across passes, all full
+            dataset = dataset.batch(global_batch_size, drop_remainder=drop)
         dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
         steps = steps_per_epoch
         if steps is None and num_examples is not None:
             steps = num_examples // global_batch_size if drop else math.ceil(num_examples / global_batch_size)
-        return PreparedData(dataset, global_batch_size, steps, num_examples, self.kind)
+        return PreparedData(dataset, global_batch_size, steps, num_examples, self.kind, endless=stream is not None)
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:

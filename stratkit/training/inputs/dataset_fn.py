@@ -28,7 +28,7 @@ class DatasetFnAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
         if steps_per_epoch is None and training:
             raise ConfigError("steps_per_epoch is required with a dataset_fn(input_context) (its length is not "
                               "known). Fix: pass steps_per_epoch=N, e.g. examples // global_batch_size")
