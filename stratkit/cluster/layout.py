@@ -104,6 +104,24 @@ def plan_tasks(workers: int, chief: bool = False, ps: int = 0, evaluator: bool =
     return tasks
 
 
+def node_tasks(nnodes: int, workers_per_node: int, chief: bool = False, ps: int = 0) -> list[list[Task]]:
+    """Which tasks each node of a multi-node launch runs, node 0 (the rendezvous' node) first.
+
+    Node r runs workers r*K .. r*K+K-1; node 0 also runs the chief; ps task j
+    runs on node (j + 1) mod N, so with two or more nodes the first ps task is
+    not on the chief's machine (the chief and the ps tasks both carry the
+    parameter traffic). Each node's list is in TF_CONFIG order.
+    """
+    nodes: list[list[Task]] = [[] for _ in range(nnodes)]
+    if chief:
+        nodes[0].append(Task("chief", 0))
+    for rank in range(nnodes):
+        nodes[rank] += [Task("worker", rank * workers_per_node + i) for i in range(workers_per_node)]
+    for index in range(ps):
+        nodes[(index + 1) % nnodes].append(Task("ps", index))
+    return nodes
+
+
 def primary_task(tasks: Sequence[Task]) -> Task:
     """The task whose success ends training: the chief, else worker 0 (TensorFlow's rule, `rules.is_chief`)."""
     roles = {t.role for t in tasks}

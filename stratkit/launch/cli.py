@@ -171,7 +171,8 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="the rendezvous: an address of node 0 and a free port [STRATKIT_RDZV_ENDPOINT]")
     nodes.add_argument("--workers-per-node", type=count, default=None, metavar="K",
-                       help="worker tasks on each node (default 1) [STRATKIT_WORKERS_PER_NODE]")
+                       help="worker tasks on each node (default 1); with --chief and --ps M, node 0 also runs "
+                            "the chief and ps task j runs on node (j+1) mod N [STRATKIT_WORKERS_PER_NODE]")
     nodes.add_argument("--rdzv-timeout", type=seconds, default=None, metavar="S",
                        help=f"seconds every node waits for all N to join (default {DEFAULT_RDZV_TIMEOUT:g}) "
                             "[STRATKIT_RDZV_TIMEOUT]")
@@ -230,8 +231,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
 def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: bool) -> int:
     """`--nnodes N`: this node's share; the flags that have no meaning there are refused, each with the fix."""
-    refused = {"workers": "--workers-per-node K (each node runs K workers)", "chief": "drop --chief (workers only)",
-               "ps": "drop --ps (workers only)", "evaluator": "drop --evaluator (workers only)",
+    refused = {"workers": "--workers-per-node K (each node runs K workers)",
+               "evaluator": "drop --evaluator (run an evaluator yourself, reading the chief's checkpoints)",
                "hosts": "drop --hosts: start the same command on every node",
                "host": "drop --host: each node's tasks use the address its connection to --rdzv-endpoint used",
                "base_port": "drop --base-port: every node picks free ports and the rendezvous shares them"}
@@ -249,6 +250,7 @@ def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: 
     result = launch_node(
         command, nnodes=options["nnodes"], rdzv_endpoint=options["rdzv_endpoint"],
         workers_per_node=1 if options["workers_per_node"] is None else options["workers_per_node"],
+        chief=bool(options["chief"]), ps=options["ps"] or 0,
         rdzv_timeout=DEFAULT_RDZV_TIMEOUT if options["rdzv_timeout"] is None else options["rdzv_timeout"],
         max_restarts=options["max_restarts"] or 0, log_dir=options["log_dir"] or None, timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],

@@ -30,15 +30,15 @@ import dataclasses
 import os
 import shutil
 import socket
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from stratkit.cluster import layout
 from stratkit.errors import ConfigError
 from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
 from stratkit.launch.isolation import PrivateNetwork
-from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, Task, plan_launch, reserve_ports, thread_env
+from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, plan_launch, reserve_ports, thread_env
 from stratkit.launch.nodelink import NodeLink
 from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
 from stratkit.launch.results import Attempt
@@ -60,6 +60,13 @@ class NodeSettings:
     workers_per_node: int
     join_timeout: float
     token: bytes
+    chief: bool = False
+    ps: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Ports each node holds: as many tasks as the busiest node runs (`layout.node_tasks`)."""
+        return max(len(tasks) for tasks in layout.node_tasks(self.nnodes, self.workers_per_node, self.chief, self.ps))
 
     @property
     def endpoint(self) -> str:
@@ -100,8 +107,8 @@ class NodeAttemptRunner(AttemptRunner):
 
     def _place_tasks(self) -> list[TaskProcess]:
         assert self.link is not None
-        workers = self.link.cluster["worker"]
-        return [TaskProcess(t, self.number, workers[t.index], h) for t, h in zip(self.plan.tasks, self.holds)]
+        cluster = self.link.cluster
+        return [TaskProcess(t, self.number, cluster[t.role][t.index], h) for t, h in zip(self.plan.tasks, self.holds)]
 
     def _cluster(self, children: list[TaskProcess]) -> dict[str, list[str]]:
         assert self.link is not None
@@ -148,7 +155,8 @@ class NodeSupervisor(Supervisor):
         s = self.settings
         try:
             self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
-                                           attempts=self.plan.attempts, exit_grace=self.plan.exit_grace)
+                                           attempts=self.plan.attempts, exit_grace=self.plan.exit_grace,
+                                           chief=s.chief, ps=s.ps)
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
@@ -160,7 +168,10 @@ class NodeSupervisor(Supervisor):
     def _open_network(self) -> PrivateNetwork | None:
         role = (f"serving the rendezvous on {self.settings.endpoint}" if self.server is not None
                 else f"joining the rendezvous at {self.settings.endpoint}")
-        self.console.say(f"{self.settings.nnodes} nodes, {self.settings.workers_per_node} worker(s) each; {role}. "
+        extra = (" (node 0 also runs the chief" + (f"; ps tasks: node (j + 1) mod {self.settings.nnodes})"
+                                                   if self.settings.ps else ")")) if self.settings.chief else ""
+        self.console.say(f"{self.settings.nnodes} nodes, {self.settings.workers_per_node} worker(s) each{extra}; "
+                         f"{role}. "
                          f"WARNING: the tasks use the machine's network (TensorFlow's gRPC servers cannot be "
                          f"protected across hosts): {CROSS_HOST_SECURITY}")
         self.console.event("exposed", host=self.settings.host)
@@ -188,14 +199,19 @@ class NodeSupervisor(Supervisor):
     def _attempt(self, number: int, reaper: Reaper) -> tuple[Attempt, bool]:
         s = self.settings
         link = NodeLink(s.host, s.port, s.token, serving=self.server is not None,
-                        workers_per_node=s.workers_per_node, join_timeout=s.join_timeout, say=self.console.say)
+                        workers_per_node=s.workers_per_node, join_timeout=s.join_timeout, say=self.console.say,
+                        chief=s.chief, ps=s.ps)
         holds: list[socket.socket] = []
         try:
             address = link.connect(number)
-            holds = reserve_ports(address, s.workers_per_node)
+            holds = reserve_ports(address, s.slots)
             link.join([h.getsockname()[1] for h in holds])
-            tasks = [Task("worker", link.node * s.workers_per_node + i) for i in range(s.workers_per_node)]
-            plan = dataclasses.replace(self.plan, tasks=tasks)
+            tasks = link.tasks
+            for hold in holds[len(tasks):]:  # a node with fewer tasks than the busiest frees the rest
+                hold.close()
+            holds = holds[:len(tasks)]
+            plan = dataclasses.replace(self.plan, tasks=tasks, extra_env={**self.plan.extra_env,
+                                                                          RUN_DIR_VAR: link.run_dir})
             self.console.say(f"node {link.node} of {s.nnodes} ({address}): {', '.join(t.name for t in tasks)}")
             runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
             attempt = self._decided(runner.run(), runner, link)
@@ -204,6 +220,8 @@ class NodeSupervisor(Supervisor):
             for hold in holds:
                 hold.close()
             link.close()
+            if link.run_dir:
+                shutil.rmtree(link.run_dir, ignore_errors=True)
 
     def _decided(self, attempt: Attempt, runner: NodeAttemptRunner, link: NodeLink) -> Attempt:
         """This node's attempt as every node reports it: with the rendezvous' decision."""
@@ -232,7 +250,7 @@ class NodeSupervisor(Supervisor):
 
 
 def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join_timeout: float,
-                  environ: Mapping[str, str]) -> NodeSettings:
+                  environ: Mapping[str, str], chief: bool = False, ps: int = 0) -> NodeSettings:
     """The multi-node flags checked, with the token from STRATKIT_RDZV_TOKEN (ConfigErrors name the flag)."""
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ConfigError(f"--nnodes must be a whole number >= 1, got {nnodes!r}. Fix: the number of machines, "
@@ -247,11 +265,12 @@ def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join
         raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {join_timeout!r}. Fix: e.g. --rdzv-timeout "
                           f"{DEFAULT_RDZV_TIMEOUT:g}")
     host, port = parse_endpoint(endpoint)
-    return NodeSettings(nnodes, host, port, workers_per_node, float(join_timeout), check_token(environ.get(TOKEN_VAR)))
+    return NodeSettings(nnodes, host, port, workers_per_node, float(join_timeout), check_token(environ.get(TOKEN_VAR)),
+                        bool(chief), int(ps))
 
 
 def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | None, workers_per_node: int = 1,
-                rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT, max_restarts: int = 0,
+                chief: bool = False, ps: int = 0, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT, max_restarts: int = 0,
                 log_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
                 exit_grace: float = 30.0, stop_grace: float = 10.0, env: Mapping[str, str] | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True):
@@ -261,17 +280,15 @@ def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | Non
         ConfigError: on a bad flag, a missing token or a refused join, naming the flag and the fix.
     """
     base_env = dict(os.environ if env is None else env)
-    settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env)
-    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=False, ps=0, evaluator=False,
+    settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env, chief, ps)
+    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=settings.chief, ps=settings.ps,
+                       evaluator=False,
                        max_restarts=max_restarts,
                        log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
                        handle_signals=handle_signals, private_network=False)
-    for key, value in thread_env(workers_per_node).items():  # this node's share of its cores
+    for key, value in thread_env(settings.slots).items():  # this node's share of its cores
         if key not in base_env:
             plan.extra_env[key] = value
-    plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
-    try:
-        return NodeSupervisor(plan, settings).run()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    # (each attempt's STRATKIT_RUN_DIR comes from the rendezvous: one path on every node)
+    return NodeSupervisor(plan, settings).run()

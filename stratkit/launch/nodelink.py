@@ -27,6 +27,7 @@ from stratkit.launch.rendezvous import (
     failure_from_json,
     failure_to_json,
     message,
+    node_layout,
     parse,
 )
 from stratkit.process import listener
@@ -42,7 +43,7 @@ class NodeLink:
     """
 
     def __init__(self, host: str, port: int, token: bytes, *, serving: bool, workers_per_node: int,
-                 join_timeout: float, say: Any = None) -> None:
+                 join_timeout: float, say: Any = None, chief: bool = False, ps: int = 0) -> None:
         self.endpoint = layout.format_address(host, port)
         self.host, self.port, self.token = host, port, token
         self.serving, self.workers_per_node, self.join_timeout = serving, workers_per_node, join_timeout
@@ -51,6 +52,10 @@ class NodeLink:
         self.node: int = -1
         self.cluster: dict[str, list[str]] = {}
         self.hosts: list[str] = []
+        self.layout = node_layout(workers_per_node, chief, ps)
+        #: This node's tasks, from the rendezvous (`layout.node_tasks`), and the run's marker directory.
+        self.tasks: list[layout.Task] = []
+        self.run_dir = ""
         self.address = ""
         self.decision: TaskFailure | bool | None = None
         self.lost: str | None = None
@@ -116,7 +121,7 @@ class NodeLink:
     def join(self, ports: list[int]) -> None:
         """Send this node's ports; wait for the cluster (until the join timeout)."""
         assert self.sock is not None
-        self.send("JOIN", {"serving": self.serving, "host": self.address, "ports": ports})
+        self.send("JOIN", {"serving": self.serving, "host": self.address, "ports": ports, "layout": self.layout})
         deadline = time.monotonic() + self.join_timeout
         self._lines = listener.bounded_lines(self.sock, b"", MAX_MESSAGE)
         try:
@@ -124,11 +129,13 @@ class NodeLink:
                 kind, data = parse(raw)
                 if kind == "CLUSTER":
                     self.node, self.cluster, self.hosts = int(data["node"]), data["cluster"], list(data["hosts"])
+                    self.tasks = [layout.Task(str(role), int(index)) for role, index in data["tasks"]]
+                    self.run_dir = str(data["run_dir"])
                     break
                 if kind == "REFUSED":
                     raise ConfigError(f"the rendezvous at --rdzv-endpoint {self.endpoint} refused this node: "
-                                      f"{data}. Fix: start each node once, with the same --nnodes and "
-                                      "--workers-per-node")
+                                      f"{data}. Fix: start each node once, with the same --nnodes, "
+                                      "--workers-per-node, --chief and --ps")
                 if time.monotonic() > deadline:
                     raise ConfigError(f"not all nodes joined the rendezvous at {self.endpoint} within "
                                       f"--rdzv-timeout {self.join_timeout:g} s. Fix: start stratkit launch on every "

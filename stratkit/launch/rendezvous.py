@@ -12,16 +12,20 @@ lines. An authenticated node gets one thread (at most N).
 Protocol (UTF-8 lines, each at most `MAX_MESSAGE` bytes; JSON after the kind):
     node -> server   HELLO <token> <attempt> <hostname>   (the listener's)
     server -> node   OK                                   the token matched (else: closed)
-    node -> server   JOIN {"serving", "host", "ports"}    this node's task address and held ports
-    server -> node   CLUSTER {"node", "nnodes", "cluster", "hosts"}   once all N joined
+    node -> server   JOIN {"serving", "host", "ports", "layout"}   its task address, held ports, the layout flags
+    server -> node   CLUSTER {"node", "nnodes", "cluster", "hosts", "tasks"}   once all N joined
     both ways        HB                                   every `HEARTBEAT` s
     node -> server   DONE {"final"} | FAILED {"failure", "final"}   how this node's tasks ended
     server -> node   END {"failure": failure | null, "restart"}     the decision every node follows
     server -> node   REFUSED <why>                        e.g. the rendezvous is full
 
 Node ranks: the serving node is 0, the others in the order they joined. The
-cluster is `stratkit.cluster.layout`'s (workers only: node r runs workers
-r*K .. r*K+K-1), built here once and checked by every node for its own tasks.
+cluster is `stratkit.cluster.layout`'s, and so is which node runs which task
+(`layout.node_tasks`: node r runs workers r*K .. r*K+K-1, node 0 the chief,
+ps task j node (j + 1) mod N); it is built here once, sent with each node's
+tasks, and checked by every node for its own tasks. Every node holds as many
+ports as the busiest node needs; a node whose layout flags (--workers-per-node,
+--chief, --ps) differ from the serving node's is refused.
 
 A node is lost when its connection closes (its launcher died: at once) or it
 is silent for `LOST_AFTER` s (its host is gone); that is a failure of the run.
@@ -40,7 +44,10 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
+import tempfile
 import threading
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -73,6 +80,16 @@ def check_token(value: str | None) -> bytes:
         raise ConfigError(f"{TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces "
                           f"(got {len(value)} character(s)). {fix}")
     return value.encode("ascii")
+
+
+def node_layout(workers_per_node: int, chief: bool = False, ps: int = 0) -> dict[str, Any]:
+    """The layout flags every node must share, as a JOIN carries them."""
+    return {"workers_per_node": int(workers_per_node), "chief": bool(chief), "ps": int(ps)}
+
+
+def describe_layout(shape: dict[str, Any]) -> str:
+    flags = f"--workers-per-node {shape['workers_per_node']}"
+    return flags + (" --chief" if shape["chief"] else "") + (f" --ps {shape['ps']}" if shape["ps"] else "")
 
 
 def failure_to_json(failure: TaskFailure) -> dict[str, Any]:
@@ -147,8 +164,11 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
-                 attempts: int = 1, exit_grace: float = 30.0) -> None:
+                 attempts: int = 1, exit_grace: float = 30.0, chief: bool = False, ps: int = 0) -> None:
         self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
+        self.shape = node_layout(workers_per_node, chief, ps)
+        self.placement = layout.node_tasks(nnodes, workers_per_node, chief, ps)
+        self.slots = max(len(tasks) for tasks in self.placement)
         self.exit_grace = exit_grace
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
@@ -209,19 +229,20 @@ class RendezvousServer:
         try:
             node.serving, node.host = bool(data["serving"]), str(data["host"])
             node.ports = tuple(int(p) for p in data["ports"])
-        except (KeyError, TypeError, ValueError):
+            shape = data.get("layout") or node_layout(len(node.ports))
+        except (KeyError, TypeError, ValueError, AttributeError):
             node.send(b"REFUSED a malformed JOIN\n")
             return False
         with self._lock:
             others = [n for n in round_.nodes if not n.serving]
-            refused = round_.formed or len(node.ports) != self.workers_per_node or (
+            refused = round_.formed or shape != self.shape or len(node.ports) != self.slots or (
                 not node.serving and len(others) >= self.nnodes - 1)
             if not refused:
                 round_.nodes.append(node)
             ready = not refused and len(round_.nodes) == self.nnodes
         if refused:
-            node.send(f"REFUSED the rendezvous has its {self.nnodes} node(s), or this node's "
-                      f"--workers-per-node differs from the serving node's {self.workers_per_node}\n".encode())
+            node.send(f"REFUSED the rendezvous has its {self.nnodes} node(s), or this node's layout flags differ "
+                      f"from the serving node's ({describe_layout(self.shape)})\n".encode())
             return False
         if ready:
             self._form(round_)
@@ -234,13 +255,18 @@ class RendezvousServer:
                 node.rank = rank
             round_.nodes = nodes
             round_.formed = True
-        tasks = layout.plan_tasks(self.nnodes * self.workers_per_node)
-        addresses = [layout.format_address(n.host, p) for n in nodes for p in n.ports]
-        cluster = layout.build_cluster(tasks, addresses)
+        shape = self.shape
+        tasks = layout.plan_tasks(self.nnodes * self.workers_per_node, shape["chief"], shape["ps"])
+        where = {task: layout.format_address(node.host, port) for node, mine in zip(nodes, self.placement)
+                 for task, port in zip(mine, node.ports)}
+        cluster = layout.build_cluster(tasks, [where[t] for t in tasks if t.serves])
         hosts = [n.host for n in nodes]
-        for node in nodes:
+        # The parameter-server tasks' done markers (`stratkit.strategy.server`): one path, the same on every node.
+        run_dir = os.path.join(tempfile.gettempdir(), f"stratkit-run-{secrets.token_hex(8)}")
+        for node, mine in zip(nodes, self.placement):
             node.send(message("CLUSTER", {"node": node.rank, "nnodes": self.nnodes, "cluster": cluster,
-                                           "hosts": hosts}))
+                                           "hosts": hosts, "tasks": [[t.role, t.index] for t in mine],
+                                           "run_dir": run_dir}))
 
     def _gone(self, round_: _Round, node: _Node, why: str) -> None:
         with self._lock:

@@ -114,6 +114,70 @@ def test_the_cluster_is_the_layouts_with_the_serving_node_first():
         server.close()
 
 
+def test_parameter_server_placement_chief_on_node_0_ps_from_node_1_round_robin():
+    from stratkit.cluster.layout import node_tasks
+
+    def names(nodes):
+        return [[t.name for t in tasks] for tasks in nodes]
+
+    assert names(node_tasks(2, 1, chief=True, ps=1)) == [["chief:0", "worker:0"], ["worker:1", "ps:0"]]
+    assert names(node_tasks(3, 2, chief=True, ps=2)) == [
+        ["chief:0", "worker:0", "worker:1"], ["worker:2", "worker:3", "ps:0"], ["worker:4", "worker:5", "ps:1"]]
+    assert names(node_tasks(2, 1, ps=3, chief=True)) == [["chief:0", "worker:0", "ps:1"], ["worker:1", "ps:0", "ps:2"]]
+    assert names(node_tasks(1, 2, chief=True, ps=1)) == [["chief:0", "worker:0", "worker:1", "ps:0"]]
+    assert names(node_tasks(2, 1)) == [["worker:0"], ["worker:1"]]
+
+
+def _form(server_port: int, nodes: list[tuple[bool, list[int]]], **layout_flags) -> list[NodeLink]:
+    import threading
+
+    links = []
+    for serving, ports in nodes:  # in join order
+        link = NodeLink("127.0.0.1", server_port, TOKEN.encode(), serving=serving, join_timeout=10, **layout_flags)
+        link.connect(0)
+        links.append(link)
+        threading.Thread(target=link.join, args=(ports,), daemon=True).start()
+        time.sleep(0.2)
+    for link in links:
+        deadline = time.monotonic() + 5
+        while link.node < 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return links
+
+
+def test_a_parameter_server_cluster_places_the_chief_and_ps_tasks_and_shares_one_marker_dir():
+    port = free_ports(1)[0]
+    server = RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1, chief=True, ps=1)
+    links = []
+    try:
+        links = _form(port, [(False, [7001, 7002]), (True, [7003, 7004])], workers_per_node=1, chief=True, ps=1)
+        joined, serving = links
+        assert (serving.node, joined.node) == (0, 1)
+        assert [t.name for t in serving.tasks] == ["chief:0", "worker:0"]
+        assert [t.name for t in joined.tasks] == ["worker:1", "ps:0"]
+        assert serving.cluster == joined.cluster == {
+            "chief": ["127.0.0.1:7003"], "worker": ["127.0.0.1:7004", "127.0.0.1:7001"], "ps": ["127.0.0.1:7002"]}
+        assert serving.run_dir == joined.run_dir and "stratkit-run-" in serving.run_dir
+    finally:
+        for link in links:
+            link.close()
+        server.close()
+
+
+def test_a_node_with_other_layout_flags_is_refused_naming_them():
+    port = free_ports(1)[0]
+    server = RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1, chief=True, ps=1)
+    link = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=False, workers_per_node=1, join_timeout=5)
+    try:
+        link.connect(0)
+        with pytest.raises(ConfigError, match=r"--workers-per-node 1 --chief --ps 1.*same --nnodes, --workers-per-node, --chief and --ps"):
+            link.join([7001])
+        assert server.round(0).nodes == []
+    finally:
+        link.close()
+        server.close()
+
+
 # -- two launchers on loopback (slow) ---------------------------------------------------------------
 def _node(port: int, script: list[str], *extra: str, token: str = TOKEN) -> subprocess.Popen[str]:
     argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -335,3 +399,71 @@ def test_two_hosts_train_as_one_cluster_with_the_second_starting_late():
         got = json.loads(line[len(prefix):])["trainer_uneven"]
         for a, b in zip(want["w"] + want["h"]["loss"], got["w"] + got["h"]["loss"]):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want, got)
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_two_hosts_restart_after_a_failure_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    import hosts
+
+    script = Path(__file__).with_name("resume_script.py")
+    one = run_process(str(script), args=[str(tmp_path / "one")], timeout=240)
+    assert one.ok, one.stderr[-3000:]
+    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    backup = tmp_path / "backup"  # every host sees it: the test hosts share the file system
+    with hosts.make_hosts(2) as (h1, h2):
+        argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                f"{h1.address}:29400", "--stop-grace", "3", "--rdzv-timeout", "120", "--max-restarts", "1", "--",
+                sys.executable, str(script), str(backup)]
+        env = child_env(None, {TOKEN_VAR: TOKEN, "DIE_AFTER_EPOCH": "2"})
+        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        time.sleep(3)
+        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    (out0, err0), (out1, err1) = outs
+    assert "[worker:1] worker 1 dies after epoch 2" in out1, out1[-2000:]
+    for err in (err0, err1):
+        assert f"attempt 1 of 2 failed: worker:1 on node 1 ({h2.address}) exited with code 3" in err, err[-3000:]
+        assert "restart 1 of 1" in err and "done: every task succeeded (attempt 2 of 2" in err, err[-3000:]
+    resumed = [json.loads(line.split("RESULT ", 1)[1]) for out in (out0, out1)
+               for line in out.splitlines() if "RESULT " in line]
+    assert len(resumed) == 2 and len(resumed[0]["loss"]) == 2, resumed  # epochs 3 and 4 only: it resumed
+    assert resumed[0]["w"] == resumed[1]["w"]  # the workers are identical
+    for a, b in zip(want["w"], resumed[0]["w"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want, resumed[0])
+    for a, b in zip(want["loss"][2:], resumed[0]["loss"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (want["loss"], resumed[0]["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_two_hosts_train_a_parameter_server_cluster_and_every_task_ends():
+    import hosts
+
+    digits = str(Path(__file__).resolve().parents[2] / "examples" / "digits.py")
+    with hosts.make_hosts(2) as (h1, h2):
+        argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--chief", "--ps", "1",
+                "--rdzv-endpoint", f"{h1.address}:29400", "--stop-grace", "3", "--rdzv-timeout", "120", "--",
+                sys.executable, digits, "--epochs", "2"]
+        env = child_env(None, {TOKEN_VAR: TOKEN})
+        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        time.sleep(3)
+        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=300) for p in procs]
+        left = [[p for p in h.pids() if h.holder is None or p != h.holder.pid] for h in (h1, h2)]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+    (out0, err0), (out1, err1) = outs
+    assert f"node 0 of 2 ({h1.address}): chief:0, worker:0" in err0, err0[-2000:]
+    assert f"node 1 of 2 ({h2.address}): worker:1, ps:0" in err1, err1[-2000:]
+    assert "ps:0 started: pid" in err1 and f"at {h2.address}:" in err1
+    result = json.loads(next(line for line in out0.splitlines() if line.startswith("[chief:0] {"))[len("[chief:0] "):])
+    assert result["strategy"] == "parameter_server", result
+    assert result["held_out_accuracy"] > 0.8, result
+    # every ps/worker task ended when the chief finished (its done marker reached the other host): exit 0
+    assert "done: every task succeeded" in err0 and "done: every task succeeded" in err1, (err0[-1500:], err1[-1500:])
+    assert left == [[], []], left
