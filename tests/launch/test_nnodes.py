@@ -467,3 +467,76 @@ def test_two_hosts_train_a_parameter_server_cluster_and_every_task_ends():
     # every ps/worker task ended when the chief finished (its done marker reached the other host): exit 0
     assert "done: every task succeeded" in err0 and "done: every task succeeded" in err1, (err0[-1500:], err1[-1500:])
     assert left == [[], []], left
+
+
+def _host_nodes(h1, h2, script: list[str], *extra: str, token2: str = TOKEN, late: float = 2.0):
+    argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint", f"{h1.address}:29400",
+            "--stop-grace", "3", "--rdzv-timeout", "60", *extra, "--", *script]
+    procs = [h1.popen(argv, env=child_env(None, {TOKEN_VAR: TOKEN}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)]
+    time.sleep(late)
+    procs.append(h2.popen(argv, env=child_env(None, {TOKEN_VAR: token2}), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _left(*test_hosts) -> list[list[int]]:
+    return [[p for p in h.pids() if h.holder is None or p != h.holder.pid] for h in test_hosts]
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_two_hosts_a_failure_on_host_two_stops_both_with_its_report():
+    import hosts
+
+    with hosts.make_hosts(2) as (h1, h2):
+        started = time.monotonic()
+        procs = _host_nodes(h1, h2, [sys.executable, "-c", FAIL_ON_WORKER_1])
+        outs = [p.communicate(timeout=90) for p in procs]
+        took = time.monotonic() - started
+        left = _left(h1, h2)
+    assert took < 60, took
+    (_, err0), (_, err1) = outs
+    assert procs[0].returncode == procs[1].returncode == 1, (err0[-2000:], err1[-2000:])
+    for err in (err0, err1):
+        assert f"worker:1 on node 1 ({h2.address})" in err and "node two broke on purpose" in err, err[-3000:]
+    assert left == [[], []], left
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.parametrize("how", ["killed", "unplugged"])  # unplugged: its link down first, so no FIN ever comes
+def test_two_hosts_losing_host_two_ends_host_one_and_a_wrong_token_never_joins(how):
+    import hosts
+
+    with hosts.make_hosts(2) as (h1, h2):
+        # a launcher with the wrong token is refused on host 2 and never joins
+        intruder = _host_nodes(h1, h2, [sys.executable, "-c", SLEEP], token2="x" * 32)
+        out, err = intruder[1].communicate(timeout=60)
+        assert intruder[1].returncode == 2 and TOKEN_VAR in err and "refused" in err, err[-2000:]
+        assert "[worker" not in out
+        second = h2.popen([sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                           f"{h1.address}:29400", "--stop-grace", "3", "--", sys.executable, "-c", SLEEP],
+                          env=child_env(None, {TOKEN_VAR: TOKEN}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+        line, deadline = "", time.monotonic() + 60
+        while "up" not in line and time.monotonic() < deadline:
+            line = second.stdout.readline()
+        assert "[worker:1] up" in line, line
+        killed = time.monotonic()
+        if how == "unplugged":
+            subprocess.run(["ip", "-n", h2.netns, "link", "set", "eth0", "down"], check=True)
+        for pid in _left(h2)[0]:  # the host is gone: every process on it at once
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, err0 = intruder[0].communicate(timeout=90)
+        took = time.monotonic() - killed
+        second.communicate(timeout=10)
+        time.sleep(1)
+        left = _left(h1, h2)
+    assert took < (60 if how == "unplugged" else 10), took  # the heartbeat bound (10 s) | the closed connection
+    assert intruder[0].returncode not in (0, None), err0[-2000:]
+    assert f"node 1 ({h2.address})" in err0 and "lost" in err0, err0[-3000:]
+    assert left == [[], []], left
