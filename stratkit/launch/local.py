@@ -66,7 +66,10 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
 
     Args:
         command: the program and its arguments, e.g. `["python", "train.py"]`.
-        workers, chief, ps, evaluator: the layout (as `stratkit launch --workers ...`).
+        workers: worker tasks (as `stratkit launch --workers`).
+        chief: add a chief task (required with `ps`).
+        ps: parameter-server tasks.
+        evaluator: add an evaluator task.
         max_restarts: restart the whole cluster up to this many times after a failure.
         log_dir: also write each task's output to `log_dir/<role>-<index>.log` (appended per
             attempt), plus `events.jsonl` (starts, pids, exits) and, on failure, `root-cause.txt`.
@@ -78,7 +81,9 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
             only serve, and nothing else can still be needed once the chief is done).
         stop_grace: seconds between SIGTERM and SIGKILL when stopping tasks.
         env: the tasks' base environment (default `os.environ`).
-        stdout, stderr: where the prefixed output goes (default `sys.stdout`, `sys.stderr`).
+        stdout: where the tasks' prefixed stdout lines go (default `sys.stdout`).
+        stderr: where the tasks' prefixed stderr lines, the launcher's messages and the
+            failure report go (default `sys.stderr`).
         handle_signals: stop the cluster on SIGINT/SIGTERM/SIGHUP (main thread only).
         private_network: run the tasks in a private network namespace with loopback only, so
             their TensorFlow servers (which listen on all interfaces) cannot be reached from

@@ -51,7 +51,7 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
             `stratkit.strategy.compression`.
 
     Returns:
-        The strategy. On the `ps` and `worker` tasks of a parameter-server
+        strategy (tf.distribute.Strategy): the strategy. On the `ps` and `worker` tasks of a parameter-server
         cluster it does not return: the task serves its `tf.distribute.Server`
         until the chief signals the end of training, then the process exits 0
         (see `stratkit.strategy.server.serve`).

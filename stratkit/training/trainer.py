@@ -108,9 +108,11 @@ class Trainer:
                 exactly this many run every epoch, the data repeated as needed;
                 None: one pass over the data per epoch.
             validation_data: same forms as `data`.
-            global_batch_size / per_replica_batch_size: exactly one (global =
+            global_batch_size: examples per step across all replicas. Give
+                exactly one of it and `per_replica_batch_size` (global =
                 per_replica x num_replicas); neither for a batched dataset (its
                 batch is the global batch).
+            per_replica_batch_size: examples per step on each replica.
             backup_dir: back up every epoch and resume there after a failure.
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
@@ -119,10 +121,17 @@ class Trainer:
             warmup_epochs: ... reached gradually over this many epochs.
             verbose: Keras verbosity; default: progress on the chief only.
             shuffle: reshuffle numpy arrays each epoch (one seed on every worker).
-            validation_split, class_weight, sample_weight, y, batch_size, initial_epoch,
-                validation_freq, validation_batch_size: as in `model.fit`
-                (`stratkit.training.fit_args` says how each is honoured; `batch_size`
-                is the global batch). Other keywords are a `ConfigError`.
+            validation_steps: batches of `validation_data` per validation (None: all of it).
+            validation_split: as in `model.fit` (array data only).
+            class_weight: as in `model.fit`.
+            sample_weight: as in `model.fit` (joined to array data).
+            y: as in `model.fit` (joined to array data).
+            batch_size: as in `model.fit`: the global batch.
+            initial_epoch: as in `model.fit`.
+            validation_freq: as in `model.fit`.
+            validation_batch_size: as in `model.fit`.
+            **others: any other keyword is a `ConfigError`. How each of
+                `model.fit`'s arguments is honoured: `stratkit.training.fit_args`.
 
         Returns:
             The `keras.callbacks.History` (on PS also with `.steps`, the exact step
