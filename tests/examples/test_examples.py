@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from procs import REPO_ROOT, describe, free_ports, run_cluster, run_process, worker_tf_configs
+from procs import REPO_ROOT, child_env, describe, free_ports, run_cluster, run_process, worker_tf_configs
 
 pytestmark = pytest.mark.slow
 
@@ -36,3 +40,40 @@ def test_resnet_style_model_single_process():
     result = run_process(str(EXAMPLES / "resnet_synthetic.py"), args=RESNET_TINY, timeout=300)
     assert result.ok, describe([result])
     assert result.last_json()["replicas"] == 1
+
+
+# -- the samples the README and the docs include (README "Quickstart", docs/spark.md) -------------
+
+def _quickstart(argv: list[str], cwd: Path, env: dict[str, str | None] | None = None) -> str:
+    proc = subprocess.run(argv, cwd=cwd, env=child_env(None, {"STRATKIT_WORKERS": None, **(env or {})}),
+                          capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def test_quickstart_runs_as_one_process(tmp_path):
+    output = _quickstart([sys.executable, str(EXAMPLES / "quickstart.py")], tmp_path)
+    evaluation = ast.literal_eval(re.findall(r"^(\{'accuracy'.*\})$", output, re.M)[-1])
+    assert set(evaluation) == {"accuracy", "loss"} and evaluation["accuracy"] >= 0.9
+    assert (tmp_path / "out" / "digits.keras").is_file() and not (tmp_path / "backup").exists()
+
+
+@pytest.mark.multiworker
+def test_quickstart_runs_unchanged_on_two_workers_under_stratkit_launch(tmp_path):
+    output = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--timeout", "280", "--",
+                          sys.executable, str(EXAMPLES / "quickstart.py")], tmp_path)
+    evaluations = dict(re.findall(r"^\[(worker:\d)\] (\{'accuracy'.*\})$", output, re.M))
+    assert set(evaluations) == {"worker:0", "worker:1"}, output[-6000:]
+    assert evaluations["worker:0"] == evaluations["worker:1"]  # every worker gets the same result
+    assert ast.literal_eval(evaluations["worker:0"])["accuracy"] >= 0.85
+    assert (tmp_path / "out" / "digits.keras").is_file()
+
+
+@pytest.mark.spark
+def test_spark_example_trains_on_a_dataframe_with_two_workers(tmp_path):
+    pytest.importorskip("pyspark")
+    output = _quickstart([sys.executable, str(EXAMPLES / "spark_train.py")], tmp_path,
+                         {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable})
+    result = ast.literal_eval(re.findall(r"(\{'loss'.*\})", output)[-1])
+    assert result["workers"] == 2 and result["accuracy"] >= 0.5, output[-6000:]
