@@ -9,14 +9,14 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-fast bench compat clean
+.PHONY: install demo test test-fast bench compat docs clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[spark,test,examples,bench]"
+	$(PY) -m pip install --quiet -e ".[spark,test,examples,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -34,6 +34,11 @@ test: $(STAMP) $(COMPAT_OVERLAYS)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+# The docs site into site/. --strict (also in mkdocs.yml): any warning, broken link or missing anchor fails.
+# tests/test_docs.py runs the same build, so `make test` (and CI) fails on a broken page too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
@@ -45,4 +50,4 @@ compat: $(STAMP)
 	status=$$?; $(PY) tools/compat.py render && exit $$status
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
