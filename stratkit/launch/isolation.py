@@ -20,8 +20,7 @@ which ports listen there, the launcher reads in /proc/<holder>/net. It exits whe
 socket closes, however the launcher ended; the namespace goes with the last task.
 
 Price: the tasks cannot reach the network either (no DNS, no remote data, no
-experiment tracker, no service on the machine's own 127.0.0.1). See the README's
-"Security and threat model".
+experiment tracker, no service on the machine's own 127.0.0.1). See docs/security.md.
 
 Linux only. Imports no TensorFlow.
 """

@@ -113,8 +113,8 @@ class Supervisor:
             if wanted:
                 raise
             self._warn_exposed(f"stratkit could not give the tasks a private network: {exc.why}. Fix: allow user "
-                               "namespaces to this user (then every launch is isolated: see the README's Security "
-                               "section), or block the task ports from other machines with a firewall; "
+                               "namespaces to this user (then every launch is isolated: see docs/security.md)"
+                               ", or block the task ports from other machines with a firewall; "
                                "--private-network turns this warning into an error")
             return None
         kind = "in a user namespace of its own" if network.user_namespace else "as root"

@@ -215,7 +215,7 @@ def _exit_now(code: int) -> int:
     (`atexit`: logging, the parameter-server chief's end-of-training signal)
     run here. No `gc.collect()`: with TensorFlow and Keras loaded it took
     seconds (4.3 s measured on the loaded test machine); a file object left
-    open in a global is therefore not flushed (the README says to close files).
+    open in a global is therefore not flushed (docs/spark.md says to close files).
     """
     import atexit
 

@@ -208,7 +208,7 @@ def test_below_floor_rows_in_the_compat_table_were_refused():
     assert below and all(r["status"] == "refused" for r in below)
 
 
-def test_readme_supported_versions_table_is_rendered_from_the_compat_json():
+def test_docs_supported_versions_table_is_rendered_from_the_compat_json():
     assert compat.main(["render", "--check"]) == 0
 
 

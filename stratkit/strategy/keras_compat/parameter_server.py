@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 #: What to use instead of Keras's own loops for parameter-server training.
 PS_FIX = ("use stratkit.Trainer(...).fit (or the coordinator API: ClusterCoordinator.schedule with raw "
-          "tf.Variable counters, see the README section 'Using make_strategy() with your own model.fit') "
+          "tf.Variable counters, see docs/parameter-servers.md, 'Your own coordinator loop') "
           "for parameter-server training")
 
 #: What the parameter-server loop (the training layer's training/ps/, via strategy/keras_ps.py) uses of Keras'

@@ -32,7 +32,7 @@ from stratkit.errors import ConfigError
 from stratkit.training.inputs import rules
 from stratkit.training.inputs.base import InputAdapter, PreparedData, WorkerContext
 
-_ALTERNATIVES = ("Fix: pass numpy arrays, a tf.data.Dataset, or a dataset_fn(input_context) (see README, "
+_ALTERNATIVES = ("Fix: pass numpy arrays, a tf.data.Dataset, or a dataset_fn(input_context) (see docs/trainer.md, "
                  "Trainer.fit's data)")
 
 
