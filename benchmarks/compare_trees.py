@@ -15,7 +15,8 @@ Jobs (the launcher and the task scripts come from this checkout; only the
   net, 9 BatchNormalization layers, through `stratkit.Trainer` and `stratkit
   launch`), steady-state examples/s;
 * ``mirrored``: the same net through `model.fit` on a local MirroredStrategy over
-  2 logical CPUs (one process), steady-state steps/s.
+  2 logical CPUs (one process), steady-state steps/s and CPU time per step (the
+  process's, which the other load on a shared machine moves far less).
 
 The base tree is a temporary `git worktree` of REF, removed afterwards.
 Results: benchmarks/results/compare-trees.json (one entry per run, kept).
@@ -56,12 +57,15 @@ batch = 2 * config["per_replica_batch"]
 rng = np.random.default_rng(0)
 x = rng.normal(size=(batch * config["steps"], config["image"], config["image"], 3)).astype("float32")
 y = rng.integers(0, config["classes"], size=len(x))
-times = []
+times, cpu = [], []
 class Clock(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None): self.start = time.perf_counter()
-    def on_epoch_end(self, epoch, logs=None): times.append(time.perf_counter() - self.start)
+    def on_epoch_begin(self, epoch, logs=None): self.start, self.cpu = time.perf_counter(), time.process_time()
+    def on_epoch_end(self, epoch, logs=None):
+        times.append(time.perf_counter() - self.start)
+        cpu.append(time.process_time() - self.cpu)
 model.fit(x, y, batch_size=batch, epochs=config["epochs"], shuffle=False, verbose=0, callbacks=[Clock()])
-print(json.dumps({"steps_per_sec": statistics.median([config["steps"] / t for t in times[1:]])}))
+print(json.dumps({"steps_per_sec": statistics.median([config["steps"] / t for t in times[1:]]),
+                  "cpu_ms_per_step": 1000 * statistics.median([c / config["steps"] for c in cpu[1:]])}))
 """
 
 
@@ -95,8 +99,11 @@ def run_mirrored(tree: Path, model: dict, timeout: float) -> dict:
                           env=_env(tree), capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"mirrored job on {tree} failed:\n{done.stderr[-3000:]}")
-    return {"value": json.loads(done.stdout.strip().splitlines()[-1])["steps_per_sec"], "unit": "steps/s",
-            "load": load}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # CPU time per step too: on a shared 2-core machine the wall clock mostly measures the other load
+    # (one configuration measured 2.0 and 6.1 steps/s in consecutive rounds), CPU time far less.
+    return {"value": result["steps_per_sec"], "unit": "steps/s", "load": load,
+            "cpu_ms_per_step": result["cpu_ms_per_step"]}
 
 
 JOBS = {"scaling": run_scaling, "mirrored": run_mirrored}
@@ -136,6 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
         ratios = [r[job]["this"]["value"] / r[job]["base"]["value"] for r in rounds]
         summary[job] = {"ratio_mean": statistics.mean(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                         "ratio_stdev": statistics.stdev(ratios) if len(ratios) > 1 else 0.0, "ratios": ratios}
+        if all("cpu_ms_per_step" in r[job]["this"] for r in rounds):  # base CPU / this CPU: > 1 is faster
+            cpu = [r[job]["base"]["cpu_ms_per_step"] / r[job]["this"]["cpu_ms_per_step"] for r in rounds]
+            summary[job].update(cpu_ratio_mean=statistics.mean(cpu), cpu_ratio_min=min(cpu), cpu_ratio_max=max(cpu),
+                                cpu_ratios=cpu)
+            print(f"[compare_trees] {job}: CPU time per step, base/this = {statistics.mean(cpu):.3f} "
+                  f"(min {min(cpu):.3f}, max {max(cpu):.3f})", flush=True)
         print(f"[compare_trees] {job}: this/base = {summary[job]['ratio_mean']:.3f} "
               f"(min {summary[job]['ratio_min']:.3f}, max {summary[job]['ratio_max']:.3f}, "
               f"{len(ratios)} rounds)", flush=True)

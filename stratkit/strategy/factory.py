@@ -152,9 +152,12 @@ def size_inter_op_pool(replicas: int) -> None:
     distributed iterator inside one `tf.function` over 2 logical CPUs stalled
     for good in 3 of 3 runs with TensorFlow's default pool (one thread per
     core): each replica's blocking ops hold a pool thread. With 3, 4 or 8
-    threads it finished in seconds. We take `2 x replicas + 2` (or the cores,
-    if more) for margin; threads that wait cost nothing. The PS path sizes
-    the same pool for the same reason (`server.inter_op_threads`).
+    threads it finished in seconds. We take `replicas + 1` (or the cores, if
+    more): the fewest that never stalled. More is not free: with 6 threads a
+    `model.fit` step over 2 logical CPUs cost 5-10% more CPU time than with 2
+    or 3 (idle pool threads spin on 2 cores; `benchmarks/compare_trees.py`).
+    The PS path sizes the same pool for the same reason
+    (`server.inter_op_threads`).
 
     Left alone when the user sized it (`tf.config.threading.
     set_inter_op_parallelism_threads` or TF_NUM_INTEROP_THREADS) or when the
@@ -167,7 +170,7 @@ def size_inter_op_pool(replicas: int) -> None:
         return
     if runtime_initialized():
         return
-    threads = max(2 * replicas + 2, os.cpu_count() or 1)
+    threads = max(replicas + 1, os.cpu_count() or 1)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     log.debug("logical_cpus=%d: TensorFlow's inter-op pool sized to %d threads", replicas, threads)
 
