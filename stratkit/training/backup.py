@@ -26,6 +26,9 @@ validate; nothing that cannot be read is ever deleted. On several workers, the
 workers agree on the newest epoch every one of them has (a MIN all-reduce),
 so workers that died a moment apart resume from the same epoch
 (`stratkit.strategy.collectives.min_over_workers`, which the trainer passes in).
+A worker counts the chief's copy in backup_dir as one it has: a worker new to
+the cluster (an elastic launch grew) then resumes the cluster at the newest
+epoch instead of pulling it back to 0.
 """
 
 from __future__ import annotations
@@ -280,6 +283,14 @@ def past_end(epoch: int, epochs: int | None, directory: str, say: bool = True) -
     return True
 
 
+def readable_epoch(directory: str) -> int:
+    """The newest intact epoch in `directory`, 0 when there is none or it cannot be read (nothing is raised)."""
+    try:
+        return find_resume_point(directory).epoch
+    except (ConfigError, OSError):
+        return 0
+
+
 def _find_copy(epoch: int, directories: list[str]) -> ResumePoint | None:
     """An intact copy of `epoch` in the first of `directories` that has one."""
     for directory in directories:
@@ -331,7 +342,13 @@ class Backup(keras.callbacks.Callback):
         files.check_dir(self.backup_dir, _WHAT)
         prepare_dir(self.directory)  # every worker cleans only its own directory
         local = find_resume_point(self.directory)
-        epoch = int(self.agree_on_epoch(local.epoch))
+        proposal = local.epoch
+        if not self.is_chief:
+            # A worker new to this world (an elastic launch grew, or its host was replaced) has no copy of its
+            # own; the chief's intact copy in backup_dir will do (every worker holds the same weights), so it
+            # does not pull the cluster back to epoch 0.
+            proposal = max(proposal, readable_epoch(self.backup_dir))
+        epoch = int(self.agree_on_epoch(proposal))
         point = local if epoch == local.epoch else None
         if epoch > 0 and point is None:
             # Another worker has only an older epoch (it died first), or this worker lost its copy (e.g. a

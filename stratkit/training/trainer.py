@@ -151,6 +151,8 @@ class Trainer:
         data = fit_args.join_arrays(data, y, sample_weight)
         fit_args.check_class_weight(class_weight, data)
         data, validation_data = fit_args.split_validation(data, validation_split, validation_data)
+        fit_args.check_elastic(os.environ, global_batch_size, per_replica_batch_size, self.num_replicas,
+                               max(self.spec.num_workers, 1))
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
         if class_weight is not None and is_dataset_fn(data):
