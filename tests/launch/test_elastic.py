@@ -283,3 +283,28 @@ def test_below_min_every_node_left_ends_non_zero_naming_the_missing_node_within_
         assert code not in (0, None), node.stderr[-3000:]
         assert "below --nnodes MIN=3" in node.stderr, node.stderr[-3000:]
         assert "missing: node " in node.stderr and f"h3 ({h3.address}) lost" in node.stderr, node.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_host_two_cut_off_silently_its_task_failure_on_host_one_is_not_a_failure_but_a_smaller_world(
+        tmp_path, one_process):
+    """A host that goes silent (power cut, network gone) sends no FIN: host 1's task fails first (its collective
+    aborts), and the rendezvous weighs that failure only once the silent node is lost: a membership change."""
+    import hosts
+
+    env = child_env(None, {TOKEN_VAR: TOKEN})
+    with hosts.make_hosts(2) as (h1, h2):
+        endpoint = f"{h1.address}:29400"
+        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log1"), env)
+        time.sleep(1)
+        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log2"), env)
+        first.wait_for("[worker:0] EPOCH 1 replicas 2", 90)
+        h2.run(["ip", "link", "set", "eth0", "down"], timeout=10, check=True)
+        codes = [first.finish(150), second.finish(60)]
+    assert codes[0] == 0, first.stderr[-4000:]
+    assert codes[1] != 0 and "lost: no heartbeat from the rendezvous" in second.stderr, second.stderr[-3000:]
+    assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost (no heartbeat" in first.stderr, first.stderr[-3000:]
+    assert "root cause" not in first.stderr
+    _assert_equal(one_process, tmp_path / "result" / "result-0.json")
