@@ -317,16 +317,18 @@ class Backup(keras.callbacks.Callback):
         agree_on_epoch: callable(int) -> int returning the MIN over all workers
             (a collective); identity on one worker.
         keep: epochs kept on disk (at least 2, so a corrupt latest file has a fallback).
+        resume_note: a warning the chief gives when it resumes (what a resume does not continue).
     """
 
     def __init__(self, backup_dir: str, *, is_chief: bool = True, rank: int = 0,
-                 agree_on_epoch: Any = None, keep: int = 2) -> None:
+                 agree_on_epoch: Any = None, keep: int = 2, resume_note: str | None = None) -> None:
         super().__init__()
         self.backup_dir = backup_dir
         self.is_chief = is_chief
         self.directory = worker_backup_dir(backup_dir, is_chief, rank)
         self.agree_on_epoch = agree_on_epoch or (lambda epoch: epoch)
         self.keep = max(int(keep), 2)
+        self.resume_note = resume_note
         self.resumed_epoch = 0
         self._past_end = False
         self._decided: tuple[int, Any, Any] | None = None
@@ -376,6 +378,8 @@ class Backup(keras.callbacks.Callback):
             # Keras' own BackupAndRestore resumes the same way; fit() reads it once.
             keras_compat.set_resume_epoch(self.model, epoch)
             log.info("resumed from %s at epoch %d", point.path, epoch)
+            if self.resume_note and self.is_chief:
+                warn(self.resume_note)
         elif local.note:
             warn(local.note)
         self.resumed_epoch = epoch

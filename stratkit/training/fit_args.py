@@ -165,14 +165,15 @@ def refuse_on_parameter_servers(*, class_weight: Any, initial_epoch: int, valida
 
 
 def check_elastic(environ: Any, global_batch_size: int | None, per_replica_batch_size: int | None,
-                  num_replicas: int, num_workers: int) -> None:
+                  num_replicas: int, num_workers: int, scale_learning_rate: bool = False) -> None:
     """Under `stratkit launch --nnodes MIN:MAX` (STRATKIT_ELASTIC="MIN:MAX" workers): the global batch is kept.
 
     The per-replica batch is global / replicas in each round, so the math is
     one process's with that global batch at every world size. Refused, before
     step 1 of the round that would break it: a per-replica batch alone (the
     global batch would move with the world size, as under torchrun or Horovod
-    Elastic), and a global batch this round's replicas do not divide.
+    Elastic), scale_learning_rate (it multiplies the rate by the replica
+    count), and a global batch this round's replicas do not divide.
     """
     from stratkit.cluster.environments.tf_config import ELASTIC_VAR
 
@@ -190,6 +191,11 @@ def check_elastic(environ: Any, global_batch_size: int | None, per_replica_batch
                           f"the run would not be the one you would have had. Fix: pass global_batch_size=N instead, "
                           f"with N divisible by every replica count {sizes} (a multiple of {fit}), e.g. "
                           f"global_batch_size={now - now % fit or fit}")
+    if scale_learning_rate:
+        raise ConfigError(f"scale_learning_rate=True multiplies the learning rate by the replica count, which changes "
+                          f"with the world size of an elastic launch (--nnodes MIN:MAX, {low} to {high} workers), while "
+                          "the global batch stays the same. Fix: drop scale_learning_rate and compile the model with "
+                          "the learning rate for your global batch")
     if global_batch_size is not None and global_batch_size % num_replicas:
         lower = global_batch_size - global_batch_size % fit
         raise ConfigError(f"global_batch_size={global_batch_size} does not split over the {num_replicas} replicas "

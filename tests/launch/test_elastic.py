@@ -70,6 +70,8 @@ def test_under_an_elastic_launch_the_global_batch_is_kept_or_refused_with_the_fi
         check_elastic(elastic, None, 16, 2, 2)
     with pytest.raises(ConfigError, match=r"global_batch_size=8 does not split over the 3 replicas.*Fix: .*6 or 12"):
         check_elastic(elastic, 8, None, 3, 3)
+    with pytest.raises(ConfigError, match=r"scale_learning_rate=True multiplies .* Fix: drop scale_learning_rate"):
+        check_elastic(elastic, 6, None, 2, 2, scale_learning_rate=True)
 
 
 # -- the elastic rendezvous, in-process ---------------------------------------------------------------
