@@ -310,3 +310,40 @@ def test_host_two_cut_off_silently_its_task_failure_on_host_one_is_not_a_failure
     assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost (no heartbeat" in first.stderr, first.stderr[-3000:]
     assert "root cause" not in first.stderr
     _assert_equal(one_process, tmp_path / "result" / "result-0.json")
+
+
+FAIL_ONCE = """
+import json, os, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+attempt = os.environ["STRATKIT_RESTART_COUNT"]
+print(f"task {index} round {attempt}", flush=True)
+if attempt == "0" and index == 1:
+    time.sleep(1)
+    raise SystemExit(3)
+time.sleep(2 if attempt != "0" else 60)
+"""
+
+
+@pytest.mark.slow
+def test_a_task_failure_under_min_max_is_a_failure_restart_counted_against_max_restarts():
+    port = free_ports(1)[0]
+    argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "1:2", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--no-private-network", "--stop-grace", "2", "--rdzv-last-call", "3",
+            "--max-restarts", "1", "--", sys.executable, "-c", FAIL_ONCE]
+    env = child_env(None, {TOKEN_VAR: TOKEN})
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)]
+    time.sleep(1)
+    procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True))
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=90))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            outs.append(proc.communicate())
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    for _, err in outs:
+        assert "exited with code 3" in err and "restart 1 of 1" in err, err[-3000:]
+        assert "membership change" not in err, err[-3000:]
