@@ -40,7 +40,7 @@ from stratkit.errors import ConfigError
 from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
 from stratkit.launch.elastic import ElasticRendezvous
 from stratkit.launch.isolation import PrivateNetwork
-from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, plan_launch, reserve_ports, thread_env
+from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, Task, plan_launch, reserve_ports, thread_env
 from stratkit.launch.nodelink import NodeLink
 from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
 from stratkit.launch.results import Attempt
@@ -250,7 +250,7 @@ class NodeSupervisor(Supervisor):
             if isinstance(link.decision, TaskFailure):  # an elastic rendezvous ended below MIN before forming
                 self.console.event("attempt_end", attempt=number, outcome="failed", seconds=0.0, tasks=[])
                 return Attempt(number, "failed", (), 0.0, link.decision), False
-            tasks = link.tasks
+            tasks = [Task(t.role, t.index) for t in link.tasks]  # the launcher's Task: it names the log file
             for hold in holds[len(tasks):]:  # a node with fewer tasks than the busiest frees the rest
                 hold.close()
             holds = holds[:len(tasks)]
