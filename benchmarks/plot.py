@@ -371,8 +371,24 @@ def plot_ps(data: dict, path: Path) -> Path:
     return _finish(plt, fig, data, "Parameter-server training, 1 ps", path)
 
 
+# -- elastic (written by bench_elastic.py) ------------------------------------------------------
+def plot_elastic(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, row in enumerate(rows):
+        ax.barh(i, row["median s"], 0.5, color=[BLUE, ORANGE][i % 2], alpha=0.7)
+        ax.scatter(row["raw"], [i] * len(row["raw"]), color="black", s=12, zorder=3)
+        ax.text(row["max s"] + 0.3, i, f"median {row['median s']:.1f} s", va="center", fontsize=8)
+    ax.axvline(data["goal_seconds"], color="black", ls="--", lw=1, label=f"goal {data['goal_seconds']:g} s")
+    ax.set_yticks(range(len(rows)), [_wrap(r["event"], 30) for r in rows], fontsize=8)
+    ax.set_xlabel("seconds (dots: each run)")
+    ax.legend(fontsize=7, frameon=False, loc="lower right")
+    return _finish(plt, fig, data, f"Elastic launch on two test hosts ({' '.join(data['flags'][:4])})", path)
+
+
 PLOTS = {"scaling": plot_scaling, "overhead": plot_overhead, "allreduce": plot_allreduce, "spark": plot_spark,
-         "input": plot_input, "ps": plot_ps}
+         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
-from stratkit.launch.multinode import DEFAULT_RDZV_TIMEOUT, launch_node
+from stratkit.launch.multinode import DEFAULT_LAST_CALL, DEFAULT_RDZV_TIMEOUT, launch_node
 from stratkit.launch.plan import (
     GRPC_EXPOSED,
     NETWORK_MUST_BE_PRIVATE,
@@ -98,10 +98,11 @@ _FLAGS = (
     _Flag("stop_grace", "STRATKIT_STOP_GRACE", _float_value),
     _Flag("hosts", "STRATKIT_HOSTS", _str_value),
     _Flag("private_network", "STRATKIT_PRIVATE_NETWORK", _bool_value),
-    _Flag("nnodes", "STRATKIT_NNODES", _int_value),
+    _Flag("nnodes", "STRATKIT_NNODES", _str_value),
     _Flag("rdzv_endpoint", "STRATKIT_RDZV_ENDPOINT", _str_value),
     _Flag("workers_per_node", "STRATKIT_WORKERS_PER_NODE", _int_value),
     _Flag("rdzv_timeout", "STRATKIT_RDZV_TIMEOUT", _float_value),
+    _Flag("rdzv_last_call", "STRATKIT_RDZV_LAST_CALL", _float_value),
 )
 
 
@@ -165,9 +166,11 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--hosts", default=None, metavar="H1,H2,...",
                      help="several machines: with --print-tf-config, print what to run on each [STRATKIT_HOSTS]")
     nodes = parser.add_argument_group("several machines (the same command on every node)")
-    nodes.add_argument("--nnodes", type=count, default=None, metavar="N",
+    nodes.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                        help="run on N machines: the node that owns --rdzv-endpoint's address serves the rendezvous "
-                            "(node 0), the others join it; every node presents STRATKIT_RDZV_TOKEN [STRATKIT_NNODES]")
+                            "(node 0), the others join it; every node presents STRATKIT_RDZV_TOKEN. MIN:MAX: "
+                            "elastic, a lost node shrinks the cluster and a late one grows it, each time resuming "
+                            "from backup_dir with the same global batch [STRATKIT_NNODES]")
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="the rendezvous: an address of node 0 and a free port [STRATKIT_RDZV_ENDPOINT]")
     nodes.add_argument("--workers-per-node", type=count, default=None, metavar="K",
@@ -176,6 +179,10 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     nodes.add_argument("--rdzv-timeout", type=seconds, default=None, metavar="S",
                        help=f"seconds every node waits for all N to join (default {DEFAULT_RDZV_TIMEOUT:g}) "
                             "[STRATKIT_RDZV_TIMEOUT]")
+    nodes.add_argument("--rdzv-last-call", type=seconds, default=None, metavar="S",
+                       help=f"--nnodes MIN:MAX: once MIN nodes are in, seconds to wait for more before the cluster "
+                            f"starts (default {DEFAULT_LAST_CALL:g}); after a node is lost, how long it has to come "
+                            "back before the others go on without it [STRATKIT_RDZV_LAST_CALL]")
     net.add_argument("--print-tf-config", action="store_true",
                      help="print each task's `export TF_CONFIG=...` and command instead of running them")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -204,7 +211,7 @@ def run_launch(args: argparse.Namespace) -> int:
         command = command[1:]
     if options["nnodes"] is not None:
         return _run_nodes(command, options, bool(args.print_tf_config))
-    for dest in ("rdzv_endpoint", "workers_per_node", "rdzv_timeout"):
+    for dest in ("rdzv_endpoint", "workers_per_node", "rdzv_timeout", "rdzv_last_call"):
         if options[dest] is not None:
             flag = "--" + dest.replace("_", "-")
             raise ConfigError(f"{flag} is for a launch on several machines. Fix: add --nnodes N (the number of "
@@ -252,6 +259,7 @@ def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: 
         workers_per_node=1 if options["workers_per_node"] is None else options["workers_per_node"],
         chief=bool(options["chief"]), ps=options["ps"] or 0,
         rdzv_timeout=DEFAULT_RDZV_TIMEOUT if options["rdzv_timeout"] is None else options["rdzv_timeout"],
+        rdzv_last_call=DEFAULT_LAST_CALL if options["rdzv_last_call"] is None else options["rdzv_last_call"],
         max_restarts=options["max_restarts"] or 0, log_dir=options["log_dir"] or None, timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"])

@@ -35,10 +35,12 @@ from dataclasses import dataclass
 from typing import IO
 
 from stratkit.cluster import layout
+from stratkit.cluster.environments.tf_config import ELASTIC_VAR
 from stratkit.errors import ConfigError
 from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
+from stratkit.launch.elastic import ElasticRendezvous
 from stratkit.launch.isolation import PrivateNetwork
-from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, plan_launch, reserve_ports, thread_env
+from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, Task, plan_launch, reserve_ports, thread_env
 from stratkit.launch.nodelink import NodeLink
 from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
 from stratkit.launch.results import Attempt
@@ -48,6 +50,8 @@ from stratkit.process.report import TaskFailure, signal_name
 from stratkit.strategy.server import RUN_DIR_VAR
 
 DEFAULT_RDZV_TIMEOUT = 300.0
+#: --rdzv-last-call: seconds an elastic rendezvous waits for more nodes once MIN are in.
+DEFAULT_LAST_CALL = 3.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class NodeSettings:
     token: bytes
     chief: bool = False
     ps: int = 0
+    min_nodes: int = 0  # --nnodes MIN:MAX's MIN (nnodes is MAX); 0: a fixed --nnodes N
+    last_call: float = DEFAULT_LAST_CALL
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
 
     @property
     def slots(self) -> int:
@@ -71,6 +81,19 @@ class NodeSettings:
     @property
     def endpoint(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_nnodes(value: int | str) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX as (MIN, MAX); a ConfigError naming the flag otherwise."""
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    fix = "Fix: the number of machines, e.g. --nnodes 2, or a range --nnodes 1:4 (elastic: MIN <= MAX)"
+    if isinstance(value, bool) or not low.isdigit() or (sep and not high.isdigit()):
+        raise ConfigError(f"--nnodes must be a whole number >= 1 or MIN:MAX, got {text or value!r}. {fix}")
+    nmin, nmax = int(low), int(high) if sep else int(low)
+    if nmin < 1 or nmax < nmin:
+        raise ConfigError(f"--nnodes must be a whole number >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {text}. {fix}")
+    return nmin, nmax
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -125,6 +148,9 @@ class NodeAttemptRunner(AttemptRunner):
                 # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished)
                 self.link.report(self.reported, final=verdict[2])
             return verdict
+        if self.link.resize:  # the membership changed: stop this round's tasks; every node joins the next one
+            self._stop(running, "resize")
+            return "resized", None, False
         if self.link.decision is False:  # node 0's worker 0 finished and the rest had --exit-grace: stop, a success
             names = ", ".join(c.task.name for c in running)
             self.console.say(f"{names} still running {self.plan.exit_grace:g} s after worker:0 (on node 0) finished: "
@@ -154,9 +180,15 @@ class NodeSupervisor(Supervisor):
     def run(self):  # type: ignore[no-untyped-def]
         s = self.settings
         try:
-            self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
-                                           attempts=self.plan.attempts, exit_grace=self.plan.exit_grace,
-                                           chief=s.chief, ps=s.ps)
+            if s.elastic:  # the survivors stop their tasks (up to --stop-grace) before they rejoin
+                self.server = ElasticRendezvous(s.host, s.port, s.token, s.min_nodes, s.nnodes, s.workers_per_node,
+                                                max_restarts=self.plan.max_restarts, last_call=s.last_call,
+                                                rejoin_grace=self.plan.stop_grace + LOST_AFTER,
+                                                exit_grace=self.plan.exit_grace)
+            else:
+                self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
+                                               attempts=self.plan.attempts, exit_grace=self.plan.exit_grace,
+                                               chief=s.chief, ps=s.ps)
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
@@ -170,8 +202,9 @@ class NodeSupervisor(Supervisor):
                 else f"joining the rendezvous at {self.settings.endpoint}")
         extra = (" (node 0 also runs the chief" + (f"; ps tasks: node (j + 1) mod {self.settings.nnodes})"
                                                    if self.settings.ps else ")")) if self.settings.chief else ""
-        self.console.say(f"{self.settings.nnodes} nodes, {self.settings.workers_per_node} worker(s) each{extra}; "
-                         f"{role}. "
+        nodes = (f"{self.settings.min_nodes} to {self.settings.nnodes} nodes (elastic; --rdzv-last-call "
+                 f"{self.settings.last_call:g} s)" if self.settings.elastic else f"{self.settings.nnodes} nodes")
+        self.console.say(f"{nodes}, {self.settings.workers_per_node} worker(s) each{extra}; {role}. "
                          f"WARNING: the tasks use the machine's network (TensorFlow's gRPC servers cannot be "
                          f"protected across hosts): {CROSS_HOST_SECURITY}")
         self.console.event("exposed", host=self.settings.host)
@@ -181,19 +214,27 @@ class NodeSupervisor(Supervisor):
         """Join the round of each attempt, run this node's tasks, follow the decision (restart or end)."""
         attempts: list[Attempt] = []
         total = self.plan.attempts
-        for number in range(total):
+        number = 0
+        while number < total or self.settings.elastic:
             if self.signals:
                 break
             attempt, restart = self._attempt(number, reaper)
+            number += 1
             attempts.append(attempt)
             if not restart or self.signals:
                 break
+            if attempt.outcome == "resized":  # not a failure: not counted against --max-restarts
+                continue
             failure = attempt.failure
             assert failure is not None
-            self.console.say(f"attempt {number + 1} of {total} failed: {failure.task} {failure.reason}")
-            self.console.say(f"restarting the whole cluster on every node (restart {number + 1} of "
+            restarts = sum(a.outcome != "resized" for a in attempts)
+            of = "" if self.settings.elastic else f" of {total}"
+            self.console.say(f"attempt {len(attempts)}{of} failed: {failure.task} {failure.reason}")
+            self.console.say(f"restarting the whole cluster on every node (restart {restarts} of "
                              f"{self.plan.max_restarts}); a script using Trainer.fit(backup_dir=...) on storage "
                              "every node shares resumes at the epoch reached")
+        if self.settings.elastic:  # the final "attempt N of M" counts the rounds this node ran
+            self.plan = dataclasses.replace(self.plan, max_restarts=max(self.plan.max_restarts, len(attempts) - 1))
         return attempts
 
     def _attempt(self, number: int, reaper: Reaper) -> tuple[Attempt, bool]:
@@ -206,13 +247,21 @@ class NodeSupervisor(Supervisor):
             address = link.connect(number)
             holds = reserve_ports(address, s.slots)
             link.join([h.getsockname()[1] for h in holds])
-            tasks = link.tasks
+            if isinstance(link.decision, TaskFailure):  # an elastic rendezvous ended below MIN before forming
+                self.console.event("attempt_end", attempt=number, outcome="failed", seconds=0.0, tasks=[])
+                return Attempt(number, "failed", (), 0.0, link.decision), False
+            tasks = [Task(t.role, t.index) for t in link.tasks]  # the launcher's Task: it names the log file
             for hold in holds[len(tasks):]:  # a node with fewer tasks than the busiest frees the rest
                 hold.close()
             holds = holds[:len(tasks)]
             plan = dataclasses.replace(self.plan, tasks=tasks, extra_env={**self.plan.extra_env,
                                                                           RUN_DIR_VAR: link.run_dir})
-            self.console.say(f"node {link.node} of {s.nnodes} ({address}): {', '.join(t.name for t in tasks)}")
+            if s.elastic:  # the rendezvous numbers the rounds (a late node's first is not round 0)
+                number = link.round
+                plan = dataclasses.replace(plan, max_restarts=max(plan.max_restarts, number))
+                self._membership(link)
+            self.console.say(f"node {link.node} of {len(link.hosts)} ({address}): "
+                             f"{', '.join(t.name for t in tasks)}")
             runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
             attempt = self._decided(runner.run(), runner, link)
             return attempt, link.restart and attempt.outcome != "succeeded"
@@ -223,8 +272,24 @@ class NodeSupervisor(Supervisor):
             if link.run_dir:
                 shutil.rmtree(link.run_dir, ignore_errors=True)
 
+    def _membership(self, link: NodeLink) -> None:
+        """Say (and record) the membership change that led to this round, on every node alike."""
+        size = len(link.cluster.get("worker", []))
+        if link.change:
+            self.console.say(link.change)
+        self.console.event("membership", round=link.round, world_size=size, nodes=len(link.hosts),
+                           change=link.change, node=link.node)
+
+    def _resized(self, attempt: Attempt, link: NodeLink) -> Attempt:
+        self.console.say(f"membership change ({link.resize}): this node's tasks stopped; joining the next round "
+                         "(not a failure: not counted against --max-restarts)")
+        self.console.event("resize", attempt=attempt.number, why=link.resize)
+        return attempt
+
     def _decided(self, attempt: Attempt, runner: NodeAttemptRunner, link: NodeLink) -> Attempt:
         """This node's attempt as every node reports it: with the rendezvous' decision."""
+        if attempt.outcome == "resized":
+            return self._resized(attempt, link)
         if attempt.outcome == "interrupted":
             signum = self.signals[0] if self.signals else 0
             link.report(TaskFailure(f"node {link.node} ({link.address})", None,
@@ -233,9 +298,13 @@ class NodeSupervisor(Supervisor):
         if runner.reported is None and link.decision is None and not link.lost:
             link.report(None, final=attempt.after_success)  # this node's tasks succeeded
         # Wait for the decision: after a success, as long as the other nodes train (heartbeats bound it).
-        while not link.wait(0.2 if attempt.outcome == "succeeded" else SETTLE + LOST_AFTER):
+        # (elastic: a failure waits for a silent node's verdict, up to LOST_AFTER more)
+        bound = SETTLE + LOST_AFTER * (2 if self.settings.elastic else 1)
+        while not link.wait(0.2 if attempt.outcome == "succeeded" else bound):
             if self.signals or attempt.outcome != "succeeded":
                 break
+        if link.resize:  # this node's tasks failed because a node was lost (or one arrived): not a failure
+            return self._resized(dataclasses.replace(attempt, outcome="resized", failure=None), link)
         decision = link.decision
         if decision is False:
             return attempt
@@ -249,12 +318,18 @@ class NodeSupervisor(Supervisor):
         return dataclasses.replace(attempt, outcome=outcome, failure=failure, tasks=others)
 
 
-def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join_timeout: float,
-                  environ: Mapping[str, str], chief: bool = False, ps: int = 0) -> NodeSettings:
+def node_settings(nnodes: int | str, endpoint: str | None, workers_per_node: int, join_timeout: float,
+                  environ: Mapping[str, str], chief: bool = False, ps: int = 0,
+                  last_call: float = DEFAULT_LAST_CALL) -> NodeSettings:
     """The multi-node flags checked, with the token from STRATKIT_RDZV_TOKEN (ConfigErrors name the flag)."""
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ConfigError(f"--nnodes must be a whole number >= 1, got {nnodes!r}. Fix: the number of machines, "
-                          "e.g. --nnodes 2")
+    min_nodes, nnodes = parse_nnodes(nnodes)
+    if not (isinstance(last_call, (int, float)) and not isinstance(last_call, bool) and 0 <= last_call < 3600):
+        raise ConfigError(f"--rdzv-last-call must be seconds in 0..3600, got {last_call!r}. Fix: e.g. "
+                          f"--rdzv-last-call {DEFAULT_LAST_CALL:g}")
+    if min_nodes < nnodes and (chief or ps):
+        raise ConfigError(f"--nnodes {min_nodes}:{nnodes} with --chief/--ps: a parameter-server layout does not "
+                          "change size between rounds. Fix: a fixed --nnodes N with --chief --ps, or drop --chief/--ps "
+                          "(workers only) to be elastic")
     if not endpoint:
         raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the node that serves "
                           "the rendezvous. Fix: e.g. --rdzv-endpoint 10.0.0.1:29400 on every node")
@@ -266,11 +341,12 @@ def node_settings(nnodes: int, endpoint: str | None, workers_per_node: int, join
                           f"{DEFAULT_RDZV_TIMEOUT:g}")
     host, port = parse_endpoint(endpoint)
     return NodeSettings(nnodes, host, port, workers_per_node, float(join_timeout), check_token(environ.get(TOKEN_VAR)),
-                        bool(chief), int(ps))
+                        bool(chief), int(ps), min_nodes=min_nodes, last_call=float(last_call))
 
 
-def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | None, workers_per_node: int = 1,
-                chief: bool = False, ps: int = 0, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT, max_restarts: int = 0,
+def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str | None, workers_per_node: int = 1,
+                chief: bool = False, ps: int = 0, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
+                rdzv_last_call: float = DEFAULT_LAST_CALL, max_restarts: int = 0,
                 log_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
                 exit_grace: float = 30.0, stop_grace: float = 10.0, env: Mapping[str, str] | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True):
@@ -280,8 +356,9 @@ def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | Non
         ConfigError: on a bad flag, a missing token or a refused join, naming the flag and the fix.
     """
     base_env = dict(os.environ if env is None else env)
-    settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env, chief, ps)
-    plan = plan_launch(command, workers=nnodes * workers_per_node, chief=settings.chief, ps=settings.ps,
+    settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env, chief, ps,
+                             rdzv_last_call)
+    plan = plan_launch(command, workers=settings.nnodes * workers_per_node, chief=settings.chief, ps=settings.ps,
                        evaluator=False,
                        max_restarts=max_restarts,
                        log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
@@ -290,5 +367,7 @@ def launch_node(command: Sequence[str], *, nnodes: int, rdzv_endpoint: str | Non
     for key, value in thread_env(settings.slots).items():  # this node's share of its cores
         if key not in base_env:
             plan.extra_env[key] = value
+    if settings.elastic:  # Trainer keeps the global batch across these world sizes
+        plan.extra_env[ELASTIC_VAR] = f"{settings.min_nodes * workers_per_node}:{settings.nnodes * workers_per_node}"
     # (each attempt's STRATKIT_RUN_DIR comes from the rendezvous: one path on every node)
     return NodeSupervisor(plan, settings).run()

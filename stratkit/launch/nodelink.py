@@ -12,6 +12,7 @@ Imports no TensorFlow.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -61,6 +62,13 @@ class NodeLink:
         self.lost: str | None = None
         #: The decision's: every node starts the next attempt.
         self.restart = False
+        #: --nnodes MIN:MAX: the round the rendezvous put this node in, the membership change that led to it
+        #: ("world size 2 -> 1: ..."), and the change that ends the running round (every node restarts).
+        self.round = 0
+        self.change: str | None = None
+        self.resize: str | None = None
+        #: This launcher's identity for the rendezvous (the same in each of its rounds).
+        self.uid = f"{socket.gethostname()[:32]}-{os.getpid()}"
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._decided = threading.Event()
@@ -121,7 +129,8 @@ class NodeLink:
     def join(self, ports: list[int]) -> None:
         """Send this node's ports; wait for the cluster (until the join timeout)."""
         assert self.sock is not None
-        self.send("JOIN", {"serving": self.serving, "host": self.address, "ports": ports, "layout": self.layout})
+        self.send("JOIN", {"serving": self.serving, "host": self.address, "ports": ports, "layout": self.layout,
+                           "id": self.uid})
         deadline = time.monotonic() + self.join_timeout
         self._lines = listener.bounded_lines(self.sock, b"", MAX_MESSAGE)
         try:
@@ -131,7 +140,11 @@ class NodeLink:
                     self.node, self.cluster, self.hosts = int(data["node"]), data["cluster"], list(data["hosts"])
                     self.tasks = [layout.Task(str(role), int(index)) for role, index in data["tasks"]]
                     self.run_dir = str(data["run_dir"])
+                    self.round, self.change = int(data.get("round") or 0), data.get("change")
                     break
+                if kind == "END":  # an elastic rendezvous ended below MIN before this round formed
+                    self._decide(data)
+                    return
                 if kind == "REFUSED":
                     raise ConfigError(f"the rendezvous at --rdzv-endpoint {self.endpoint} refused this node: "
                                       f"{data}. Fix: start each node once, with the same --nnodes, "
@@ -155,10 +168,7 @@ class NodeLink:
             for raw in self._lines:
                 kind, data = parse(raw)
                 if kind == "END":
-                    failure = data.get("failure")
-                    self.decision = False if failure is None else failure_from_json(failure)
-                    self.restart = bool(data.get("restart"))
-                    self._decided.set()
+                    self._decide(data)
                     return
         except TimeoutError:
             why = f"no heartbeat from the rendezvous (node 0) for {LOST_AFTER:g} s (its host is gone?)"
@@ -166,6 +176,13 @@ class NodeLink:
             why = f"the connection to the rendezvous (node 0) failed ({type(exc).__name__}: {exc})"
         if not self._closed.is_set():
             self.lost = why
+        self._decided.set()
+
+    def _decide(self, data: Any) -> None:
+        failure = data.get("failure")
+        self.decision = False if failure is None else failure_from_json(failure)
+        self.restart = bool(data.get("restart"))
+        self.resize = data.get("resize") or None
         self._decided.set()
 
     def lost_failure(self) -> TaskFailure:

@@ -49,6 +49,7 @@ import secrets
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -134,6 +135,8 @@ class _Node:
     ports: tuple[int, ...] = ()
     rank: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    uid: str = ""  # the launcher's own id (JOIN's "id"): one node across rounds, also two on one host
+    last_seen: float = field(default_factory=time.monotonic)  # its last line (a heartbeat at least every HEARTBEAT s)
 
     def send(self, data: bytes) -> bool:
         with self.lock:
@@ -185,8 +188,12 @@ class RendezvousServer:
         with self._lock:
             return self._rounds.setdefault(number, _Round(number))
 
+    def _round_for(self, attempt: int) -> _Round:
+        """The round a node's HELLO joins: the attempt it names (an elastic rendezvous chooses itself)."""
+        return self.round(attempt)
+
     def _admit(self, conn: socket.socket, attempt: int, label: str, rest: bytes) -> None:
-        round_ = self.round(attempt)
+        round_ = self._round_for(attempt)
         with self._lock:
             full = len(round_.nodes) >= self.nnodes or round_.formed
             busy = self._connections >= 2 * self.nnodes
@@ -207,6 +214,7 @@ class RendezvousServer:
         try:
             node.send(listener.OK)
             for raw in listener.bounded_lines(conn, rest, MAX_MESSAGE):
+                node.last_seen = time.monotonic()
                 kind, data = parse(raw)
                 if kind == "JOIN" and not joined:
                     joined = self._join(round_, node, data)
@@ -239,14 +247,23 @@ class RendezvousServer:
                 not node.serving and len(others) >= self.nnodes - 1)
             if not refused:
                 round_.nodes.append(node)
-            ready = not refused and len(round_.nodes) == self.nnodes
         if refused:
             node.send(f"REFUSED the rendezvous has its {self.nnodes} node(s), or this node's layout flags differ "
                       f"from the serving node's ({describe_layout(self.shape)})\n".encode())
             return False
+        self._joined(round_, node)
+        return True
+
+    def _joined(self, round_: _Round, node: _Node) -> None:
+        """A node joined `round_`: form the cluster once all N are in (an elastic rendezvous decides otherwise)."""
+        with self._lock:
+            ready = len(round_.nodes) == self.nnodes
         if ready:
             self._form(round_)
-        return True
+
+    def _cluster_extra(self, round_: _Round) -> dict[str, Any]:
+        """More of the CLUSTER message (an elastic rendezvous adds the membership change)."""
+        return {}
 
     def _form(self, round_: _Round) -> None:
         with self._lock:
@@ -256,17 +273,21 @@ class RendezvousServer:
             round_.nodes = nodes
             round_.formed = True
         shape = self.shape
-        tasks = layout.plan_tasks(self.nnodes * self.workers_per_node, shape["chief"], shape["ps"])
-        where = {task: layout.format_address(node.host, port) for node, mine in zip(nodes, self.placement)
+        count = len(nodes)  # all N (an elastic round: its own number of nodes)
+        placement = self.placement if count == self.nnodes else layout.node_tasks(
+            count, self.workers_per_node, shape["chief"], shape["ps"])
+        tasks = layout.plan_tasks(count * self.workers_per_node, shape["chief"], shape["ps"])
+        where = {task: layout.format_address(node.host, port) for node, mine in zip(nodes, placement)
                  for task, port in zip(mine, node.ports)}
         cluster = layout.build_cluster(tasks, [where[t] for t in tasks if t.serves])
         hosts = [n.host for n in nodes]
         # The parameter-server tasks' done markers (`stratkit.strategy.server`): one path, the same on every node.
         run_dir = os.path.join(tempfile.gettempdir(), f"stratkit-run-{secrets.token_hex(8)}")
-        for node, mine in zip(nodes, self.placement):
-            node.send(message("CLUSTER", {"node": node.rank, "nnodes": self.nnodes, "cluster": cluster,
+        extra = self._cluster_extra(round_)
+        for node, mine in zip(nodes, placement):
+            node.send(message("CLUSTER", {"node": node.rank, "nnodes": count, "cluster": cluster,
                                            "hosts": hosts, "tasks": [[t.role, t.index] for t in mine],
-                                           "run_dir": run_dir}))
+                                           "run_dir": run_dir, "round": round_.number, **extra}))
 
     def _gone(self, round_: _Round, node: _Node, why: str) -> None:
         with self._lock:
@@ -287,7 +308,7 @@ class RendezvousServer:
             round_.done.add(rank)
             round_.final = round_.final or final
             if failure is None:
-                if len(round_.done) == self.nnodes and not round_.failures:
+                if len(round_.done) == len(round_.nodes) and not round_.failures:
                     self._decide(round_)
                 elif rank == 0 and not round_.failures:  # worker 0 finished: the rest get --exit-grace
                     threading.Timer(self.exit_grace, self._settle, args=(round_,)).start()

@@ -34,7 +34,8 @@ class TaskExit:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One start of the whole cluster. `outcome`: "succeeded", "failed", "timed_out" or "interrupted"."""
+    """One start of the whole cluster. `outcome`: "succeeded", "failed", "timed_out", "interrupted", or
+    "resized" (--nnodes MIN:MAX: the membership changed, every node starts again; not a failure)."""
 
     number: int
     outcome: str
@@ -104,9 +105,9 @@ def failure_report(attempts: Sequence[Attempt], total: int, primary: str, stop_g
         report += network_hint(failure)
     if last.after_success:
         report += f"\n{primary} had finished training: not restarted (a restart would train again)."
-    if len(attempts) > 1:
-        earlier = "; ".join(f"attempt {a.number + 1}: {a.failure.task} {a.failure.reason}"
-                            for a in attempts[:-1] if a.failure is not None)
+    earlier = "; ".join(f"attempt {a.number + 1}: {a.failure.task} {a.failure.reason}"
+                        for a in attempts[:-1] if a.failure is not None)
+    if earlier:  # (an elastic launch's membership changes end attempts without a failure)
         report += f"\nearlier attempts: {earlier}"
     return report
 

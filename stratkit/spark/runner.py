@@ -34,7 +34,7 @@ from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
-from stratkit.spark import layout, slots
+from stratkit.spark import elastic, layout, slots
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.confs import (
     STANDBY_CONF,
@@ -107,6 +107,10 @@ class SparkRunner:
         spark: the SparkSession (default: the active one, else a new one).
         max_retries: re-run the whole barrier stage this many times after a
             failure (train_fn using `trainer.fit(backup_dir=...)` resumes).
+        min_workers: elastic retries (no `num_ps`): a retry runs with the slots
+            Spark has then, from `min_workers` to `num_workers` tasks (fewer once
+            an executor's host is gone); `Trainer` keeps the global batch, so with
+            backup_dir the run is one process's (`stratkit.spark.elastic`).
         timeout: seconds for the whole `run()`, retries included; then every
             task is killed, the Spark job cancelled and SparkTrainingError raised.
 
@@ -117,8 +121,10 @@ class SparkRunner:
     """
 
     def __init__(self, num_workers: int = 2, *, use_gpu: bool = False, gpus_per_worker: int | None = None,
-                 num_ps: int = 0, spark: Any = None, max_retries: int = 0, timeout: float | None = None) -> None:
+                 num_ps: int = 0, spark: Any = None, max_retries: int = 0, timeout: float | None = None,
+                 min_workers: int | None = None) -> None:
         self.roles: list[TaskRole] = layout.plan_roles(num_workers, num_ps)
+        self.min_workers = elastic.check_min_workers(min_workers, num_workers, num_ps)
         layout.check_layout(self.roles)
         if not isinstance(use_gpu, bool):
             raise ConfigError(f"use_gpu must be True or False: got {use_gpu!r}")
@@ -186,16 +192,21 @@ class SparkRunner:
         staged: list[data_module.StagedData] = []
         try:
             args, kwargs = self._stage_data(spark, run_id, args, kwargs, staged)
+            if staged and self.min_workers is not None and self.min_workers < self.num_workers:
+                raise ConfigError(f"min_workers={self.min_workers} with a DataFrame argument: its Parquet shards are "
+                                  f"cut for {self.num_workers} workers, and a smaller retry would skip some. Fix: "
+                                  "read the data inside train_fn (or pass numpy arrays), or drop min_workers")
             # Inside the task closure, which Spark broadcasts once per stage (not once per task).
             payload = _pickle_payload(train_fn, args, kwargs)
             driver_host = confs.get("spark.driver.host") or "127.0.0.1"
             bind_host = confs.get("spark.driver.bindAddress") or driver_host
             deadline = None if self.timeout is None else started + self.timeout
+            roles = self.roles
             for attempt in range(1, self.max_retries + 2):
                 report.attempts = attempt
-                plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(self.roles), payload=payload,
+                plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(roles), payload=payload,
                                 log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
-                                gpu_counts=tuple(gpu_counts), gpu_resource_name=self._gpu_resource_name,
+                                gpu_counts=tuple(gpu_counts[:len(roles)]), gpu_resource_name=self._gpu_resource_name,
                                 wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"))
                 try:
                     result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report)
@@ -204,6 +215,17 @@ class SparkRunner:
                         raise
                     log.info("attempt %d of %d failed (%s); re-running the whole barrier stage", attempt,
                              self.max_retries + 1, first_line(error))
+                    if self.min_workers is not None:
+                        workers = elastic.workers_for_retry(self.num_workers, self.min_workers, sc)
+                        if workers is None:  # below min_workers: the failure as it was, not retried
+                            log.warning("fewer than min_workers=%d task slots are left: not retried",
+                                        self.min_workers)
+                            raise
+                        if workers != len(roles):
+                            log.warning("world size %d -> %d: the retry runs with the slots Spark has "
+                                        "(min_workers=%d, num_workers=%d)", len(roles), workers, self.min_workers,
+                                        self.num_workers)
+                        roles = layout.plan_roles(workers)
                     continue
                 report.succeeded = True
                 return result
@@ -336,7 +358,7 @@ class SparkRunner:
         if error is None:
             _take_task_info(rows, report, server)
             return _assemble_result(rows)
-        raise explain(error, state, server, self.roles, plan.attempt, self.max_retries + 1, self.timeout) from None
+        raise explain(error, state, server, list(plan.roles), plan.attempt, self.max_retries + 1, self.timeout) from None
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -26,6 +26,13 @@ validate; nothing that cannot be read is ever deleted. On several workers, the
 workers agree on the newest epoch every one of them has (a MIN all-reduce),
 so workers that died a moment apart resume from the same epoch
 (`stratkit.strategy.collectives.min_over_workers`, which the trainer passes in).
+A worker counts the chief's copy in backup_dir as one it has: a worker new to
+the cluster (an elastic launch grew) then resumes the cluster at the newest
+epoch instead of pulling it back to 0.
+
+Size: over 400 lines because the four parts above (checkpoint.json, saving,
+resuming, the callback) share one file layout and its checks; split the
+callback out (it is the only part that needs a model) if it grows further.
 """
 
 from __future__ import annotations
@@ -280,6 +287,14 @@ def past_end(epoch: int, epochs: int | None, directory: str, say: bool = True) -
     return True
 
 
+def readable_epoch(directory: str) -> int:
+    """The newest intact epoch in `directory`, 0 when there is none or it cannot be read (nothing is raised)."""
+    try:
+        return find_resume_point(directory).epoch
+    except (ConfigError, OSError):
+        return 0
+
+
 def _find_copy(epoch: int, directories: list[str]) -> ResumePoint | None:
     """An intact copy of `epoch` in the first of `directories` that has one."""
     for directory in directories:
@@ -306,16 +321,18 @@ class Backup(keras.callbacks.Callback):
         agree_on_epoch: callable(int) -> int returning the MIN over all workers
             (a collective); identity on one worker.
         keep: epochs kept on disk (at least 2, so a corrupt latest file has a fallback).
+        resume_note: a warning the chief gives when it resumes (what a resume does not continue).
     """
 
     def __init__(self, backup_dir: str, *, is_chief: bool = True, rank: int = 0,
-                 agree_on_epoch: Any = None, keep: int = 2) -> None:
+                 agree_on_epoch: Any = None, keep: int = 2, resume_note: str | None = None) -> None:
         super().__init__()
         self.backup_dir = backup_dir
         self.is_chief = is_chief
         self.directory = worker_backup_dir(backup_dir, is_chief, rank)
         self.agree_on_epoch = agree_on_epoch or (lambda epoch: epoch)
         self.keep = max(int(keep), 2)
+        self.resume_note = resume_note
         self.resumed_epoch = 0
         self._past_end = False
         self._decided: tuple[int, Any, Any] | None = None
@@ -331,7 +348,13 @@ class Backup(keras.callbacks.Callback):
         files.check_dir(self.backup_dir, _WHAT)
         prepare_dir(self.directory)  # every worker cleans only its own directory
         local = find_resume_point(self.directory)
-        epoch = int(self.agree_on_epoch(local.epoch))
+        proposal = local.epoch
+        if not self.is_chief:
+            # A worker new to this world (an elastic launch grew, or its host was replaced) has no copy of its
+            # own; the chief's intact copy in backup_dir will do (every worker holds the same weights), so it
+            # does not pull the cluster back to epoch 0.
+            proposal = max(proposal, readable_epoch(self.backup_dir))
+        epoch = int(self.agree_on_epoch(proposal))
         point = local if epoch == local.epoch else None
         if epoch > 0 and point is None:
             # Another worker has only an older epoch (it died first), or this worker lost its copy (e.g. a
@@ -359,6 +382,8 @@ class Backup(keras.callbacks.Callback):
             # Keras' own BackupAndRestore resumes the same way; fit() reads it once.
             keras_compat.set_resume_epoch(self.model, epoch)
             log.info("resumed from %s at epoch %d", point.path, epoch)
+            if self.resume_note and self.is_chief:
+                warn(self.resume_note)
         elif local.note:
             warn(local.note)
         self.resumed_epoch = epoch

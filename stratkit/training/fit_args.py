@@ -162,3 +162,44 @@ def refuse_on_parameter_servers(*, class_weight: Any, initial_epoch: int, valida
         raise ConfigError(f"validation_batch_size={validation_batch_size!r} is not supported by parameter-server "
                           "training (validation uses the global batch). Fix: drop validation_batch_size, or pass "
                           "validation_data as a dataset batched as you want it")
+
+
+def check_elastic(environ: Any, global_batch_size: int | None, per_replica_batch_size: int | None,
+                  num_replicas: int, num_workers: int, scale_learning_rate: bool = False) -> None:
+    """Under `stratkit launch --nnodes MIN:MAX` (STRATKIT_ELASTIC="MIN:MAX" workers): the global batch is kept.
+
+    The per-replica batch is global / replicas in each round, so the math is
+    one process's with that global batch at every world size. Refused, before
+    step 1 of the round that would break it: a per-replica batch alone (the
+    global batch would move with the world size, as under torchrun or Horovod
+    Elastic), scale_learning_rate (it multiplies the rate by the replica
+    count), and a global batch this round's replicas do not divide.
+    """
+    from stratkit.cluster.environments.tf_config import ELASTIC_VAR
+
+    text = (environ.get(ELASTIC_VAR) or "").strip()
+    low, _, high = text.partition(":")
+    if not (low.isdigit() and high.isdigit()):
+        return
+    per_worker = max(num_replicas // max(num_workers, 1), 1)
+    sizes = [w * per_worker for w in range(int(low), int(high) + 1)]
+    fit = math.lcm(*sizes)
+    if per_replica_batch_size is not None and global_batch_size is None:
+        now = per_replica_batch_size * num_replicas
+        raise ConfigError(f"per_replica_batch_size={per_replica_batch_size} under an elastic launch (--nnodes "
+                          f"MIN:MAX, {low} to {high} workers): the global batch would change with the world size, and "
+                          f"the run would not be the one you would have had. Fix: pass global_batch_size=N instead, "
+                          f"with N divisible by every replica count {sizes} (a multiple of {fit}), e.g. "
+                          f"global_batch_size={now - now % fit or fit}")
+    if scale_learning_rate:
+        raise ConfigError(f"scale_learning_rate=True multiplies the learning rate by the replica count, which changes "
+                          f"with the world size of an elastic launch (--nnodes MIN:MAX, {low} to {high} workers), while "
+                          "the global batch stays the same. Fix: drop scale_learning_rate and compile the model with "
+                          "the learning rate for your global batch")
+    if global_batch_size is not None and global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % fit
+        raise ConfigError(f"global_batch_size={global_batch_size} does not split over the {num_replicas} replicas "
+                          f"of this round of the elastic launch (--nnodes MIN:MAX: {low} to {high} workers; the world "
+                          f"size changed). Refused before its first step: backup_dir still holds the last epoch. Fix: "
+                          f"a global batch divisible by every replica count {sizes}: {lower or fit} or {lower + fit}, "
+                          "and start again (the backup resumes)")

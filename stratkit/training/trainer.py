@@ -151,6 +151,8 @@ class Trainer:
         data = fit_args.join_arrays(data, y, sample_weight)
         fit_args.check_class_weight(class_weight, data)
         data, validation_data = fit_args.split_validation(data, validation_split, validation_data)
+        fit_args.check_elastic(os.environ, global_batch_size, per_replica_batch_size, self.num_replicas,
+                               max(self.spec.num_workers, 1), scale_learning_rate)
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
         if class_weight is not None and is_dataset_fn(data):
@@ -193,6 +195,8 @@ class Trainer:
             val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
                           global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
+        if backup is not None and shuffle and train.kind == "dataset" and not train.endless:
+            backup.resume_note = _RESHUFFLED
 
         callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
         if scale_learning_rate:
@@ -317,6 +321,14 @@ class Trainer:
                 model.save_weights(path, overwrite=True)
             else:
                 model.save(path, overwrite=True)
+
+
+#: Said once on a resume of a shuffled tf.data.Dataset: tf.data's reshuffle restarts its sequence in a new process
+#: (numpy arrays' order is a function of the epoch, so it is continued).
+_RESHUFFLED = ("shuffle=True on a tf.data.Dataset: the epochs after this resume are shuffled in the order of a run's "
+               "first epochs (tf.data starts its reshuffle sequence again in a new process), so the run is as good "
+               "as an uninterrupted one but not the same, example for example. Fix: for an exact continuation, pass "
+               "numpy arrays (their order is continued), or shuffle the dataset once yourself and pass shuffle=False")
 
 
 def _predict_locally(model: Any, dataset: Any) -> Any:

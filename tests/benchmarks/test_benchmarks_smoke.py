@@ -45,6 +45,8 @@ EXPECTED = {
                "status"}, (pytest.mark.spark, pytest.mark.multiworker)),
     "input": ({"benchmark", "machine", "quick", "goal_ratio", "rows"},
               {"model", "reader", "reader rows/s", "model ex/s", "ratio", "goal met"}, ()),
+    "elastic": ({"benchmark", "machine", "quick", "rows", "flags", "loadavg_before", "loadavg_after"},
+                {"event", "median s", "min s", "max s", "runs", "raw"}, (pytest.mark.hosts, pytest.mark.multiworker)),
 }
 
 

@@ -540,3 +540,17 @@ def test_two_hosts_losing_host_two_ends_host_one_and_a_wrong_token_never_joins(h
     assert intruder[0].returncode not in (0, None), err0[-2000:]
     assert f"node 1 ({h2.address})" in err0 and "lost" in err0, err0[-3000:]
     assert left == [[], []], left
+
+
+@pytest.mark.slow
+def test_with_log_dir_every_node_writes_its_tasks_logs_and_events(tmp_path):
+    script = [sys.executable, "-c", "print('logged', flush=True)"]
+    port = free_ports(1)[0]
+    nodes = [_node(port, script, "--log-dir", str(tmp_path / "a"))]
+    time.sleep(1)  # "a" serves the rendezvous: node 0, worker 0
+    nodes.append(_node(port, script, "--log-dir", str(tmp_path / "b")))
+    outs = [proc.communicate(timeout=60) for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    assert "logged" in (tmp_path / "a" / "worker-0.log").read_text()
+    assert "logged" in (tmp_path / "b" / "worker-1.log").read_text()
+    assert any('"event": "done"' in line for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines())

@@ -367,3 +367,28 @@ def test_a_done_marker_naming_a_path_outside_the_backup_never_deletes_it(tmp_pat
     (backup / DONE_FILE).write_text(json.dumps({"epoch": 9, "file": "../victim.txt"}))
     assert _ChiefCheckpoints(str(backup), has_evaluator=False).resume(_mlp()) == 0
     assert victim.read_text() == "the user's file"
+
+
+# -- what a resume continues, and what it says it does not -----------------------------------------------
+
+def test_a_resume_of_a_shuffled_dataset_says_its_order_is_not_continued_and_arrays_say_nothing(
+        trainer, tmp_path, capsys):
+    def fit(backup, data, callbacks=()):
+        model = trainer.build(_mlp)
+        trainer.fit(model, data, epochs=4, global_batch_size=32, backup_dir=str(backup), callbacks=list(callbacks),
+                    verbose=0)
+        return model
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices(_data())
+
+    with pytest.raises(Crash):
+        fit(tmp_path / "dataset", dataset(), [CrashAfterEpoch(2)])
+    fit(tmp_path / "dataset", dataset())
+    assert "shuffle=True on a tf.data.Dataset: the epochs after this resume" in capsys.readouterr().err
+    with pytest.raises(Crash):
+        fit(tmp_path / "arrays", _data(), [CrashAfterEpoch(2)])
+    resumed = fit(tmp_path / "arrays", _data()).get_weights()
+    assert "shuffle=True" not in capsys.readouterr().err  # arrays: each epoch's order is a function of the epoch
+    uninterrupted = fit(tmp_path / "whole", _data()).get_weights()
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(resumed, uninterrupted)) <= 1e-6

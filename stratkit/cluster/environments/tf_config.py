@@ -13,6 +13,8 @@ from stratkit.errors import ConfigError
 
 #: Set by `stratkit launch` ("launch") and the Spark runner ("spark") next to TF_CONFIG.
 LAUNCHER_VAR = "STRATKIT_LAUNCHER"
+#: Set by `stratkit launch --nnodes MIN:MAX` ("MIN:MAX" workers): the world size may change between restarts.
+ELASTIC_VAR = "STRATKIT_ELASTIC"
 _SAGEMAKER_VARS = ("SM_CURRENT_HOST", "SM_TRAINING_ENV", "SM_HOSTS")
 
 

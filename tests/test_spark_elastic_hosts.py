@@ -1,0 +1,125 @@
+"""`SparkRunner(num_workers=2, min_workers=1)` on a Spark standalone cluster across two test hosts: host 2 dies
+after epoch 1, the retry runs with the one slot left, resumes from backup_dir, and the chief's weights equal one
+uninterrupted process with the same global batch.
+
+The cluster is tests/test_spark_hosts.py's (a master on h1, one 1-core worker per host, the driver on h1),
+made for this module alone, since the test takes h2 away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import hosts
+from procs import REPO_ROOT, child_env
+from test_spark_hosts import PORT, Cluster, Driver
+
+pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.spark, pytest.mark.multiworker]
+
+SCRIPT = REPO_ROOT / "tests" / "launch" / "elastic_train.py"
+
+DRIVER = r'''
+import json, os, sys, time
+
+from pyspark.sql import SparkSession
+
+from stratkit.spark import SparkRunner, SparkTrainingError
+
+MASTER, ADDRESS, SCRIPT, WORK = sys.argv[1:5]
+
+
+def train():
+    """tests/launch/elastic_train.py, run as this task's training (8 epochs, global batch 8, backup_dir)."""
+    import json, os, runpy, socket, sys
+
+    print("RUNNING ON " + socket.gethostname(), flush=True)
+    sys.argv = [SCRIPT, os.path.join(WORK, "result"), os.path.join(WORK, "backup"), "8", "1.5"]
+    runpy.run_path(SCRIPT, run_name="__main__")
+    import stratkit
+
+    rank = max(stratkit.detect().worker_rank, 0)
+    with open(os.path.join(WORK, "result", f"result-{rank}.json")) as handle:
+        return json.load(handle)
+
+
+spark = (SparkSession.builder.master(MASTER).appName("stratkit-elastic-hosts")
+         .config("spark.driver.host", ADDRESS).config("spark.driver.bindAddress", ADDRESS)
+         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+         .config("spark.executor.cores", "1").config("spark.task.cpus", "1").config("spark.cores.max", "2")
+         .config("spark.executor.memory", "512m")
+         .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+         .getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+deadline = time.monotonic() + 60
+while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:   # the driver and two executors
+    if time.monotonic() > deadline:
+        raise SystemExit("the two executors did not register within 60 s")
+    time.sleep(0.2)
+print("EXECUTORS READY", flush=True)
+runner = SparkRunner(num_workers=2, min_workers=1, max_retries=2, timeout=240)
+try:
+    out = {"result": runner.run(train), "attempts": runner.last_run.attempts}
+except SparkTrainingError as error:
+    out = {"error": type(error).__name__, "message": str(error)}
+print("DRIVER " + json.dumps(out), flush=True)
+spark.stop()
+'''
+
+
+class ElasticCluster(Cluster):
+    def driver(self, mode: str) -> Driver:
+        script = self.workdir / "elastic_driver.py"
+        script.write_text(DRIVER)
+        proc = self.h1.popen([sys.executable, str(script), self.master, self.h1.address, str(SCRIPT),
+                              str(self.workdir / mode)], env=self.env(self.h1), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                             cwd=self.workdir)
+        return Driver(proc)
+
+
+def test_host_two_lost_after_epoch_1_the_retry_runs_on_the_slot_left_and_equals_one_process(tmp_path):
+    hosts.gate()
+    one = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "one"), str(tmp_path / "one-backup"), "8", "0"],
+                         env=child_env(None), capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    want = json.loads((tmp_path / "one" / "result-0.json").read_text())["weights"]
+    with hosts.make_hosts(2) as (h1, h2):
+        cluster = ElasticCluster(h1, h2, tmp_path)
+        try:
+            cluster.start("master", h1, ["org.apache.spark.deploy.master.Master", "--host", "h1", "--port",
+                                         str(PORT), "--webui-port", "0"], "I have been elected leader")
+            for host in (h1, h2):
+                cluster.start(f"worker-{host.name}", host,
+                              ["org.apache.spark.deploy.worker.Worker", cluster.master, "--host", host.name,
+                               "--cores", "1", "--memory", "1g", "--webui-port", "0",
+                               "--work-dir", str(tmp_path / f"work-{host.name}")],
+                              "Successfully registered with master")
+            driver = cluster.driver("run")
+            assert driver.wait_for("EPOCH 1 replicas 2", timeout=150), driver.output[-6000:] + cluster.logs()
+            for _ in range(20):  # h2 goes away: every process on it, again until none is left
+                pids = [p for p in h2.pids() if h2.holder is None or p != h2.holder.pid]
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                time.sleep(0.05)
+            out = driver.finish(timeout=240)
+        finally:
+            cluster.stop()
+    log = driver.output
+    assert "result" in out, log[-6000:]
+    assert out["attempts"] == 2 and out["result"]["replicas"] == 1, (out, log[-4000:])
+    assert "world size 2 -> 1" in log, log[-4000:]
+    assert "resumed from" in log, log[-4000:]
+    worst = max(abs(a - b) for a, b in zip(want, out["result"]["weights"]))
+    assert worst <= 1e-5, worst
