@@ -7,6 +7,8 @@ themselves on a model built in `make_strategy(...).scope()` get it too.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from typing import Any
 
@@ -141,38 +143,36 @@ def configure_logical_cpus(count: int) -> list[str]:
             raise ConfigError(f"logical_cpus={count} cannot be applied: TensorFlow already started "
                               f"with {len(current or [1])} CPU device(s). Fix: {_STARTUP_FIX}")
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    size_inter_op_pool(count)
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def size_inter_op_pool(replicas: int) -> None:
-    """Give TensorFlow's inter-op pool room for `replicas` CPU replicas (before the runtime starts).
+def host_inputs(strategy: Any) -> Any:
+    """Make `strategy`'s two dataset-distributing methods keep batches in host memory unless told otherwise.
 
-    Measured (TF 2.21, 2 cores): a custom loop that creates and advances a
-    distributed iterator inside one `tf.function` over 2 logical CPUs stalled
-    for good in 3 of 3 runs with TensorFlow's default pool (one thread per
-    core): each replica's blocking ops hold a pool thread. With 3, 4 or 8
-    threads it finished in seconds. We take `replicas + 1` (or the cores, if
-    more): the fewest that never stalled. More is not free: with 6 threads a
-    `model.fit` step over 2 logical CPUs cost 5-10% more CPU time than with 2
-    or 3 (idle pool threads spin on 2 cores; `benchmarks/compare_trees.py`).
-    The PS path sizes the same pool for the same reason
-    (`server.inter_op_threads`).
-
-    Left alone when the user sized it (`tf.config.threading.
-    set_inter_op_parallelism_threads` or TF_NUM_INTEROP_THREADS) or when the
-    runtime already started (it cannot change then).
+    For Mirrored over logical CPUs: every "device" is this host's memory, so
+    TensorFlow's prefetch to each device only adds a multi-device iterator
+    whose per-device get_next ops block inter-op threads. Measured (TF 2.21,
+    2 cores, TensorFlow's default pool of 2 threads): a custom loop that
+    creates and advances a distributed iterator inside one `tf.function`
+    stalled 3 of 3 runs with it, and finished 3 of 3 in 4-5 s with
+    `InputOptions(experimental_fetch_to_device=False)`. Sizing the pool up
+    instead (3 threads) also avoided the stall but made one `model.fit` run
+    in 3 about 25% slower (benchmarks/README.md). Options the caller passes win.
     """
-    import os
-
     tf = _tf()
-    if os.environ.get("TF_NUM_INTEROP_THREADS") or tf.config.threading.get_inter_op_parallelism_threads():
-        return
-    if runtime_initialized():
-        return
-    threads = max(replicas + 1, os.cpu_count() or 1)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
-    log.debug("logical_cpus=%d: TensorFlow's inter-op pool sized to %d threads", replicas, threads)
+
+    def wrap(method: Any) -> Any:
+        @functools.wraps(method)
+        def distribute(*args: Any, options: Any = None, **kwargs: Any) -> Any:
+            if options is None:
+                options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+            return method(*args, options=options, **kwargs)
+
+        return distribute
+
+    for name in ("experimental_distribute_dataset", "distribute_datasets_from_function"):
+        setattr(strategy, name, wrap(getattr(strategy, name)))
+    return strategy
 
 
 def _build_mirrored(spec: ClusterSpec, devices: list[str] | None = None, logical_cpus: int | None = None,
@@ -185,7 +185,8 @@ def _build_mirrored(spec: ClusterSpec, devices: list[str] | None = None, logical
         # MirroredStrategy() alone uses one CPU even when several logical CPUs exist.
         devices = [d.name for d in gpus] if gpus else (
             cpu_devices if logical_cpus is not None else [d.name for d in tf.config.list_logical_devices("CPU")])
-    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
+    strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
+    return host_inputs(strategy) if logical_cpus is not None else strategy
 
 
 def cluster_resolver(spec: ClusterSpec):
