@@ -38,8 +38,8 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
             one_device: `device` (default "/gpu:0" when a GPU is visible, else "/cpu:0").
             mirrored: `devices` (default: all GPUs, else all logical CPUs),
                 `logical_cpus=N` (split the CPU into N logical devices first;
-                useful for testing on a CPU machine; also sizes TensorFlow's
-                inter-op thread pool unless you did), `cross_device_ops`.
+                useful for testing on a CPU machine; input batches then stay
+                in host memory unless you pass InputOptions), `cross_device_ops`.
             multi_worker_mirrored: `implementation` ("auto", "ring", "nccl"),
                 `timeout_seconds` (collective timeout; keep it well above any
                 chief pause), `bytes_per_pack` (gradient packing).
