@@ -225,11 +225,7 @@ class ElasticRendezvous(RendezvousServer):
     # -- while a round runs -----------------------------------------------------------------------
     def _gone(self, round_: _Round, node: _Node, why: str) -> None:
         with self._lock:
-            if not round_.formed:
-                if node in round_.nodes:
-                    round_.nodes.remove(node)  # left before the cluster formed: its place is free again
-                return
-            if node.rank is None or round_.decision is not None or node.rank in round_.done:
+            if not self._still_running(round_, node):
                 return
             round_.done.add(node.rank)
             info = self._member(round_.number)

@@ -289,13 +289,21 @@ class RendezvousServer:
                                            "hosts": hosts, "tasks": [[t.role, t.index] for t in mine],
                                            "run_dir": run_dir, "round": round_.number, **extra}))
 
+    def _still_running(self, round_: _Round, node: _Node) -> bool:
+        """Whether `node` leaving `round_` changes the run; call under the lock.
+
+        Before the cluster formed, a node that leaves frees its place (and changes nothing else). After it,
+        a node without a rank, or one whose end is already counted, or a round already decided, changes nothing.
+        """
+        if not round_.formed:
+            if node in round_.nodes:
+                round_.nodes.remove(node)
+            return False
+        return node.rank is not None and round_.decision is None and node.rank not in round_.done
+
     def _gone(self, round_: _Round, node: _Node, why: str) -> None:
         with self._lock:
-            if not round_.formed:
-                if node in round_.nodes:
-                    round_.nodes.remove(node)  # left before the cluster formed: its place is free again
-                return
-            if node.rank is None or round_.decision is not None or node.rank in round_.done:
+            if not self._still_running(round_, node):
                 return
         # A lost node is final: the others cannot form the cluster again without it.
         self._finished(round_, node.rank, TaskFailure(f"node {node.rank} ({node.host})", None, ended=f"lost: {why}"),
