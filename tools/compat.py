@@ -74,6 +74,8 @@ COMPAT_TESTS: dict[str, str] = {
     "model.fit": "tests/training/test_trainer_multiworker.py::"
                  "test_plain_model_fit_in_make_strategy_scope_gets_the_keras3_fixes",
     "self_check": "tests/strategy/test_keras_compat.py::test_self_check_sees_both_bugs_in_real_keras_and_none_once_fixed",
+    "fit_shuffle": "tests/strategy/test_array_shuffle.py::"
+                   "test_each_epoch_the_workers_split_one_shuffled_order_that_changes",
 }
 
 #: Run on a refused row: every line must hold for the row to count as "refused".

@@ -3,7 +3,7 @@
 Usage: python parity_cases.py MODE CASE[,CASE...]   MODE: one | mirrored (2 logical CPUs) | mwms (TF_CONFIG)
 Prints one line `RESULT {json}`: per case the weights, the history and what else the case checks.
 Each case is the smallest script that shows one way a replica's loss can fail to become one process's
-gradient: counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling,
+gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling,
 accumulation, BatchNorm, custom metrics and a custom train_step.
 """
 
@@ -39,8 +39,8 @@ def dense(n_in, optimizer, loss="mse", **compile_kwargs):
     return model
 
 
-def fit(model, x, y, batch_size, epochs=1, **kwargs):
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+def fit(model, x, y, batch_size, epochs=1, shuffle_=False, **kwargs):
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=shuffle_, verbose=0, **kwargs)
     return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "h": history.history}
 
 
@@ -90,6 +90,12 @@ def case(name):
         return fit(dense(7, sgd(), metrics=["mae"]), EYE(7), ONES(7), 4, epochs=2)
     if name == "empty_shard":       # 5 rows, batch 4: one replica's last shard is empty
         return fit(dense(5, sgd()), EYE(5), ONES(5), 4, epochs=2)
+    if name in ("shuffled", "shuffled_batch"):   # fit's default shuffle=True on arrays, no seed set
+        tf.random.set_seed(None)    # no global seed: Keras draws each epoch's order per process
+        shuffle = True if name == "shuffled" else "batch"
+        # one-hot rows: a row's weight moves only when the row is trained, so the weights say how often each
+        # row was used (one process: once an epoch, whatever the order)
+        return fit(dense(8, sgd(0.4)), EYE(8), ONES(8), 4, epochs=3, shuffle_=shuffle)
     if name == "masked":
         with scope():
             model = keras.Sequential([keras.Input((3,), dtype="int32"),

@@ -399,6 +399,13 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _distribute_strategy", "private _extended", "private _in_multi_worker_mode",
         "private _maybe_symbolic_build", "private _symbolic_build",
     },
+    "stratkit/strategy/keras_compat/array_shuffle.py": {
+        # ArrayDataAdapter.get_tf_dataset wrapped: under a multi-worker fit with no global seed, its
+        # tf.random.shuffle is swapped (for the building thread, while it builds) for an agreed stateless one
+        "import keras.src.trainers.data_adapters.array_data_adapter",
+        "import tensorflow.python.eager.context", "import tensorflow.python.framework.ops",
+        "patch cls.get_tf_dataset", "patch tf.random.shuffle", "private _shuffle",
+    },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back
         "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",

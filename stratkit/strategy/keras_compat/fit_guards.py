@@ -22,7 +22,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   same epoch; and ``fit`` returns on every worker only once every worker's
   callbacks have finished (one scalar collective after Keras's ``fit``), so
   the chief's checkpoint files are complete when any worker reads them; a
-  Python generator given to ``fit`` gets a warning (:func:`warn_if_generator`).
+  Python generator given to ``fit`` gets a warning (:func:`warn_if_generator`);
+  arrays ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
   One process, or one worker, is left exactly as Keras does it.
 
 A second guard catches Keras metrics updated in a parameter-server step
@@ -41,7 +42,7 @@ from typing import Any
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
 from stratkit.strategy.collectives import min_over_workers
-from stratkit.strategy.keras_compat import batchnorm, global_gradient, metric_guard, synced_logs
+from stratkit.strategy.keras_compat import array_shuffle, batchnorm, global_gradient, metric_guard, synced_logs
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -210,6 +211,15 @@ def _say_batchnorm_once(strategy: Any) -> None:
                     global_gradient.replicas_of(strategy), batchnorm.ENV_VAR)
 
 
+def _one_order(strategy: Any) -> Any:
+    """Every worker shuffles fit's arrays in the chief's order (:mod:`.array_shuffle`); nothing on one worker."""
+    if not _is_multi_worker_collective(strategy):
+        return contextlib.nullcontext()
+    is_chief = _is_chief(strategy)
+    return array_shuffle.agreed_order(
+        lambda value: min_over_workers(strategy, value if is_chief else array_shuffle.UNSET))
+
+
 def _guarded(name: str, original: Any) -> Any:
     """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
     signature = inspect.signature(original)
@@ -256,7 +266,8 @@ def _guarded(name: str, original: Any) -> Any:
         if exact:
             synced_logs.wrap_steps(self)
         try:
-            with global_gradient.fit_mode() if exact else contextlib.nullcontext():
+            with global_gradient.fit_mode() if exact else contextlib.nullcontext(), \
+                    _one_order(strategy) if name == "fit" else contextlib.nullcontext():
                 result = original(self, *args, **kwargs)
             if name == "fit" and _is_multi_worker_collective(strategy):
                 # Every worker leaves fit together, after every worker's callbacks (the chief's checkpoint
@@ -288,6 +299,7 @@ def install(version: str, mode: str) -> bool:
             if not getattr(current, _PATCH_MARK, False):
                 _guard_originals[name] = current
                 setattr(cls, name, _guarded(name, current))
+        array_shuffle.install()  # wraps Keras's own method only while a multi-worker fit runs
         if version in TESTED_KERAS_VERSIONS or mode == "force":
             metric_guard.install()
         else:
@@ -305,3 +317,4 @@ def revert_fit_guards() -> None:
                 if name in _guard_originals:
                     setattr(cls, name, _guard_originals.pop(name))
         metric_guard.revert()
+        array_shuffle.revert()
