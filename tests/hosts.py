@@ -34,6 +34,7 @@ what is missing (tests marked ``hosts`` skip with it, or fail when
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import shutil
@@ -41,7 +42,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,11 @@ class Host:
         """Every process in this host's network namespace (its name holder included)."""
         return netns_pids(self.netns)
 
+    def kill_all(self, rounds: int = 1) -> None:
+        """The host dies: SIGKILL every process on it but its name holder (which stays, as an empty machine
+        would), again up to `rounds` times while any is left (one may fork meanwhile)."""
+        _kill_until_gone(lambda: [p for p in self.pids() if self.holder is None or p != self.holder.pid], rounds)
+
 
 def _kill_group(pid: int) -> None:
     try:
@@ -184,19 +190,27 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def kill_namespace(netns: str, deadline: float = 10.0) -> None:
-    """SIGKILL every process in `netns` (again, until none is left: one may fork), then delete it."""
+def _kill_until_gone(listed: Callable[[], list[int]], rounds: int | None = None, deadline: float = math.inf) -> None:
+    """SIGKILL the pids `listed()` gives, again (0.05 s apart) until it gives none, `rounds` rounds have run, or
+    `deadline` seconds have passed: one shared loop for a namespace's teardown and a host that dies."""
     end = time.monotonic() + deadline
-    while True:
-        pids = [p for p in netns_pids(netns) if p != os.getpid()]
+    for done in itertools.count(1):
+        pids = listed()
         if not pids or time.monotonic() > end:
-            break
+            return
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        if done == rounds:
+            return
         time.sleep(0.05)
+
+
+def kill_namespace(netns: str, deadline: float = 10.0) -> None:
+    """SIGKILL every process in `netns` (again, until none is left: one may fork), then delete it."""
+    _kill_until_gone(lambda: [p for p in netns_pids(netns) if p != os.getpid()], deadline=deadline)
     _ip("netns", "del", netns, check=False)
 
 

@@ -9,17 +9,14 @@ made for this module alone, since the test takes h2 away.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import hosts
 from procs import REPO_ROOT, child_env
-from test_spark_hosts import PORT, Cluster, Driver
+from test_spark_hosts import SESSION, Cluster, Driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.spark, pytest.mark.multiworker]
 
@@ -33,6 +30,7 @@ from pyspark.sql import SparkSession
 from stratkit.spark import SparkRunner, SparkTrainingError
 
 MASTER, ADDRESS, SCRIPT, WORK = sys.argv[1:5]
+APP = "stratkit-elastic-hosts"
 
 
 def train():
@@ -48,21 +46,7 @@ def train():
     with open(os.path.join(WORK, "result", f"result-{rank}.json")) as handle:
         return json.load(handle)
 
-
-spark = (SparkSession.builder.master(MASTER).appName("stratkit-elastic-hosts")
-         .config("spark.driver.host", ADDRESS).config("spark.driver.bindAddress", ADDRESS)
-         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-         .config("spark.executor.cores", "1").config("spark.task.cpus", "1").config("spark.cores.max", "2")
-         .config("spark.executor.memory", "512m")
-         .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-         .getOrCreate())
-spark.sparkContext.setLogLevel("ERROR")
-deadline = time.monotonic() + 60
-while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:   # the driver and two executors
-    if time.monotonic() > deadline:
-        raise SystemExit("the two executors did not register within 60 s")
-    time.sleep(0.2)
-print("EXECUTORS READY", flush=True)
+''' + SESSION + r'''
 runner = SparkRunner(num_workers=2, min_workers=1, max_retries=2, timeout=240)
 try:
     out = {"result": runner.run(train), "attempts": runner.last_run.attempts}
@@ -93,26 +77,10 @@ def test_host_two_lost_after_epoch_1_the_retry_runs_on_the_slot_left_and_equals_
     with hosts.make_hosts(2) as (h1, h2):
         cluster = ElasticCluster(h1, h2, tmp_path)
         try:
-            cluster.start("master", h1, ["org.apache.spark.deploy.master.Master", "--host", "h1", "--port",
-                                         str(PORT), "--webui-port", "0"], "I have been elected leader")
-            for host in (h1, h2):
-                cluster.start(f"worker-{host.name}", host,
-                              ["org.apache.spark.deploy.worker.Worker", cluster.master, "--host", host.name,
-                               "--cores", "1", "--memory", "1g", "--webui-port", "0",
-                               "--work-dir", str(tmp_path / f"work-{host.name}")],
-                              "Successfully registered with master")
+            cluster.start_all()
             driver = cluster.driver("run")
             assert driver.wait_for("EPOCH 1 replicas 2", timeout=150), driver.output[-6000:] + cluster.logs()
-            for _ in range(20):  # h2 goes away: every process on it, again until none is left
-                pids = [p for p in h2.pids() if h2.holder is None or p != h2.holder.pid]
-                if not pids:
-                    break
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                time.sleep(0.05)
+            h2.kill_all(rounds=20)  # h2 goes away: every process on it, again until none is left
             out = driver.finish(timeout=240)
         finally:
             cluster.stop()

@@ -8,9 +8,7 @@ route to the hosts): a small driver script runs ``SparkRunner(num_workers=2).run
 from __future__ import annotations
 
 import json
-import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +25,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.spark]
 PORT = 7077
 PARITY = REPO_ROOT / "tests" / "strategy" / "parity_cases.py"
 
+#: The drivers' Spark session (this module's and tests/test_spark_elastic_hosts.py's), one text so both run the
+#: same cluster set-up: the script defines MASTER, ADDRESS and APP; it waits for both executors to register.
+SESSION = r'''
+spark = (SparkSession.builder.master(MASTER).appName(APP)
+         .config("spark.driver.host", ADDRESS).config("spark.driver.bindAddress", ADDRESS)
+         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+         .config("spark.executor.cores", "1").config("spark.task.cpus", "1").config("spark.cores.max", "2")
+         .config("spark.executor.memory", "512m")
+         .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+         .getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+deadline = time.monotonic() + 60
+while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:   # the driver and two executors
+    if time.monotonic() > deadline:
+        raise SystemExit("the two executors did not register within 60 s")
+    time.sleep(0.2)
+print("EXECUTORS READY", flush=True)
+'''
+
 DRIVER = r'''
 import json, os, socket, sys, time
 
@@ -35,6 +52,7 @@ from pyspark.sql import SparkSession
 from stratkit.spark import SparkRunner, SparkTrainingError
 
 MODE, MASTER, ADDRESS = sys.argv[1], sys.argv[2], sys.argv[3]
+APP = "stratkit-hosts"
 
 
 def uneven_training():
@@ -73,21 +91,7 @@ def sleeping():
     time.sleep(300)
     return trainer.num_replicas
 
-
-spark = (SparkSession.builder.master(MASTER).appName("stratkit-hosts")
-         .config("spark.driver.host", ADDRESS).config("spark.driver.bindAddress", ADDRESS)
-         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-         .config("spark.executor.cores", "1").config("spark.task.cpus", "1").config("spark.cores.max", "2")
-         .config("spark.executor.memory", "512m")
-         .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-         .getOrCreate())
-spark.sparkContext.setLogLevel("ERROR")
-deadline = time.monotonic() + 60
-while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:   # the driver and two executors
-    if time.monotonic() > deadline:
-        raise SystemExit("the two executors did not register within 60 s")
-    time.sleep(0.2)
-print("EXECUTORS READY", flush=True)
+''' + SESSION + r'''
 runner = SparkRunner(num_workers=2, timeout=None if MODE == "parity" else 120)
 try:
     result = runner.run(uneven_training if MODE == "parity" else sleeping)
@@ -127,6 +131,18 @@ class Cluster:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"Spark {name} did not start:\n{self.logs()}")
             time.sleep(0.2)
+
+    def start_all(self) -> None:
+        """The master on h1, then one 1-core worker per host, each once the one before says it is up (this
+        module's fixture and tests/test_spark_elastic_hosts.py start the same cluster)."""
+        self.start("master", self.h1, ["org.apache.spark.deploy.master.Master", "--host", "h1", "--port", str(PORT),
+                                       "--webui-port", "0"], "I have been elected leader")
+        for host in (self.h1, self.h2):
+            self.start(f"worker-{host.name}", host,
+                       ["org.apache.spark.deploy.worker.Worker", self.master, "--host", host.name,
+                        "--cores", "1", "--memory", "1g", "--webui-port", "0",
+                        "--work-dir", str(self.workdir / f"work-{host.name}")],
+                       "Successfully registered with master")
 
     def logs(self, tail: int = 3000) -> str:
         return "".join(f"\n--- {name} ---\n{log.read_text(errors='replace')[-tail:]}" for name, _, log in self.daemons)
@@ -201,14 +217,7 @@ def cluster(tmp_path_factory):
     with hosts.make_hosts(2) as (h1, h2):
         made = Cluster(h1, h2, workdir)
         try:
-            made.start("master", h1, ["org.apache.spark.deploy.master.Master", "--host", "h1", "--port", str(PORT),
-                                      "--webui-port", "0"], "I have been elected leader")
-            for host in (h1, h2):
-                made.start(f"worker-{host.name}", host,
-                           ["org.apache.spark.deploy.worker.Worker", made.master, "--host", host.name,
-                            "--cores", "1", "--memory", "1g", "--webui-port", "0",
-                            "--work-dir", str(workdir / f"work-{host.name}")],
-                           "Successfully registered with master")
+            made.start_all()
             yield made
         finally:
             made.stop()
@@ -269,17 +278,9 @@ def test_losing_a_host_mid_run_fails_the_run_with_its_cause_and_leaves_nothing_r
         assert driver.wait_for("SLEEPING ON h2", timeout=90), driver.output[-6000:] + cluster.logs()
         assert driver.wait_for("SLEEPING ON h1", timeout=30) or "SLEEPING ON h1" in driver.output
         killed = time.monotonic()
-        # h2 goes away: every process on it (worker, executor, Python workers, training process) killed at once
-        for _ in range(20):   # again until none is left (one may fork meanwhile)
-            pids = [p for p in cluster.h2.pids() if cluster.h2.holder is None or p != cluster.h2.holder.pid]
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.05)
+        # h2 goes away: every process on it (worker, executor, Python workers, training process) killed at once,
+        # again until none is left (one may fork meanwhile)
+        cluster.h2.kill_all(rounds=20)
         out = driver.finish(timeout=100)
         took = time.monotonic() - killed
     finally:

@@ -21,12 +21,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from procs import alive, child_env, free_ports
-from stratkit.cli import main
 from stratkit.errors import ConfigError
 from stratkit.launch.elastic import ElasticRendezvous
 from stratkit.launch.nodelink import NodeLink
@@ -38,13 +40,6 @@ SCRIPT = Path(__file__).resolve().parent / "elastic_train.py"
 EPOCHS = 8
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name == "TF_CONFIG" or name.startswith(("STRATKIT_", "SLURM_")):
-            monkeypatch.delenv(name, raising=False)
-
-
 # -- flags ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("argv", "words"), [
     (["--nnodes", "3:1", "--rdzv-endpoint", "127.0.0.1:1"], ["--nnodes", "3:1", "MIN <= MAX"]),
@@ -53,13 +48,9 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-last-call", "7200"], ["--rdzv-last-call", "7200"]),
     (["--rdzv-last-call", "2"], ["--rdzv-last-call", "--nnodes N"]),
 ])
-def test_a_bad_elastic_setting_is_refused_naming_the_flag(argv, words, capsys, monkeypatch):
+def test_a_bad_elastic_setting_is_refused_naming_the_flag(argv, words, refused_launch, monkeypatch):
     monkeypatch.setenv(TOKEN_VAR, TOKEN)
-    assert main(["launch", *argv, "--", sys.executable, "-c", "pass"]) == 2
-    err = capsys.readouterr().err
-    for word in words:
-        assert word in err, err
-    assert "Fix:" in err
+    refused_launch(argv, words)
 
 
 def test_under_an_elastic_launch_the_global_batch_is_kept_or_refused_with_the_fix():
@@ -180,16 +171,6 @@ def _launcher(nnodes: str, endpoint: str, script: list[str], log_dir: Path, *ext
             "--", *script]
 
 
-def _kill_host(host) -> None:
-    """The host dies: every process on it, at once (its name holder stays, as an empty machine would)."""
-    for pid in host.pids():
-        if host.holder is None or pid != host.holder.pid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def _assert_equal(want: list[float], result: Path) -> float:
     got = json.loads(result.read_text())["weights"]
     assert len(got) == len(want)
@@ -206,21 +187,29 @@ def _train(tmp_path: Path) -> list[str]:
     return [sys.executable, str(SCRIPT), str(tmp_path / "result"), str(tmp_path / "backup"), str(EPOCHS)]
 
 
-@pytest.mark.slow
-@pytest.mark.hosts
-@pytest.mark.multiworker
-def test_host_two_lost_for_good_after_epoch_1_host_one_finishes_alone_as_one_process(tmp_path, one_process):
+@contextmanager
+def _two_hosts_training(tmp_path: Path, pause: str, late: float) -> Iterator[tuple[Any, Any, _Node, _Node]]:
+    """Test hosts h1, h2 with `--nnodes 1:2` launchers of the training (`pause` s after each epoch): h1's, then
+    `late` s later h2's, as two machines would start (the two-host tests differ only in what happens next)."""
     import hosts
 
     env = child_env(None, {TOKEN_VAR: TOKEN})
     with hosts.make_hosts(2) as (h1, h2):
         endpoint = f"{h1.address}:29400"
-        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log1"), env)
-        time.sleep(1)
-        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log2"), env)
+        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), pause], tmp_path / "log1"), env)
+        time.sleep(late)
+        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), pause], tmp_path / "log2"), env)
+        yield h1, h2, first, second
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_host_two_lost_for_good_after_epoch_1_host_one_finishes_alone_as_one_process(tmp_path, one_process):
+    with _two_hosts_training(tmp_path, "1.5", late=1) as (h1, h2, first, second):
         first.wait_for("[worker:0] EPOCH 1 replicas 2", 90)
         lost = time.monotonic()
-        _kill_host(h2)
+        h2.kill_all()  # the host dies: every process on it, at once
         code = first.finish(150)
         took = time.monotonic() - lost
         second.finish(10)
@@ -240,14 +229,7 @@ def test_host_two_lost_for_good_after_epoch_1_host_one_finishes_alone_as_one_pro
 @pytest.mark.hosts
 @pytest.mark.multiworker
 def test_host_two_starting_20_s_late_is_admitted_and_both_end_as_one_process(tmp_path, one_process):
-    import hosts
-
-    env = child_env(None, {TOKEN_VAR: TOKEN})
-    with hosts.make_hosts(2) as (h1, h2):
-        endpoint = f"{h1.address}:29400"
-        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), "3"], tmp_path / "log1"), env)
-        time.sleep(20)
-        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), "3"], tmp_path / "log2"), env)
+    with _two_hosts_training(tmp_path, "3", late=20) as (h1, h2, first, second):
         codes = [first.finish(150), second.finish(60)]
     assert codes == [0, 0], (first.stderr[-3000:], second.stderr[-3000:])
     assert "[worker:0] EPOCH 1 replicas 1" in "".join(first.out)  # it trained alone first
@@ -275,7 +257,7 @@ def test_below_min_every_node_left_ends_non_zero_naming_the_missing_node_within_
         for node in nodes:
             node.wait_for("] up", 60)
         lost = time.monotonic()
-        _kill_host(h3)
+        h3.kill_all()  # the host dies: every process on it, at once
         codes = [node.finish(60) for node in nodes[:2]]
         took = time.monotonic() - lost
         nodes[2].finish(10)
@@ -294,14 +276,7 @@ def test_host_two_cut_off_silently_its_task_failure_on_host_one_is_not_a_failure
         tmp_path, one_process):
     """A host that goes silent (power cut, network gone) sends no FIN: host 1's task fails first (its collective
     aborts), and the rendezvous weighs that failure only once the silent node is lost: a membership change."""
-    import hosts
-
-    env = child_env(None, {TOKEN_VAR: TOKEN})
-    with hosts.make_hosts(2) as (h1, h2):
-        endpoint = f"{h1.address}:29400"
-        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log1"), env)
-        time.sleep(1)
-        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), "1.5"], tmp_path / "log2"), env)
+    with _two_hosts_training(tmp_path, "1.5", late=1) as (h1, h2, first, second):
         first.wait_for("[worker:0] EPOCH 1 replicas 2", 90)
         h2.run(["ip", "link", "set", "eth0", "down"], timeout=10, check=True)
         codes = [first.finish(150), second.finish(60)]

@@ -31,13 +31,6 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 PARITY = Path(__file__).resolve().parents[1] / "strategy" / "parity_cases.py"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name == "TF_CONFIG" or name.startswith(("STRATKIT_", "SLURM_")):
-            monkeypatch.delenv(name, raising=False)
-
-
 # -- flags ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("argv", "words"), [
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"], [TOKEN_VAR, "not set", "secrets.token_hex"]),
@@ -50,14 +43,11 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--print-tf-config"], ["--print-tf-config", "--hosts"]),
     (["--rdzv-endpoint", "127.0.0.1:1"], ["--rdzv-endpoint", "--nnodes N"]),
 ])
-def test_a_bad_multi_node_setting_is_refused_before_anything_starts_naming_the_flag(argv, words, capsys, monkeypatch):
+def test_a_bad_multi_node_setting_is_refused_before_anything_starts_naming_the_flag(argv, words, refused_launch,
+                                                                                 monkeypatch):
     if words[0] != TOKEN_VAR:
         monkeypatch.setenv(TOKEN_VAR, TOKEN)
-    assert main(["launch", *argv, "--", sys.executable, "-c", "pass"]) == 2
-    err = capsys.readouterr().err
-    for word in words:
-        assert word in err, err
-    assert "Fix:" in err
+    refused_launch(argv, words)
 
 
 def test_a_short_token_is_refused_naming_the_variable(capsys, monkeypatch):
@@ -370,6 +360,26 @@ def test_a_launcher_with_a_wrong_token_is_refused_and_the_run_goes_on_without_it
 
 
 # -- two test hosts (network namespaces h1, h2 at 198.18.0.1/.2; tests/hosts.py) ---------------------
+def _start_on_two_hosts(h1, h2, argv: list[str], env: dict[str, str], late: float,
+                        env2: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+    """`argv` on h1, then `late` s later on h2 (with `env2` if given), output piped: how two machines start."""
+    procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    time.sleep(late)
+    procs.append(h2.popen(argv, env=env if env2 is None else env2, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True))
+    return procs
+
+
+def _assert_all_ok(procs: list[subprocess.Popen[str]], outs: list[tuple[str, str]]) -> None:
+    """Every launcher exited 0 (the first that did not: the end of its stderr)."""
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-4000:]
+
+
+def _left(*test_hosts) -> list[list[int]]:
+    return [[p for p in h.pids() if h.holder is None or p != h.holder.pid] for h in test_hosts]
+
+
 @pytest.mark.slow
 @pytest.mark.hosts
 @pytest.mark.multiworker
@@ -385,12 +395,9 @@ def test_two_hosts_train_as_one_cluster_with_the_second_starting_late():
         argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
                 f"{h1.address}:{port}", "--stop-grace", "3", "--rdzv-timeout", "120", "--", *script]
         env = child_env(None, {TOKEN_VAR: TOKEN})
-        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-        time.sleep(8)
-        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs = _start_on_two_hosts(h1, h2, argv, env, late=8)
         outs = [p.communicate(timeout=240) for p in procs]
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, err[-4000:]
+    _assert_all_ok(procs, outs)
     (out0, err0), (out1, err1) = outs
     assert f"node 0 of 2 ({h1.address})" in err0 and f"node 1 of 2 ({h2.address})" in err1, (err0[-2000:], err1)
     assert "started: pid" in err1 and f"at {h2.address}:" in err1, err1[-2000:]  # its own address, not h1's
@@ -417,12 +424,9 @@ def test_two_hosts_restart_after_a_failure_and_the_resumed_run_equals_an_uninter
                 f"{h1.address}:29400", "--stop-grace", "3", "--rdzv-timeout", "120", "--max-restarts", "1", "--",
                 sys.executable, str(script), str(backup)]
         env = child_env(None, {TOKEN_VAR: TOKEN, "DIE_AFTER_EPOCH": "2"})
-        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-        time.sleep(3)
-        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs = _start_on_two_hosts(h1, h2, argv, env, late=3)
         outs = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, err[-4000:]
+    _assert_all_ok(procs, outs)
     (out0, err0), (out1, err1) = outs
     assert "[worker:1] worker 1 dies after epoch 2" in out1, out1[-2000:]
     for err in (err0, err1):
@@ -450,13 +454,10 @@ def test_two_hosts_train_a_parameter_server_cluster_and_every_task_ends():
                 "--rdzv-endpoint", f"{h1.address}:29400", "--stop-grace", "3", "--rdzv-timeout", "120", "--",
                 sys.executable, digits, "--epochs", "2"]
         env = child_env(None, {TOKEN_VAR: TOKEN})
-        procs = [h1.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-        time.sleep(3)
-        procs.append(h2.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs = _start_on_two_hosts(h1, h2, argv, env, late=3)
         outs = [p.communicate(timeout=300) for p in procs]
-        left = [[p for p in h.pids() if h.holder is None or p != h.holder.pid] for h in (h1, h2)]
-    for proc, (out, err) in zip(procs, outs):
-        assert proc.returncode == 0, err[-4000:]
+        left = _left(h1, h2)
+    _assert_all_ok(procs, outs)
     (out0, err0), (out1, err1) = outs
     assert f"node 0 of 2 ({h1.address}): chief:0, worker:0" in err0, err0[-2000:]
     assert f"node 1 of 2 ({h2.address}): worker:1, ps:0" in err1, err1[-2000:]
@@ -472,16 +473,8 @@ def test_two_hosts_train_a_parameter_server_cluster_and_every_task_ends():
 def _host_nodes(h1, h2, script: list[str], *extra: str, token2: str = TOKEN, late: float = 2.0):
     argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint", f"{h1.address}:29400",
             "--stop-grace", "3", "--rdzv-timeout", "60", *extra, "--", *script]
-    procs = [h1.popen(argv, env=child_env(None, {TOKEN_VAR: TOKEN}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      text=True)]
-    time.sleep(late)
-    procs.append(h2.popen(argv, env=child_env(None, {TOKEN_VAR: token2}), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def _left(*test_hosts) -> list[list[int]]:
-    return [[p for p in h.pids() if h.holder is None or p != h.holder.pid] for h in test_hosts]
+    return _start_on_two_hosts(h1, h2, argv, child_env(None, {TOKEN_VAR: TOKEN}), late,
+                               env2=child_env(None, {TOKEN_VAR: token2}))
 
 
 @pytest.mark.slow
@@ -526,11 +519,7 @@ def test_two_hosts_losing_host_two_ends_host_one_and_a_wrong_token_never_joins(h
         killed = time.monotonic()
         if how == "unplugged":
             subprocess.run(["ip", "-n", h2.netns, "link", "set", "eth0", "down"], check=True)
-        for pid in _left(h2)[0]:  # the host is gone: every process on it at once
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        h2.kill_all()  # the host is gone: every process on it at once
         _, err0 = intruder[0].communicate(timeout=90)
         took = time.monotonic() - killed
         second.communicate(timeout=10)
