@@ -76,6 +76,14 @@ class GuideModel(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+class AddedLoss(keras.layers.Layer):
+    """A layer that adds a loss in call(), as a VAE's sampling layer adds its KL term."""
+
+    def call(self, x):
+        self.add_loss(0.3 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
 class MeanLossModel(keras.Model):
     """compute_loss overridden as its docstring shows: a plain mean, no Keras loss object."""
 
@@ -96,6 +104,26 @@ def case(name):
         # one-hot rows: a row's weight moves only when the row is trained, so the weights say how often each
         # row was used (one process: once an epoch, whatever the order)
         return fit(dense(8, sgd(0.4)), EYE(8), ONES(8), 4, epochs=3, shuffle_=shuffle)
+    if name == "added_losses":      # losses layers add in call(): an activity regularizer and add_loss
+        with scope():
+            model = keras.Sequential([keras.Input((6,)),
+                                      keras.layers.Dense(2, use_bias=False, kernel_initializer="ones",
+                                                         activity_regularizer=keras.regularizers.l2(0.5)),
+                                      AddedLoss(),
+                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        out = fit(model, EYE(6), ONES(6), 4, epochs=2)    # 6 rows, batch 4: the last batch splits 1 + 1
+        out["evaluate"] = float(model.evaluate(EYE(6), ONES(6), batch_size=4, verbose=0))
+        return out
+    if name == "regularized_empty_shard":   # a weight regularizer, and one replica without rows
+        with scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(
+                1, use_bias=False, kernel_initializer="ones", kernel_regularizer=keras.regularizers.l2(0.5))])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mse"])
+        x = np.arange(25, dtype="float32").reshape(5, 5) / 25
+        out = fit(model, x, ONES(5), 4, epochs=2)
+        out["evaluate"] = model.evaluate(x, ONES(5), batch_size=4, verbose=0, return_dict=True)
+        return out
     if name == "masked":
         with scope():
             model = keras.Sequential([keras.Input((3,), dtype="int32"),

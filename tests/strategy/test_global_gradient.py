@@ -22,7 +22,7 @@ from procs import describe, free_ports, run_cluster, run_process, worker_tf_conf
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 
 SCRIPT = Path(__file__).with_name("parity_cases.py")
-CASES = ["shuffled", "shuffled_batch", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
+CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
          "trainer_uneven"]
 #: what is timing, not math

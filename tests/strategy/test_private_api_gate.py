@@ -372,6 +372,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
     "stratkit/strategy/keras_compat/synced_logs.py": {
         "import keras.src.backend", "import keras.src.utils.python_utils", "module path keras.src.trainers.trainer",
         "patch cls._get_metrics_result_or_logs", "private _get_metrics_result_or_logs",
+        "private _loss_tracker",  # its total gets the part of a replica without rows (Keras weighs it 0)
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
         "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict
@@ -405,6 +406,11 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.trainers.data_adapters.array_data_adapter",
         "import tensorflow.python.eager.context", "import tensorflow.python.framework.ops",
         "patch cls.get_tf_dataset", "patch tf.random.shuffle", "private _shuffle",
+    },
+    "stratkit/strategy/keras_compat/layer_losses.py": {
+        # Layer.add_loss / _get_own_losses / _clear_losses wrapped: a list per replica thread under Mirrored/MWMS
+        "import keras.src.backend", "import keras.src.layers.layer",
+        "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _losses",
     },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back

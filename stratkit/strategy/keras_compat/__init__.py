@@ -20,8 +20,9 @@ The modules, one responsibility each:
 * :mod:`.versions`: the tested sets, the floor, ``STRATKIT_KERAS_COMPAT``, version parsing;
 * :mod:`.trainer_patches`: the two trainer fixes; :mod:`.self_check`: the probe for untested versions;
 * :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss
-  scaling), with :mod:`.synced_logs` (metric logs from the summed state) and :mod:`.batchnorm`
-  (the global batch's moments);
+  scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
+  (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
+* :mod:`.array_shuffle`: the arrays ``fit`` shuffles take one order on every worker;
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
@@ -54,6 +55,7 @@ from stratkit.errors import KerasCompatError
 from stratkit.strategy.keras_compat import batchnorm as _batchnorm
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
+from stratkit.strategy.keras_compat import layer_losses as _layer_losses
 from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
 from stratkit.strategy.keras_compat import save_guards as _save_guards
@@ -255,6 +257,7 @@ def revert() -> None:
     with _lock:
         _uninstall()
         _global_gradient.uninstall()
+        _layer_losses.uninstall()
         _synced_logs.uninstall()
         _batchnorm.uninstall()
         _status = None
@@ -264,6 +267,7 @@ def _install_all() -> None:
     """The trainer fixes, the global-gradient path and global BatchNorm moments (each idempotent)."""
     _install()
     _global_gradient.install()
+    _layer_losses.install()   # the count all-reduce pauses a replica thread: keep its added losses its own
     _synced_logs.install()
     _batchnorm.install()
 

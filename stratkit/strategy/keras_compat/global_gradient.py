@@ -189,7 +189,22 @@ def unscale_loss_for_distribution(value: Any) -> Any:
 
     _, global_rows, rows = stash
     factor = ops.divide_no_nan(global_rows, rows * replicas)
+    # A replica with no rows (the last batch has fewer rows than replicas) is weighed 0 by Keras, and with
+    # it the losses that do not depend on rows (weight regularizers): its part goes in unweighted (below).
+    share = ops.where(ops.equal(rows, 0), ops.cast(value, global_rows.dtype) * global_rows / replicas, 0.0)
+    _local.unweighted = (_graph(), share)
     return value * ops.cast(factor, value.dtype)
+
+
+def take_unweighted_loss() -> Any:
+    """What this replica's loss adds to the loss tracker's total on its own, once per step: its loss x the
+    step's global rows / N where it had no rows (Keras weighs its loss by its rows, 0), else 0. None where
+    :func:`unscale_loss_for_distribution` did not run in this step's graph (a custom ``train_step``)."""
+    stash = getattr(_local, "unweighted", None)
+    _local.unweighted = None
+    if stash is None or stash[0] is not _graph():
+        return None
+    return stash[1]
 
 
 # ---------------------------------------------------------------------------------------------

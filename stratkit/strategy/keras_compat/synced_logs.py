@@ -9,7 +9,10 @@ wrapped (per model, once): after the user's ``train_step``/``test_step``
 returns its logs, every metric variable's replica-local value is summed across
 replicas in one all-reduce (per dtype), each metric's result is recomputed
 from the summed state with ``Metric.stateless_result`` (the public stateless
-API), and every log whose key names a metric gets that value. Other logs are
+API), and every log whose key names a metric gets that value. Keras's loss
+tracker first gets the part of a replica that had no rows in the step
+(:func:`.global_gradient.take_unweighted_loss`: Keras weighs it 0, and with
+it the regularization loss every replica adds). Other logs are
 read as tensors and left to Keras's own reduction. Every replica then holds
 the same logs: what one process logs, for the whole global batch.
 """
@@ -90,12 +93,24 @@ def synchronize(model: Any, logs: Any, replicas: int) -> Any:
     return {key: results[key] if key in results else _tensor(value) for key, value in logs.items()}
 
 
+def _cast(value: Any, dtype: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.cast(value, dtype)
+
+
 def _synced(model: Any, step: Any) -> Any:
     @functools.wraps(step)
     def synced_step(data: Any) -> Any:
         logs = step(data)
         replicas = sync_replicas()
-        return synchronize(model, logs, replicas) if replicas else logs
+        if not replicas:
+            return logs
+        unweighted = global_gradient.take_unweighted_loss()
+        tracker = getattr(model, "_loss_tracker", None)
+        if unweighted is not None and tracker is not None:
+            tracker.total.assign_add(_cast(unweighted, tracker.total.dtype))
+        return synchronize(model, logs, replicas)
 
     setattr(synced_step, _WRAPPED, True)
     return synced_step
