@@ -14,7 +14,10 @@ tracker first gets the part of a replica that had no rows in the step
 (:func:`.global_gradient.take_unweighted_loss`: Keras weighs it 0, and with
 it the regularization loss every replica adds). Other logs are
 read as tensors and left to Keras's own reduction. Every replica then holds
-the same logs: what one process logs, for the whole global batch.
+the same logs: what one process logs, for the whole global batch; so under
+MWMS Keras's per-key cross-worker mean of those logs is skipped
+(:func:`synced_keys`, read by ``trainer_patches._reduce_per_replica``): the
+metric all-reduce replaces those collectives instead of adding to them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import importlib
 import threading
+import weakref
 
 from stratkit.strategy.keras_compat import global_gradient
 from stratkit.strategy.keras_compat.global_gradient import sync_replicas
@@ -33,6 +37,7 @@ _WRAPPED = "_stratkit_synced_logs"
 _TRAINER_MODULE = "keras.src.trainers.trainer"
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
+_synced_keys: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
 def _tensor(value: Any) -> Any:
@@ -90,7 +95,19 @@ def synchronize(model: Any, logs: Any, replicas: int) -> Any:
             results.update({key: resolve(value) for key, value in result.items()})
         else:
             results[metric.name] = resolve(result)
-    return {key: results[key] if key in results else _tensor(value) for key, value in logs.items()}
+    synced = {key for key in logs if key in results}
+    with _lock:
+        _synced_keys[tf.compat.v1.get_default_graph()] = frozenset(synced)
+    return {key: results[key] if key in synced else _tensor(value) for key, value in logs.items()}
+
+
+def synced_keys() -> frozenset[str]:
+    """The log keys the step traced into the current graph synchronised: the same value on every replica,
+    so Keras's cross-replica mean of them (a collective per key and step under MWMS) can be skipped."""
+    import tensorflow as tf
+
+    with _lock:
+        return _synced_keys.get(tf.compat.v1.get_default_graph(), frozenset())
 
 
 def _cast(value: Any, dtype: Any) -> Any:

@@ -118,6 +118,10 @@ def _reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
 
     import tensorflow as tf
 
+    from stratkit.strategy.keras_compat.synced_logs import synced_keys
+
+    same_everywhere = synced_keys()
+
     def _mean(v: Any) -> Any:
         axis = None if _static_rank(strategy, v) == 0 else 0
         if not isinstance(v, tf.distribute.DistributedValues) and not getattr(v, "device", "x"):
@@ -126,6 +130,10 @@ def _reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
                 v = tf.identity(v)
         return strategy.reduce("MEAN", v, axis=axis)
 
+    if isinstance(values, dict) and same_everywhere:
+        # logs synced_logs computed from all-reduced state hold one value on every replica: no collective
+        return {key: _first_local_value(strategy, v) if key in same_everywhere else tree.map_structure(_mean, v)
+                for key, v in values.items()}
     return tree.map_structure(_mean, values)
 
 
