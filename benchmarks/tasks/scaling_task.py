@@ -70,12 +70,15 @@ class EpochClock(keras.callbacks.Callback):
         super().__init__()
         self.barrier = barrier
         self.epochs: list[list[float]] = []
+        self.cpu: list[list[float]] = []   # this process's CPU seconds at each epoch's begin and end
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epochs.append([time.time(), 0.0])
+        self.cpu.append([time.process_time(), 0.0])
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs[-1][1] = time.time()
+        self.cpu[-1][1] = time.process_time()
         if epoch == 0 and self.barrier:
             print("READY", flush=True)
             sys.stdin.readline()  # the parent says GO once every job of the group is ready
@@ -86,7 +89,7 @@ clock = EpochClock(bool(config.get("barrier")))
 trainer.fit(model, dataset_fn, epochs=int(config["epochs"]), steps_per_epoch=int(config["steps"]),
             callbacks=[clock], verbose=0)
 result = {"rank": max(spec.worker_rank, 0), "strategy": spec.strategy, "replicas": trainer.num_replicas,
-          "global_batch": global_batch, "steps": int(config["steps"]), "epochs": clock.epochs,
+          "global_batch": global_batch, "steps": int(config["steps"]), "epochs": clock.epochs, "cpu": clock.cpu,
           "params": int(model.count_params()),
           "gradient_bytes": int(sum(np.prod(v.shape) * 4 for v in model.trainable_variables)),
           "gradient_tensors": len(model.trainable_variables),
