@@ -105,10 +105,13 @@ def case(name):
         # row was used (one process: once an epoch, whatever the order)
         return fit(dense(8, sgd(0.4)), EYE(8), ONES(8), 4, epochs=3, shuffle_=shuffle)
     if name == "added_losses":      # losses layers add in call(): an activity regularizer and add_loss
+        # Keras 3.14+ divides an activity regularizer by the batch's rows (a mean, exact on an even split);
+        # 3.11-3.13 add the sum over the rows, which N replicas count 1/N of, as Keras does (documented)
+        activity = {"activity_regularizer": keras.regularizers.l2(0.5)} if tuple(
+            int(p) for p in keras.__version__.split(".")[:2]) >= (3, 14) else {}
         with scope():
             model = keras.Sequential([keras.Input((6,)),
-                                      keras.layers.Dense(2, use_bias=False, kernel_initializer="ones",
-                                                         activity_regularizer=keras.regularizers.l2(0.5)),
+                                      keras.layers.Dense(2, use_bias=False, kernel_initializer="ones", **activity),
                                       AddedLoss(),
                                       keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
