@@ -160,7 +160,8 @@ def assign(visible: Sequence[str], roles: Sequence[str], *, per_task: int | None
             raise ConfigError(f"{spelling.tasks} {count}: {count} training process(es) cannot split the {gpus} GPUs "
                               f"of {spelling.where} evenly. Fix: {spelling.tasks} {_divisors(gpus)} (a number that "
                               f"divides {gpus}), or {spelling.per_task} K with {count} x K <= {gpus} (the rest stay "
-                              f"idle), or {spelling.share} to let processes share GPUs")
+                              "idle)" + (f", or {spelling.share} to let processes share GPUs" if spelling.share
+                                         else ""))
         per_task = max(1, gpus // count) if count else 0
         asked = len(training) * per_task + len(servers) * (per_ps or 0)
     if asked > gpus and not share:

@@ -105,3 +105,48 @@ def test_the_start_up_text_says_which_process_has_which_gpus():
     assignments = gpus.assign(["4", "5", "6", "7"], ["worker", "worker", "ps"])
     assert gpus.describe(["worker:0", "worker:1", "ps:0"], assignments) == \
         "worker:0 GPUs 4,5; worker:1 GPUs 6,7; ps:0 no GPU"
+
+
+# -- Slurm: tasks that see every GPU of their node ---------------------------------------------------------------
+
+def _slurm_step(local_id: int, **extra: str) -> dict[str, str]:
+    """Task SLURM_LOCALID=`local_id` of node 1 in `srun -N2 --ntasks-per-node=4` (no --gpus-per-task)."""
+    return {"SLURM_PROCID": str(4 + local_id), "SLURM_LOCALID": str(local_id), "SLURM_NODEID": "1",
+            "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "STRATKIT_FAKE_GPU_COUNT": "8", **extra}
+
+
+def test_a_slurm_task_gets_its_share_of_the_node_by_slurm_localid():
+    import stratkit
+    from stratkit.cluster import slurm
+
+    assert [slurm.gpu_share(_slurm_step(i)) for i in range(4)] == ["0,1", "2,3", "4,5", "6,7"]
+    spec = stratkit.detect(_slurm_step(2))
+    assert (spec.source, spec.task_index, spec.num_gpus) == ("slurm", 6, 2)
+    # Slurm's step GPUs in CUDA_VISIBLE_DEVICES are split in their own terms
+    assert slurm.gpu_share(_slurm_step(3, CUDA_VISIBLE_DEVICES="4,5,6,7")) == "7"
+
+
+def test_slurm_own_gpu_binding_stands_and_one_task_per_node_keeps_all():
+    import stratkit
+    from stratkit.cluster import slurm
+
+    bound = _slurm_step(1, SLURM_GPUS_PER_TASK="1", CUDA_VISIBLE_DEVICES="1")
+    assert slurm.gpu_share(bound) is None and stratkit.detect(bound).num_gpus == 1
+    one_per_node = {**_slurm_step(0), "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                    "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    assert slurm.gpu_share(one_per_node) is None and stratkit.detect(one_per_node).num_gpus == 8
+    assert slurm.gpu_share(_slurm_step(0, STRATKIT_FAKE_GPU_COUNT="0")) is None  # a CPU node: nothing set
+    pinned = _slurm_step(1, CUDA_VISIBLE_DEVICES="2,3", STRATKIT_PINNED_GPUS="2,3")
+    assert slurm.gpu_share(pinned) is None and stratkit.detect(pinned).num_gpus == 2  # not split twice
+
+
+def test_a_slurm_node_whose_gpus_its_tasks_cannot_split_is_refused():
+    import stratkit
+
+    with pytest.raises(ConfigError) as info:
+        stratkit.detect(_slurm_step(0, STRATKIT_FAKE_GPU_COUNT="6"))
+    message = str(info.value)
+    for word in ("srun --ntasks-per-node 4", "6 GPUs", "this Slurm node", "srun --gpus-per-task", "Fix:"):
+        assert word in message, message
+    assert "--share-gpus" not in message

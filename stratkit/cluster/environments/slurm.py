@@ -20,6 +20,9 @@ class SlurmEnvironment(ClusterEnvironment):
         if not slurm.is_slurm_step(environ):
             return None
         cluster, rank = slurm.slurm_cluster(environ)
+        share = slurm.gpu_share(environ)  # this task's own GPUs when its node's tasks all see all of them
+        if share is not None:
+            num_gpus = len([d for d in share.split(",") if d])
         return spec_for_cluster(cluster, "worker", rank, source="slurm", num_gpus=num_gpus, reasons=[
             f"SLURM_STEP_NUM_TASKS={environ['SLURM_STEP_NUM_TASKS']} > 1 and "
             f"SLURM_PROCID={environ['SLURM_PROCID']}: a Slurm job step"])
