@@ -169,3 +169,27 @@ def visible_devices(role: TaskRole, *, use_gpu: bool, owned: Sequence[str] | Non
                               "or ask for fewer GPUs per task")
         addresses = addresses[:count]
     return ",".join(remap_visible(addresses, preset))
+
+
+def gpu_count(visible: str) -> int:
+    """GPUs a CUDA_VISIBLE_DEVICES value shows ("" shows none)."""
+    return len([d for d in visible.split(",") if d.strip()])
+
+
+def check_gpu_counts(roles: Sequence[TaskRole], counts: Sequence[int]) -> None:
+    """Refuse a cluster whose training tasks see different numbers of GPUs (every task runs this on the same list).
+
+    Each barrier task reports its count with its address; MultiWorkerMirrored needs as many devices on every
+    worker, and NCCL refuses a mix of GPU and CPU-only workers deep inside TensorFlow
+    (tensorflow/tensorflow#60847), so the cluster is refused here, naming the tasks, before TensorFlow starts.
+    """
+    training = [(r.label, counts[r.rank]) for r in roles if r.task_type != "ps"]
+    if len({count for _, count in training}) <= 1:
+        return
+    shown = ", ".join(f"{label}: {count} GPU(s)" for label, count in training)
+    mixed = any(count == 0 for _, count in training)
+    raise ConfigError(f"the Spark tasks see different numbers of GPUs ({shown}); "
+                      + ("a cluster mixing GPU and CPU-only workers" if mixed else "workers with different GPU counts")
+                      + " cannot train in one MultiWorkerMirrored cluster. Fix: give every executor the same GPU "
+                      "resources (spark.executor.resource.gpu.amount and spark.task.resource.gpu.amount), set "
+                      "gpus_per_worker, or pass use_gpu=False to train on CPU")
