@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -126,7 +127,7 @@ def pin_gpus(spec: ClusterSpec, environ: MutableMapping[str, str] | None = None)
     share = slurm.gpu_share(env)
     if share is None:
         return None
-    if runtime_initialized():
+    if "tensorflow" in sys.modules and runtime_initialized():  # (not imported yet: it cannot have started)
         raise ConfigError(f"this Slurm task should use GPUs {share or 'none'} of its node (SLURM_LOCALID="
                           f"{env.get('SLURM_LOCALID')}), but TensorFlow already started and sees them all. Fix: "
                           f"{_STARTUP_FIX}; or give each task its own GPUs with srun --gpus-per-task")
