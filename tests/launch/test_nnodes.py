@@ -546,11 +546,15 @@ def test_with_log_dir_every_node_writes_its_tasks_logs_and_events(tmp_path):
 
 
 # -- GPUs: every node reports its count; a cluster of different counts is refused on every node ----------------
-def test_nodes_with_different_gpu_counts_are_refused_on_every_node_naming_them():
+@pytest.mark.parametrize("elastic", [False, True], ids=["nnodes-2", "nnodes-1:2"])
+def test_nodes_with_different_gpu_counts_are_refused_on_every_node_naming_them(elastic):
     import threading
 
+    from stratkit.launch.elastic import ElasticRendezvous
+
     port = free_ports(1)[0]
-    server = RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1)
+    server = (ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=5.0) if elastic else
+              RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1))
     links = [NodeLink("127.0.0.1", port, TOKEN.encode(), serving=i == 0, workers_per_node=1, join_timeout=10,
                       gpus=gpus) for i, gpus in enumerate((4, 0))]
     errors: list[str] = []
@@ -608,3 +612,24 @@ def test_two_hosts_pin_their_own_gpus_and_different_gpu_counts_are_refused_on_bo
         assert f"node 0 h1 ({h1.address}): 4 GPU(s)" in err and f"node 1 h2 ({h2.address}): 2 GPU(s)" in err, err
         assert "different GPU counts" in err and "Fix:" in err
         assert "started: pid" not in err and "GPUS" not in out  # refused before any task started
+
+
+def test_an_elastic_node_arriving_with_another_gpu_count_is_refused_and_the_running_round_goes_on():
+    from stratkit.launch.elastic import ElasticRendezvous
+
+    port = free_ports(1)[0]
+    server = ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=0.2)
+    first = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=True, workers_per_node=1, join_timeout=10, gpus=4)
+    late = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=False, workers_per_node=1, join_timeout=10, gpus=2)
+    try:
+        first.connect(0)
+        first.join([7001])  # the round forms with node 0 alone after the last call
+        assert first.cluster == {"worker": ["127.0.0.1:7001"]}
+        late.connect(0)
+        with pytest.raises(ConfigError, match=r"shows 2 GPU\(s\) but the running nodes show 4"):
+            late.join([7002])
+        assert first.decision is None and not first.resize  # the running round was not ended for it
+    finally:
+        late.close()
+        first.close()
+        server.close()
