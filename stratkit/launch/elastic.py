@@ -108,7 +108,7 @@ class ElasticRendezvous(RendezvousServer):
 
     def __init__(self, host: str, port: int, token: bytes, min_nodes: int, max_nodes: int, workers_per_node: int,
                  *, max_restarts: int = 0, last_call: float = 3.0, rejoin_grace: float = 20.0,
-                 exit_grace: float = 30.0) -> None:
+                 exit_grace: float = 30.0, gpus: int | None = None) -> None:
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
         self.last_call, self.rejoin_grace = last_call, rejoin_grace
         self.failure_restarts = 0
@@ -116,7 +116,7 @@ class ElasticRendezvous(RendezvousServer):
         self._running: int | None = None  # the round that trains now
         self._members: dict[int, _Membership] = {0: _Membership()}
         super().__init__(host, port, token, max_nodes, workers_per_node, attempts=_ANY_ATTEMPT,
-                         exit_grace=exit_grace)
+                         exit_grace=exit_grace, gpus=gpus)
         threading.Thread(target=self._ticks, name="stratkit-rdzv-elastic", daemon=True).start()
 
     def members(self, number: int) -> _Membership:

@@ -192,11 +192,11 @@ class NodeSupervisor(Supervisor):
                 self.server = ElasticRendezvous(s.host, s.port, s.token, s.min_nodes, s.nnodes, s.workers_per_node,
                                                 max_restarts=self.plan.max_restarts, last_call=s.last_call,
                                                 rejoin_grace=self.plan.stop_grace + LOST_AFTER,
-                                                exit_grace=self.plan.exit_grace)
+                                                exit_grace=self.plan.exit_grace, gpus=len(self.plan.gpu.visible))
             else:
                 self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
                                                attempts=self.plan.attempts, exit_grace=self.plan.exit_grace,
-                                               chief=s.chief, ps=s.ps)
+                                               chief=s.chief, ps=s.ps, gpus=len(self.plan.gpu.visible))
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:

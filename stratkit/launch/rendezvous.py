@@ -185,8 +185,12 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
-                 attempts: int = 1, exit_grace: float = 30.0, chief: bool = False, ps: int = 0) -> None:
+                 attempts: int = 1, exit_grace: float = 30.0, chief: bool = False, ps: int = 0,
+                 gpus: int | None = None) -> None:
         self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
+        #: The serving node's GPU count: a node showing another joins anyway, and the cluster is then refused on
+        #: every node for its GPUs (with `--workers-per-node gpu` its layout differs too, for the same reason).
+        self.gpus = gpus
         self.shape = node_layout(workers_per_node, chief, ps)
         self.placement = layout.node_tasks(nnodes, workers_per_node, chief, ps)
         self.slots = max(len(tasks) for tasks in self.placement)
@@ -260,10 +264,11 @@ class RendezvousServer:
         except (KeyError, TypeError, ValueError, AttributeError):
             node.send(b"REFUSED a malformed JOIN\n")
             return False
+        gpus_differ = None not in (node.gpus, self.gpus) and node.gpus != self.gpus
         with self._lock:
             others = [n for n in round_.nodes if not n.serving]
-            refused = round_.formed or shape != self.shape or len(node.ports) != self.slots or (
-                not node.serving and len(others) >= self.nnodes - 1)
+            refused = round_.formed or (not gpus_differ and (shape != self.shape or len(node.ports) != self.slots)) \
+                or (not node.serving and len(others) >= self.nnodes - 1)
             if not refused:
                 round_.nodes.append(node)
         if refused:

@@ -553,8 +553,8 @@ def test_nodes_with_different_gpu_counts_are_refused_on_every_node_naming_them(e
     from stratkit.launch.elastic import ElasticRendezvous
 
     port = free_ports(1)[0]
-    server = (ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=5.0) if elastic else
-              RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1))
+    server = (ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=5.0, gpus=4) if elastic
+              else RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1, gpus=4))
     links = [NodeLink("127.0.0.1", port, TOKEN.encode(), serving=i == 0, workers_per_node=1, join_timeout=10,
                       gpus=gpus) for i, gpus in enumerate((4, 0))]
     errors: list[str] = []
@@ -605,6 +605,8 @@ def test_two_hosts_pin_their_own_gpus_and_different_gpu_counts_are_refused_on_bo
             [("worker:0", "0,1"), ("worker:1", "2,3"), ("worker:2", "0,1"), ("worker:3", "2,3")]
         assert re.search(r"worker:2 started: pid \d+ at [\d.:]+, GPUs 0,1", outs[1][1]), outs[1][1][-2000:]
 
+        # one worker per GPU of each node: 4 on h1, 2 on h2 -- refused for the GPUs, on both, at once
+        argv[argv.index("--workers-per-node") + 1] = "gpu"
         procs = _start_on_two_hosts(h1, h2, argv, env, late=1, env2={**env, "STRATKIT_FAKE_GPU_COUNT": "2"})
         outs = [p.communicate(timeout=120) for p in procs]
     for proc, (out, err) in zip(procs, outs):
