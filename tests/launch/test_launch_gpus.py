@@ -96,3 +96,19 @@ def test_every_refusal_comes_before_anything_starts(refused_launch, monkeypatch,
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     refused_launch(argv, words)
+
+
+
+def test_the_gpu_flags_come_from_their_variables_too():
+    import argparse
+
+    from stratkit.launch.cli import resolve_options
+
+    options = resolve_options(argparse.Namespace(), {"STRATKIT_WORKERS": "GPU", "STRATKIT_GPUS_PER_WORKER": "2",
+                                                     "STRATKIT_GPUS_PER_PS": "1", "STRATKIT_SHARE_GPUS": "yes",
+                                                     "STRATKIT_WORKERS_PER_NODE": "gpu"})
+    assert (options["workers"], options["gpus_per_worker"], options["gpus_per_ps"], options["share_gpus"],
+            options["workers_per_node"]) == ("gpu", 2, 1, True, "gpu")
+    flags = resolve_options(argparse.Namespace(workers=3, gpus_per_worker=0), {"STRATKIT_WORKERS": "gpu",
+                                                                              "STRATKIT_GPUS_PER_WORKER": "2"})
+    assert (flags["workers"], flags["gpus_per_worker"]) == (3, 0)  # the flag wins
