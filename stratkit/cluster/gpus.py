@@ -184,7 +184,3 @@ def assign(visible: Sequence[str], roles: Sequence[str], *, per_task: int | None
 def _divisors(number: int) -> str:
     return "/".join(str(d) for d in range(1, number + 1) if number % d == 0)
 
-
-def describe(names: Sequence[str], assignments: Sequence[Assignment]) -> str:
-    """`worker:0 GPUs 0,1; worker:1 GPUs 2,3`: which process has which GPUs (the start-up line's)."""
-    return "; ".join(f"{name} {a.describe()}" for name, a in zip(names, assignments))

@@ -173,7 +173,7 @@ def visible_devices(role: TaskRole, *, use_gpu: bool, owned: Sequence[str] | Non
 
 def gpu_count(visible: str) -> int:
     """GPUs a CUDA_VISIBLE_DEVICES value shows ("" shows none)."""
-    return len([d for d in visible.split(",") if d.strip()])
+    return gpus.Assignment(visible).count or 0
 
 
 def check_gpu_counts(roles: Sequence[TaskRole], counts: Sequence[int]) -> None:

@@ -103,8 +103,9 @@ def test_every_refusal_names_the_numbers_and_the_fix(visible, roles, options, wo
 
 def test_the_start_up_text_says_which_process_has_which_gpus():
     assignments = gpus.assign(["4", "5", "6", "7"], ["worker", "worker", "ps"])
-    assert gpus.describe(["worker:0", "worker:1", "ps:0"], assignments) == \
-        "worker:0 GPUs 4,5; worker:1 GPUs 6,7; ps:0 no GPU"
+    assert [a.describe() for a in assignments] == ["GPUs 4,5", "GPUs 6,7", "no GPU"]
+    assert gpus.assign(["0", "1"], ["worker"] * 3, share=True)[2].describe() == "GPU 0 (shared)"
+    assert gpus.assign([], ["worker"])[0].describe() == "GPUs as the environment sets them"
 
 
 # -- Slurm: tasks that see every GPU of their node ---------------------------------------------------------------
