@@ -157,11 +157,15 @@ def assign(visible: Sequence[str], roles: Sequence[str], *, per_task: int | None
     if per_task is None:
         count = len(training)
         if count and gpus % count and not share:
-            raise ConfigError(f"{spelling.tasks} {count}: {count} training process(es) cannot split the {gpus} GPUs "
-                              f"of {spelling.where} evenly. Fix: {spelling.tasks} {_divisors(gpus)} (a number that "
-                              f"divides {gpus}), or {spelling.per_task} K with {count} x K <= {gpus} (the rest stay "
-                              "idle)" + (f", or {spelling.share} to let processes share GPUs" if spelling.share
-                                         else ""))
+            workers = sum(roles[i] == "worker" for i in training)
+            extra = count - workers  # the chief and evaluator take their share too
+            others = f" (with the chief/evaluator: {count} training processes)" if extra else ""
+            fits = [d - extra for d in range(1, gpus + 1) if gpus % d == 0 and d > extra]
+            raise ConfigError(f"{spelling.tasks} {workers}{others}: {count} process(es) cannot split the {gpus} GPUs "
+                              f"of {spelling.where} evenly. Fix: {spelling.tasks} {'/'.join(map(str, fits)) or 'N'}"
+                              + (f" ({extra} more for the chief/evaluator)" if extra else "")
+                              + f", or {spelling.per_task} K with {count} x K <= {gpus} (the rest stay idle)"
+                              + (f", or {spelling.share} to let processes share GPUs" if spelling.share else ""))
         per_task = max(1, gpus // count) if count else 0
         asked = len(training) * per_task + len(servers) * (per_ps or 0)
     if asked > gpus and not share:
@@ -179,8 +183,3 @@ def assign(visible: Sequence[str], roles: Sequence[str], *, per_task: int | None
             cursor += per
     users = Counter(g for ids in taken for g in ids)
     return [Assignment(",".join(visible[g] for g in ids), shared=any(users[g] > 1 for g in ids)) for ids in taken]
-
-
-def _divisors(number: int) -> str:
-    return "/".join(str(d) for d in range(1, number + 1) if number % d == 0)
-

@@ -380,7 +380,7 @@ def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str
                        stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
                        handle_signals=handle_signals, private_network=False, gpus_per_worker=gpus_per_worker,
                        gpus_per_ps=gpus_per_ps, share_gpus=share_gpus,
-                       hosts=layout.node_tasks(settings.nnodes, workers_per_node, settings.chief, settings.ps))
+                       machines=layout.node_tasks(settings.nnodes, workers_per_node, settings.chief, settings.ps))
     for key, value in thread_env(settings.slots).items():  # this node's share of its cores
         if key not in base_env:
             plan.extra_env[key] = value

@@ -182,6 +182,10 @@ def resolve_workers(workers: int | str, env: Mapping[str, str], flag: str = "--w
     return workers  # type: ignore[return-value]  # checked by plan_tasks
 
 
+#: How the GPU refusals read under --nnodes (each node splits its own GPUs among its own tasks).
+NODE_GPU_FLAGS = gpus.Spelling(tasks="--workers-per-node", where="this node")
+
+
 @dataclass(frozen=True)
 class GpuRequest:
     """The GPU flags, checked, with the GPUs this host shows (`stratkit.cluster.gpus`)."""
@@ -190,11 +194,12 @@ class GpuRequest:
     per_worker: int | None = None
     per_ps: int | None = None
     share: bool = False
+    spelling: gpus.Spelling = gpus.FLAGS
 
     def assign(self, tasks: Sequence[layout.Task]) -> list[gpus.Assignment]:
         """Each of this host's `tasks`' GPUs (a ConfigError naming the flags when they cannot be split so)."""
         return gpus.assign(self.visible, [t.role for t in tasks], per_task=self.per_worker, per_ps=self.per_ps,
-                           share=self.share)
+                           share=self.share, spelling=self.spelling)
 
 
 @dataclass
@@ -258,17 +263,18 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
                 exit_grace: float, stop_grace: float, env: Mapping[str, str] | None, stdout: IO[str] | None,
                 stderr: IO[str] | None, handle_signals: bool, private_network: bool | None,
                 gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False,
-                hosts: Sequence[Sequence[layout.Task]] | None = None) -> LaunchPlan:
+                machines: Sequence[Sequence[layout.Task]] | None = None) -> LaunchPlan:
     """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag.
 
-    `hosts`: the tasks each machine runs (`--nnodes`), whose GPUs are split per machine; default: all here.
+    `machines`: the tasks each machine runs (`--nnodes`), whose GPUs are split per machine; default: all here.
     """
     base_env = dict(os.environ if env is None else env)
-    if hosts is None:  # (--nnodes resolved it per node)
+    if machines is None:  # (--nnodes resolved it per node)
         workers = resolve_workers(workers, base_env, others=int(bool(chief)) + int(bool(evaluator)))
     tasks = plan_tasks(workers, chief, ps, evaluator)
-    gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus))
-    for group in hosts or [tasks]:
+    gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
+                     gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
+    for group in machines or [tasks]:
         gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)
     check_task_limit(len(tasks), serving, workers, ps, base_port, log_dir is not None)

@@ -86,6 +86,8 @@ def test_sharing_is_round_robin_and_only_the_sharing_processes_grow_their_memory
 @pytest.mark.parametrize("visible, roles, options, words", [
     (EIGHT, ["worker"] * 3, {}, ["--workers 3", "8 GPUs", "--workers 1/2/4/8", "--share-gpus"]),
     (EIGHT[:2], ["worker"] * 4, {}, ["--workers 4", "2 GPUs", "--share-gpus"]),
+    (EIGHT, ["chief", "worker", "worker"], {}, ["--workers 2 (with the chief/evaluator: 3 training processes)",
+                                                "--workers 1/3/7 (1 more for the chief/evaluator)"]),
     (EIGHT, ["worker"] * 3, {"per_task": 3}, ["--gpus-per-worker 3", "3 x 3 = 9 GPUs", "has 8"]),
     (EIGHT[:4], ["chief", "worker", "ps"], {"per_task": 1, "per_ps": 3},
      ["--gpus-per-ps 3", "2 x 1 + 1 x 3 = 5 GPUs", "has 4"]),

@@ -99,6 +99,17 @@ def test_every_refusal_comes_before_anything_starts(refused_launch, monkeypatch,
 
 
 
+def test_every_node_of_nnodes_checks_its_own_split_before_it_joins(refused_launch, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("STRATKIT_FAKE_GPU_COUNT", "8")
+    monkeypatch.setenv("STRATKIT_RDZV_TOKEN", "0123456789abcdef0123")
+    refused_launch(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers-per-node", "3"],
+                   ["--workers-per-node 3", "8 GPUs of this node", "--workers-per-node 1/2/4/8"])
+    monkeypatch.setenv("STRATKIT_FAKE_GPU_COUNT", "0")
+    refused_launch(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--workers-per-node", "gpu"],
+                   ["--workers-per-node gpu", "has 0"])
+
+
 def test_the_gpu_flags_come_from_their_variables_too():
     import argparse
 
