@@ -13,7 +13,7 @@ import shlex
 import sys
 from importlib import metadata
 
-from stratkit.cluster import ROLES, detect
+from stratkit.cluster import ROLES, detect, gpus
 from stratkit.errors import ConfigError
 
 
@@ -50,14 +50,37 @@ def _versions() -> tuple[dict[str, str | None], dict[str, bool]]:
     return versions, tested
 
 
+def _gpu_plan(args: argparse.Namespace, visible: list[str]) -> dict[str, str | None] | None:
+    """With --workers: which GPUs `stratkit launch` would give each worker here (the launcher's own rule)."""
+    if args.workers is None:
+        return None
+    text = str(args.workers).strip().lower()
+    if text == "gpu":
+        count = len(visible)
+    elif text.isdigit() and int(text) >= 1:
+        count = int(text)
+    else:
+        raise ConfigError(f"--workers {args.workers!r} is not a number of workers. Fix: e.g. --workers 4, or "
+                          "--workers gpu (one per visible GPU)")
+    if count == 0:
+        raise ConfigError("--workers gpu: no GPU is visible here. Fix: --workers N")
+    names = [f"worker:{i}" for i in range(count)]
+    assignments = gpus.assign(visible, ["worker"] * count, per_task=args.gpus_per_worker,
+                              share=bool(args.share_gpus))
+    return {name: a.visible for name, a in zip(names, assignments)}
+
+
 def _info(args: argparse.Namespace) -> int:
     spec = detect(strategy=args.strategy)
     versions, tested = _versions()
+    visible = gpus.visible_gpus(os.environ)
+    plan = _gpu_plan(args, visible)
     report = {
         "spec": spec.to_dict(),
         "tf_config": spec.to_tf_config(),
         "devices": {"gpus": spec.num_gpus, "cpus": os.cpu_count(),
-                    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")},
+                    "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), "visible_gpus": visible},
+        **({"launch_gpus": plan} if plan is not None else {}),
         "versions": versions,
         "tested": tested,
         "python": sys.version.split()[0],
@@ -76,6 +99,13 @@ def _info(args: argparse.Namespace) -> int:
     for reason in spec.reasons:
         print(f"  - {reason}")
     print(f"devices       {spec.num_gpus} GPU(s), {os.cpu_count()} CPU core(s)")
+    source = ("CUDA_VISIBLE_DEVICES" if "CUDA_VISIBLE_DEVICES" in os.environ else "the NVIDIA driver")
+    print(f"gpus          {','.join(visible) or 'none'} (from {source})")
+    if plan is not None:
+        print(f"launch        stratkit launch --workers {args.workers} would give:")
+        for name, value in plan.items():
+            print(f"  {name:<12}" + ("GPUs as the environment sets them (no GPU here)" if value is None
+                                     else f"CUDA_VISIBLE_DEVICES={value!r}"))
     print("versions")
     for name, version in versions.items():
         if version:
@@ -130,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show the detected cluster, strategy, devices and versions")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--strategy", default=None, help="an explicit strategy, as stratkit.detect(strategy=...)")
+    info.add_argument("--workers", default=None, metavar="N|gpu",
+                      help="also show which GPUs `stratkit launch --workers N` would give each worker here")
+    info.add_argument("--gpus-per-worker", type=int, default=None, metavar="K",
+                      help="with --workers: as `stratkit launch --gpus-per-worker K`")
+    info.add_argument("--share-gpus", action="store_true", help="with --workers: as `stratkit launch --share-gpus`")
     info.set_defaults(func=_info)
 
     tfc = sub.add_parser("tf-config", help="print a validated TF_CONFIG for one task of a cluster")

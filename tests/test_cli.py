@@ -35,6 +35,20 @@ def test_info_explains_a_bad_environment_instead_of_a_traceback():
     assert "TF_CONFIG is not valid JSON" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_info_shows_the_visible_gpus_and_which_worker_would_get_which():
+    result = _run("-m", "stratkit.cli", "info", "--workers", "2", env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert result.returncode == 0, result.stderr
+    assert "gpus          4,5,6,7 (from CUDA_VISIBLE_DEVICES)" in result.stdout
+    assert "worker:0    CUDA_VISIBLE_DEVICES='4,5'" in result.stdout
+    assert "worker:1    CUDA_VISIBLE_DEVICES='6,7'" in result.stdout
+    stand_in = {"CUDA_VISIBLE_DEVICES": None, "STRATKIT_FAKE_GPU_COUNT": "8"}  # tests' stand-in for 8 GPUs
+    report = json.loads(_run("-m", "stratkit.cli", "info", "--json", "--workers", "gpu", env=stand_in).stdout)
+    assert report["devices"]["visible_gpus"] == [str(i) for i in range(8)]
+    assert report["launch_gpus"] == {f"worker:{i}": str(i) for i in range(8)}
+    refused = _run("-m", "stratkit.cli", "info", "--workers", "3", env=stand_in)
+    assert refused.returncode == 2 and "--workers 3" in refused.stderr and "Fix:" in refused.stderr
+
+
 def test_help_lists_the_commands():
     result = _run("-m", "stratkit.cli", "--help")
     assert result.returncode == 0

@@ -118,3 +118,21 @@ def test_teardown_leaves_no_daemons(tmp_path):
                 raise RuntimeError("the test failed on purpose")
         assert not made[0].pids() or made[0].pids() == [made[0].holder.pid]
     assert all(not Path(f"/proc/{p}").exists() for p in pids)
+
+
+SHOW_SHARE = """
+import json, os, stratkit
+from stratkit.strategy.factory import pin_gpus
+pin_gpus(stratkit.detect())
+print("SHARE", json.dumps([os.environ["SLURM_PROCID"], os.environ["SLURM_LOCALID"], os.environ["CUDA_VISIBLE_DEVICES"]]))
+"""
+
+
+def test_tasks_sharing_a_nodes_gpus_get_their_slurm_localid_share(slurm):
+    # 2 tasks per node, no --gpus-per-task, on nodes that show 4 GPUs (the tests' stand-in inventory)
+    step = slurm.run(["srun", "-N2", "--ntasks-per-node=2", "--overcommit", sys.executable, "-c", SHOW_SHARE],
+                     timeout=120, env=_env(STRATKIT_FAKE_GPU_COUNT="4"))
+    assert step.returncode == 0, step.stdout[-6000:] + slurm.logs()
+    shares = sorted(tuple(json.loads(line.split(" ", 1)[1])) for line in step.stdout.splitlines()
+                    if line.startswith("SHARE "))
+    assert shares == [("0", "0", "0,1"), ("1", "1", "2,3"), ("2", "0", "0,1"), ("3", "1", "2,3")], step.stdout

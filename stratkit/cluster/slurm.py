@@ -11,10 +11,18 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from stratkit.cluster import gpus
 from stratkit.errors import ConfigError
 
 DEFAULT_PORT = 8888
 PORT_VAR = "STRATKIT_SLURM_PORT"
+#: Set by srun when it binds each task's GPUs itself (--gpus-per-task, --gpu-bind): its assignment stands.
+GPU_BINDING_VARS = ("SLURM_GPUS_PER_TASK", "SLURM_GPU_BIND")
+#: The CUDA_VISIBLE_DEVICES value stratkit pinned this task to (so a second look does not split the share again).
+PINNED_VAR = "STRATKIT_PINNED_GPUS"
+#: How the GPU rule's refusals name Slurm's options.
+GPU_SPELLING = gpus.Spelling(per_task="srun --gpus-per-task", per_ps="srun --gpus-per-task", share="",
+                             tasks="srun --ntasks-per-node", where="this Slurm node")
 #: Upper bounds checked before any list is built: a host list is a compact notation
 #: (`n[0-999999999]` names a billion hosts). The largest Slurm machines have ~10,000 nodes.
 MAX_HOSTS = 65_536
@@ -207,14 +215,9 @@ def _node_limit(env: Mapping[str, str], nodelist_var: str) -> dict[str, Any]:
     return {"max_hosts": MAX_HOSTS, "limit": ""}
 
 
-def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
-    """The worker-only cluster of this Slurm step and this task's index in it.
-
-    Task i on a node listens on port base + (its local rank on that node), so
-    several tasks per node never collide.
-    """
+def _step_layout(env: Mapping[str, str]) -> tuple[list[str], list[int]]:
+    """The step's hosts and how many of its tasks run on each (checked against each other)."""
     num_tasks = _num_tasks(env)
-    rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
     var = next((v for v in _NODELIST_VARS if env.get(v)), None)
     if var is None:
         raise ConfigError("SLURM_STEP_NODELIST is not set in a Slurm step with "
@@ -234,6 +237,18 @@ def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
         raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={_shown(per_node_raw or '')} does not match "
                           f"{var}={_shown(nodelist)} ({len(hosts)} hosts) and "
                           f"SLURM_STEP_NUM_TASKS={num_tasks}. Fix: launch with srun so Slurm sets all three")
+    return hosts, per_node
+
+
+def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
+    """The worker-only cluster of this Slurm step and this task's index in it.
+
+    Task i on a node listens on port base + (its local rank on that node), so
+    several tasks per node never collide.
+    """
+    num_tasks = _num_tasks(env)
+    rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+    hosts, per_node = _step_layout(env)
     base_port = _int(env.get(PORT_VAR, str(DEFAULT_PORT)), PORT_VAR)
     if not 1 <= base_port <= 65536 - max(per_node):  # ports base .. base + max - 1 must be <= 65535
         raise ConfigError(f"{PORT_VAR} must leave room for {max(per_node)} ports below 65536: got "
@@ -243,3 +258,45 @@ def slurm_cluster(env: Mapping[str, str]) -> tuple[dict[str, list[str]], int]:
         raise ConfigError(f"SLURM_PROCID={rank} is out of range for SLURM_STEP_NUM_TASKS={num_tasks}. "
                           "Fix: launch with srun, which sets both consistently")
     return {"worker": workers}, rank
+
+
+def _local_tasks(env: Mapping[str, str]) -> tuple[int, int]:
+    """(this task's SLURM_LOCALID, the step's task count on its node), from Slurm's block numbering."""
+    _, per_node = _step_layout(env)
+    rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+    start = 0
+    for count in per_node:
+        if rank < start + count:
+            local = _int(env["SLURM_LOCALID"], "SLURM_LOCALID") if env.get("SLURM_LOCALID") else rank - start
+            if not 0 <= local < count:
+                raise ConfigError(f"SLURM_LOCALID={local} is out of range for the {count} task(s) of this node. "
+                                  "Fix: launch with srun, which sets it")
+            return local, count
+        start += count
+    raise ConfigError(f"SLURM_PROCID={rank} is out of range for SLURM_STEP_NUM_TASKS={sum(per_node)}. "
+                      "Fix: launch with srun, which sets both consistently")
+
+
+def gpu_share(env: Mapping[str, str]) -> str | None:
+    """This task's CUDA_VISIBLE_DEVICES in a Slurm step whose tasks see every GPU of their node; None: leave it.
+
+    `srun --ntasks-per-node 4` without `--gpus-per-task` shows each task all of
+    its node's GPUs: task SLURM_LOCALID then gets its own share, as `stratkit
+    launch` gives each local worker (`stratkit.cluster.gpus`). With
+    `--gpus-per-task` or `--gpu-bind` Slurm's own assignment stands; one task
+    per node keeps all of them.
+
+    Raises:
+        ConfigError: when the node's GPUs cannot be split evenly among its tasks.
+    """
+    if not is_slurm_step(env) or any(env.get(v) for v in GPU_BINDING_VARS):
+        return None
+    if PINNED_VAR in env and env.get("CUDA_VISIBLE_DEVICES") == env[PINNED_VAR]:
+        return None  # pinned already (`stratkit.make_strategy` did, in this process)
+    visible = gpus.visible_gpus(env)
+    if not visible:
+        return None
+    local, count = _local_tasks(env)
+    if count == 1:
+        return None
+    return gpus.assign(visible, ["worker"] * count, spelling=GPU_SPELLING)[local].visible

@@ -170,8 +170,12 @@ class AttemptRunner:
                               "the command after --") from None
         self.reaper.add(child.pid)
         where = f" at {child.address}" if child.address else ""
-        self.console.say(f"attempt {self.number + 1} of {total}: {child.task.name} started: pid {child.pid}{where}")
-        self.console.event("start", attempt=self.number, task=child.task.name, pid=child.pid, address=child.address)
+        gpu = self.plan.gpu_assignments()[child.task.name]
+        devices = f", {gpu.describe()}" if gpu.visible is not None else ""  # nothing said (or set) on a CPU host
+        self.console.say(f"attempt {self.number + 1} of {total}: {child.task.name} started: pid {child.pid}{where}"
+                         f"{devices}")
+        self.console.event("start", attempt=self.number, task=child.task.name, pid=child.pid, address=child.address,
+                           **({"gpus": gpu.visible} if gpu.visible is not None else {}))
         if child.log is not None:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             child.log.write(f"===== stratkit launch: {child.task.name}, attempt {self.number + 1} of {total}, "

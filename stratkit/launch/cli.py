@@ -21,6 +21,7 @@ from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
 from stratkit.launch.multinode import DEFAULT_LAST_CALL, DEFAULT_RDZV_TIMEOUT, launch_node
 from stratkit.launch.plan import (
+    GPU_WORKERS,
     GRPC_EXPOSED,
     NETWORK_MUST_BE_PRIVATE,
     DEFAULT_EXIT_GRACE,
@@ -84,8 +85,19 @@ def _str_value(text: str, name: str) -> str:
     return text.strip()
 
 
+def _workers_value(text: str, name: str) -> int | str:
+    """A whole number, or `gpu` (one per visible GPU)."""
+    if text.strip().lower() == GPU_WORKERS:
+        return GPU_WORKERS
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a whole number or 'gpu'. Fix: e.g. {name}=2 or {name}=gpu, or "
+                          "unset it") from None
+
+
 _FLAGS = (
-    _Flag("workers", "STRATKIT_WORKERS", _int_value),
+    _Flag("workers", "STRATKIT_WORKERS", _workers_value),
     _Flag("chief", "STRATKIT_CHIEF", _bool_value),
     _Flag("ps", "STRATKIT_PS", _int_value),
     _Flag("evaluator", "STRATKIT_EVALUATOR", _bool_value),
@@ -100,9 +112,12 @@ _FLAGS = (
     _Flag("private_network", "STRATKIT_PRIVATE_NETWORK", _bool_value),
     _Flag("nnodes", "STRATKIT_NNODES", _str_value),
     _Flag("rdzv_endpoint", "STRATKIT_RDZV_ENDPOINT", _str_value),
-    _Flag("workers_per_node", "STRATKIT_WORKERS_PER_NODE", _int_value),
+    _Flag("workers_per_node", "STRATKIT_WORKERS_PER_NODE", _workers_value),
     _Flag("rdzv_timeout", "STRATKIT_RDZV_TIMEOUT", _float_value),
     _Flag("rdzv_last_call", "STRATKIT_RDZV_LAST_CALL", _float_value),
+    _Flag("gpus_per_worker", "STRATKIT_GPUS_PER_WORKER", _int_value),
+    _Flag("gpus_per_ps", "STRATKIT_GPUS_PER_PS", _int_value),
+    _Flag("share_gpus", "STRATKIT_SHARE_GPUS", _bool_value),
 )
 
 
@@ -126,15 +141,26 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "the environment variable shown in brackets.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     count, seconds = _arg_type(int, "a whole number"), _arg_type(float, "a number of seconds")
+    workers = _arg_type(lambda text: _workers_value(text, "--workers"), "a whole number or 'gpu'")
     layout = parser.add_argument_group("cluster layout")
-    layout.add_argument("--workers", type=count, default=None, metavar="N",
-                        help="worker tasks (default 1; with --hosts, one per host) [STRATKIT_WORKERS]")
+    layout.add_argument("--workers", type=workers, default=None, metavar="N|gpu",
+                        help="worker tasks (default 1; with --hosts, one per host); gpu: one per GPU visible here "
+                             "[STRATKIT_WORKERS]")
     layout.add_argument("--chief", action="store_true", default=None,
                         help="add a chief task (required with --ps) [STRATKIT_CHIEF]")
     layout.add_argument("--ps", type=count, default=None, metavar="M",
                         help="parameter-server tasks: parameter_server strategy (default 0) [STRATKIT_PS]")
     layout.add_argument("--evaluator", action="store_true", default=None,
                         help="add an evaluator task (not listed in the cluster) [STRATKIT_EVALUATOR]")
+    devices = parser.add_argument_group("GPUs (each task's CUDA_VISIBLE_DEVICES; nothing set on a host without GPUs)")
+    devices.add_argument("--gpus-per-worker", type=count, default=None, metavar="K",
+                         help="GPUs each chief/worker/evaluator gets (default: the visible GPUs split evenly; the "
+                              "number of workers must divide them); 0 hides GPUs [STRATKIT_GPUS_PER_WORKER]")
+    devices.add_argument("--gpus-per-ps", type=count, default=None, metavar="K",
+                         help="GPUs each ps task gets (default 0: none) [STRATKIT_GPUS_PER_PS]")
+    devices.add_argument("--share-gpus", action="store_true", default=None,
+                         help="let several tasks share a GPU (round robin) instead of refusing; they get "
+                              "TF_FORCE_GPU_ALLOW_GROWTH=true [STRATKIT_SHARE_GPUS]")
     run = parser.add_argument_group("supervision")
     run.add_argument("--max-restarts", type=count, default=None, metavar="K",
                      help="restart the whole cluster up to K times after a failure (default 0) "
@@ -173,8 +199,9 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
                             "from backup_dir with the same global batch [STRATKIT_NNODES]")
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="the rendezvous: an address of node 0 and a free port [STRATKIT_RDZV_ENDPOINT]")
-    nodes.add_argument("--workers-per-node", type=count, default=None, metavar="K",
-                       help="worker tasks on each node (default 1); with --chief and --ps M, node 0 also runs "
+    nodes.add_argument("--workers-per-node", type=_arg_type(lambda text: _workers_value(text, "--workers-per-node"),
+                                                             "a whole number or 'gpu'"), default=None, metavar="K|gpu",
+                       help="worker tasks on each node (default 1; gpu: one per GPU of the node); with --chief and --ps M, node 0 also runs "
                             "the chief and ps task j runs on node (j+1) mod N [STRATKIT_WORKERS_PER_NODE]")
     nodes.add_argument("--rdzv-timeout", type=seconds, default=None, metavar="S",
                        help=f"seconds every node waits for all N to join (default {DEFAULT_RDZV_TIMEOUT:g}) "
@@ -232,8 +259,13 @@ def run_launch(args: argparse.Namespace) -> int:
         timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
-        private_network=options["private_network"])
+        private_network=options["private_network"], **_gpu_options(options))
     return result.returncode
+
+
+def _gpu_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {"gpus_per_worker": options["gpus_per_worker"], "gpus_per_ps": options["gpus_per_ps"],
+            "share_gpus": bool(options["share_gpus"])}
 
 
 def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: bool) -> int:
@@ -262,7 +294,8 @@ def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: 
         rdzv_last_call=DEFAULT_LAST_CALL if options["rdzv_last_call"] is None else options["rdzv_last_call"],
         max_restarts=options["max_restarts"] or 0, log_dir=options["log_dir"] or None, timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
-        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"])
+        stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
+        **_gpu_options(options))
     return result.returncode
 
 
@@ -313,6 +346,9 @@ def format_host_plan(command: list[str], hosts: list[str], options: Mapping[str,
         raise ConfigError("missing the command to run. Fix: put it after --, e.g. "
                           "`stratkit launch --hosts h1,h2 --print-tf-config -- python train.py`")
     workers = options.get("workers")
+    if workers == GPU_WORKERS:
+        raise ConfigError("--workers gpu counts the GPUs of the machine it runs on, but --print-tf-config plans other "
+                          "machines. Fix: --workers N (the cluster's total)")
     tasks = plan_tasks(len(hosts) if workers is None else workers, bool(options.get("chief")),
                        options.get("ps") or 0, bool(options.get("evaluator")))
     base_port = options.get("base_port") or DEFAULT_PLAN_PORT

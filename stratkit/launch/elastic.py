@@ -22,8 +22,9 @@ While a round runs:
       from again) before it is weighed, so a failure caused by a lost host is
       not counted as a failure. A node not back within the next round's last
       call is lost for good: the world shrinks (or ends below MIN).
-    * a node arriving (fewer than MAX running) ends the round at once as a
-      membership change (the tasks resume from the last backup: at most one
+    * a node arriving with another GPU count than the running nodes is refused
+      (they go on); else a node arriving (fewer than MAX running) ends the
+      round at once as a membership change (the tasks resume from the last backup: at most one
       epoch is trained again); it is in the next round. With MAX running it is
       refused; once worker 0 finished training it is refused too.
     * a task failure is decided as with `--nnodes N`; it restarts the cluster
@@ -107,7 +108,7 @@ class ElasticRendezvous(RendezvousServer):
 
     def __init__(self, host: str, port: int, token: bytes, min_nodes: int, max_nodes: int, workers_per_node: int,
                  *, max_restarts: int = 0, last_call: float = 3.0, rejoin_grace: float = 20.0,
-                 exit_grace: float = 30.0) -> None:
+                 exit_grace: float = 30.0, gpus: int | None = None) -> None:
         self.min_nodes, self.max_restarts = min_nodes, max_restarts
         self.last_call, self.rejoin_grace = last_call, rejoin_grace
         self.failure_restarts = 0
@@ -115,7 +116,7 @@ class ElasticRendezvous(RendezvousServer):
         self._running: int | None = None  # the round that trains now
         self._members: dict[int, _Membership] = {0: _Membership()}
         super().__init__(host, port, token, max_nodes, workers_per_node, attempts=_ANY_ATTEMPT,
-                         exit_grace=exit_grace)
+                         exit_grace=exit_grace, gpus=gpus)
         threading.Thread(target=self._ticks, name="stratkit-rdzv-elastic", daemon=True).start()
 
     def members(self, number: int) -> _Membership:
@@ -140,8 +141,13 @@ class ElasticRendezvous(RendezvousServer):
             if self._running is not None and round_.number == self._open:
                 running = self._rounds[self._running]
                 info = self._member(running.number)
+                counts = {n.gpus for n in running.nodes if n.gpus is not None}
                 if info.chief_done:
                     refuse = "training is finishing (node 0's tasks are done)"
+                elif node.gpus is not None and counts and node.gpus not in counts:
+                    # the running nodes are not stopped for a node that could never join them
+                    refuse = (f"this node shows {node.gpus} GPU(s) but the running nodes show {min(counts)}: a "
+                              "cluster of different GPU counts cannot train (set CUDA_VISIBLE_DEVICES to match)")
                 elif len(running.nodes) - sum(c.kind == "lost" for c in info.during) >= self.nnodes:
                     refuse = f"the cluster already runs --nnodes MAX={self.nnodes} nodes"
                 else:

@@ -56,17 +56,18 @@ from stratkit.strategy.server import RUN_DIR_VAR
 __all__ = ["launch", "listening_ports", "reserve_ports"]
 
 
-def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps: int = 0, evaluator: bool = False,
+def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = False, ps: int = 0, evaluator: bool = False,
            max_restarts: int = 0, log_dir: str | os.PathLike[str] | None = None, host: str = DEFAULT_HOST,
            base_port: int | None = None, timeout: float | None = None, exit_grace: float = DEFAULT_EXIT_GRACE,
            stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None,
            stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
-           private_network: bool | None = None) -> LaunchResult:
+           private_network: bool | None = None, gpus_per_worker: int | None = None,
+           gpus_per_ps: int | None = None, share_gpus: bool = False) -> LaunchResult:
     """Run `command` as every task of a local TF_CONFIG cluster and supervise it.
 
     Args:
         command: the program and its arguments, e.g. `["python", "train.py"]`.
-        workers: worker tasks (as `stratkit launch --workers`).
+        workers: worker tasks (as `stratkit launch --workers`); "gpu": one per GPU visible here.
         chief: add a chief task (required with `ps`).
         ps: parameter-server tasks.
         evaluator: add an evaluator task.
@@ -89,6 +90,12 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
             their TensorFlow servers (which listen on all interfaces) cannot be reached from
             other machines. None (default): where the machine allows it and `host` is loopback,
             else warn at start; True: always, else ConfigError; False: never (with the warning).
+        gpus_per_worker: GPUs each chief/worker/evaluator gets as its CUDA_VISIBLE_DEVICES; None: the
+            visible GPUs split evenly (nothing set on a host without GPUs); 0: GPUs hidden ("").
+            See `stratkit.cluster.gpus` for the rule and docs/gpu-hosts.md.
+        gpus_per_ps: GPUs each ps task gets (default none: "" on a GPU host).
+        share_gpus: let several tasks use one GPU (round robin) instead of refusing; those tasks
+            get TF_FORCE_GPU_ALLOW_GROWTH=true.
 
     Returns:
         A `LaunchResult`: `returncode` 0 only when every task succeeded; else the failed task's
@@ -101,7 +108,8 @@ def launch(command: Sequence[str], *, workers: int = 1, chief: bool = False, ps:
     plan = plan_launch(command, workers=workers, chief=chief, ps=ps, evaluator=evaluator, max_restarts=max_restarts,
                        log_dir=log_dir, host=host, base_port=base_port, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=env, stdout=stdout, stderr=stderr, handle_signals=handle_signals,
-                       private_network=private_network)
+                       private_network=private_network, gpus_per_worker=gpus_per_worker, gpus_per_ps=gpus_per_ps,
+                       share_gpus=share_gpus)
     # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks.
     plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
     try:

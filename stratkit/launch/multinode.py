@@ -40,7 +40,15 @@ from stratkit.errors import ConfigError
 from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
 from stratkit.launch.elastic import ElasticRendezvous
 from stratkit.launch.isolation import PrivateNetwork
-from stratkit.launch.plan import CROSS_HOST_SECURITY, LaunchPlan, Task, plan_launch, reserve_ports, thread_env
+from stratkit.launch.plan import (
+    CROSS_HOST_SECURITY,
+    LaunchPlan,
+    Task,
+    plan_launch,
+    reserve_ports,
+    resolve_workers,
+    thread_env,
+)
 from stratkit.launch.nodelink import NodeLink
 from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
 from stratkit.launch.results import Attempt
@@ -184,11 +192,11 @@ class NodeSupervisor(Supervisor):
                 self.server = ElasticRendezvous(s.host, s.port, s.token, s.min_nodes, s.nnodes, s.workers_per_node,
                                                 max_restarts=self.plan.max_restarts, last_call=s.last_call,
                                                 rejoin_grace=self.plan.stop_grace + LOST_AFTER,
-                                                exit_grace=self.plan.exit_grace)
+                                                exit_grace=self.plan.exit_grace, gpus=len(self.plan.gpu.visible))
             else:
                 self.server = RendezvousServer(s.host, s.port, s.token, s.nnodes, s.workers_per_node,
                                                attempts=self.plan.attempts, exit_grace=self.plan.exit_grace,
-                                               chief=s.chief, ps=s.ps)
+                                               chief=s.chief, ps=s.ps, gpus=len(self.plan.gpu.visible))
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
@@ -241,7 +249,7 @@ class NodeSupervisor(Supervisor):
         s = self.settings
         link = NodeLink(s.host, s.port, s.token, serving=self.server is not None,
                         workers_per_node=s.workers_per_node, join_timeout=s.join_timeout, say=self.console.say,
-                        chief=s.chief, ps=s.ps)
+                        chief=s.chief, ps=s.ps, gpus=len(self.plan.gpu.visible))
         holds: list[socket.socket] = []
         try:
             address = link.connect(number)
@@ -344,18 +352,25 @@ def node_settings(nnodes: int | str, endpoint: str | None, workers_per_node: int
                         bool(chief), int(ps), min_nodes=min_nodes, last_call=float(last_call))
 
 
-def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str | None, workers_per_node: int = 1,
+def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str | None,
+                workers_per_node: int | str = 1,
                 chief: bool = False, ps: int = 0, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
                 rdzv_last_call: float = DEFAULT_LAST_CALL, max_restarts: int = 0,
                 log_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
                 exit_grace: float = 30.0, stop_grace: float = 10.0, env: Mapping[str, str] | None = None,
-                stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True):
+                stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
+                gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False):
     """Run this node's share of an `nnodes`-machine cluster (see the module docstring); returns a LaunchResult.
+
+    Each node splits its own GPUs among its own tasks (`stratkit.launch.plan.GpuRequest`, as locally;
+    `workers_per_node="gpu"`: one worker per GPU of the node) and reports its GPU count when it joins:
+    the rendezvous refuses, on every node, a cluster whose nodes show different counts.
 
     Raises:
         ConfigError: on a bad flag, a missing token or a refused join, naming the flag and the fix.
     """
     base_env = dict(os.environ if env is None else env)
+    workers_per_node = resolve_workers(workers_per_node, base_env, "--workers-per-node")  # node 0's chief: see docs
     settings = node_settings(nnodes, rdzv_endpoint, workers_per_node, rdzv_timeout, base_env, chief, ps,
                              rdzv_last_call)
     plan = plan_launch(command, workers=settings.nnodes * workers_per_node, chief=settings.chief, ps=settings.ps,
@@ -363,7 +378,9 @@ def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str
                        max_restarts=max_restarts,
                        log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
-                       handle_signals=handle_signals, private_network=False)
+                       handle_signals=handle_signals, private_network=False, gpus_per_worker=gpus_per_worker,
+                       gpus_per_ps=gpus_per_ps, share_gpus=share_gpus,
+                       machines=layout.node_tasks(settings.nnodes, workers_per_node, settings.chief, settings.ps))
     for key, value in thread_env(settings.slots).items():  # this node's share of its cores
         if key not in base_env:
             plan.extra_env[key] = value

@@ -44,7 +44,7 @@ class NodeLink:
     """
 
     def __init__(self, host: str, port: int, token: bytes, *, serving: bool, workers_per_node: int,
-                 join_timeout: float, say: Any = None, chief: bool = False, ps: int = 0) -> None:
+                 join_timeout: float, say: Any = None, chief: bool = False, ps: int = 0, gpus: int = 0) -> None:
         self.endpoint = layout.format_address(host, port)
         self.host, self.port, self.token = host, port, token
         self.serving, self.workers_per_node, self.join_timeout = serving, workers_per_node, join_timeout
@@ -54,6 +54,8 @@ class NodeLink:
         self.cluster: dict[str, list[str]] = {}
         self.hosts: list[str] = []
         self.layout = node_layout(workers_per_node, chief, ps)
+        #: GPUs this node shows (the rendezvous refuses a cluster whose nodes differ).
+        self.gpus = gpus
         #: This node's tasks, from the rendezvous (`layout.node_tasks`), and the run's marker directory.
         self.tasks: list[layout.Task] = []
         self.run_dir = ""
@@ -130,7 +132,7 @@ class NodeLink:
         """Send this node's ports; wait for the cluster (until the join timeout)."""
         assert self.sock is not None
         self.send("JOIN", {"serving": self.serving, "host": self.address, "ports": ports, "layout": self.layout,
-                           "id": self.uid})
+                           "id": self.uid, "gpus": self.gpus})
         deadline = time.monotonic() + self.join_timeout
         self._lines = listener.bounded_lines(self.sock, b"", MAX_MESSAGE)
         try:
@@ -145,6 +147,8 @@ class NodeLink:
                 if kind == "END":  # an elastic rendezvous ended below MIN before this round formed
                     self._decide(data)
                     return
+                if kind == "MISMATCH":  # the nodes' GPUs differ: the server's text names them and the fix
+                    raise ConfigError(str(data))
                 if kind == "REFUSED":
                     raise ConfigError(f"the rendezvous at --rdzv-endpoint {self.endpoint} refused this node: "
                                       f"{data}. Fix: start each node once, with the same --nnodes, "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from stratkit import tf_logging
-from stratkit.cluster import layout
+from stratkit.cluster import gpus, layout
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import primary_task
 from stratkit.errors import ConfigError
@@ -161,6 +161,47 @@ def reserve_ports(host: str, count: int, base_port: int | None = None) -> list[s
     return held
 
 
+#: `--workers gpu`: one worker per visible GPU (torchrun's `--nproc-per-node gpu`).
+GPU_WORKERS = "gpu"
+
+
+def resolve_workers(workers: int | str, env: Mapping[str, str], flag: str = "--workers", others: int = 0) -> int:
+    """`--workers N`, or `gpu`: one per GPU visible here, less `others` (the chief and evaluator take one each).
+
+    Raises:
+        ConfigError: naming the flag, when no GPU is left for a worker.
+    """
+    if isinstance(workers, str) and workers.strip().lower() == GPU_WORKERS:
+        count = len(gpus.visible_gpus(env))
+        if count - others < 1:
+            also = f" ({others} of them for the chief/evaluator)" if others else ""
+            raise ConfigError(f"{flag} gpu starts one worker per visible GPU{also}, but this host has {count} "
+                              f"(CUDA_VISIBLE_DEVICES and the NVIDIA driver show {count}). Fix: {flag} N to run N "
+                              "workers on CPU, or run where the GPUs are visible")
+        return count - others
+    return workers  # type: ignore[return-value]  # checked by plan_tasks
+
+
+#: How the GPU refusals read under --nnodes (each node splits its own GPUs among its own tasks).
+NODE_GPU_FLAGS = gpus.Spelling(tasks="--workers-per-node", where="this node")
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """The GPU flags, checked, with the GPUs this host shows (`stratkit.cluster.gpus`)."""
+
+    visible: tuple[str, ...] = ()
+    per_worker: int | None = None
+    per_ps: int | None = None
+    share: bool = False
+    spelling: gpus.Spelling = gpus.FLAGS
+
+    def assign(self, tasks: Sequence[layout.Task]) -> list[gpus.Assignment]:
+        """Each of this host's `tasks`' GPUs (a ConfigError naming the flags when they cannot be split so)."""
+        return gpus.assign(self.visible, [t.role for t in tasks], per_task=self.per_worker, per_ps=self.per_ps,
+                           share=self.share, spelling=self.spelling)
+
+
 @dataclass
 class LaunchPlan:
     """`launch()`'s arguments, checked: what the supervisor runs (see `launch()` for each field)."""
@@ -181,6 +222,12 @@ class LaunchPlan:
     #: Defaults the tasks get unless `env` sets them (thread shares, unbuffered Python).
     extra_env: dict[str, str] = field(default_factory=dict)
     private_network: bool | None = None
+    #: Which GPUs each task of this host gets (`GpuRequest.assign` over `tasks`).
+    gpu: GpuRequest = field(default_factory=GpuRequest)
+
+    def gpu_assignments(self) -> dict[str, gpus.Assignment]:
+        """Each task's GPUs, by task name."""
+        return dict(zip((t.name for t in self.tasks), self.gpu.assign(self.tasks)))
 
     @property
     def attempts(self) -> int:
@@ -204,15 +251,31 @@ class LaunchPlan:
         env[LAUNCHER_VAR] = LAUNCHER
         env[RESTART_VAR] = str(attempt)
         env.update(self.extra_env)
+        assignment = self.gpu_assignments()[task.name]
+        for key, value in assignment.env().items():
+            if key != gpus.GROWTH_VAR or key not in self.env:  # the user's own memory setting wins
+                env[key] = value
         return env
 
 
 def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, evaluator: bool, max_restarts: int,
                 log_dir: str | os.PathLike[str] | None, host: str, base_port: int | None, timeout: float | None,
                 exit_grace: float, stop_grace: float, env: Mapping[str, str] | None, stdout: IO[str] | None,
-                stderr: IO[str] | None, handle_signals: bool, private_network: bool | None) -> LaunchPlan:
-    """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag."""
+                stderr: IO[str] | None, handle_signals: bool, private_network: bool | None,
+                gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False,
+                machines: Sequence[Sequence[layout.Task]] | None = None) -> LaunchPlan:
+    """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag.
+
+    `machines`: the tasks each machine runs (`--nnodes`), whose GPUs are split per machine; default: all here.
+    """
+    base_env = dict(os.environ if env is None else env)
+    if machines is None:  # (--nnodes resolved it per node)
+        workers = resolve_workers(workers, base_env, others=int(bool(chief)) + int(bool(evaluator)))
     tasks = plan_tasks(workers, chief, ps, evaluator)
+    gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
+                     gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
+    for group in machines or [tasks]:
+        gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)
     check_task_limit(len(tasks), serving, workers, ps, base_port, log_dir is not None)
     check_count(max_restarts, "--max-restarts", 0, "3")
@@ -227,7 +290,6 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
                                   or not 1 <= base_port <= 65536 - serving):
         raise ConfigError(f"--base-port must leave room for {serving} port(s) within 1..65535: got "
                           f"{base_port!r}. Fix: e.g. --base-port 2222, or omit it to get free ports")
-    base_env = dict(os.environ if env is None else env)
     argv = check_command(command, path=base_env.get("PATH"))
     check_not_in_slurm_step(base_env)
     # The user's own settings win; unbuffered Python makes the prefixed output live; TensorFlow's start-up
@@ -241,4 +303,4 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
-        extra_env=extra, private_network=private_network)
+        extra_env=extra, private_network=private_network, gpu=gpu)

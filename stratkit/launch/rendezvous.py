@@ -12,8 +12,11 @@ lines. An authenticated node gets one thread (at most N).
 Protocol (UTF-8 lines, each at most `MAX_MESSAGE` bytes; JSON after the kind):
     node -> server   HELLO <token> <attempt> <hostname>   (the listener's)
     server -> node   OK                                   the token matched (else: closed)
-    node -> server   JOIN {"serving", "host", "ports", "layout"}   its task address, held ports, the layout flags
+    node -> server   JOIN {"serving", "host", "ports", "layout", "gpus"}   its task address, held ports, the layout
+                                                         flags, how many GPUs it shows
     server -> node   CLUSTER {"node", "nnodes", "cluster", "hosts", "tasks"}   once all N joined
+    server -> node   MISMATCH <why>                       instead, when the nodes' GPU counts differ (every node
+                                                         ends with a ConfigError naming them)
     both ways        HB                                   every `HEARTBEAT` s
     node -> server   DONE {"final"} | FAILED {"failure", "final"}   how this node's tasks ended
     server -> node   END {"failure": failure | null, "restart"}     the decision every node follows
@@ -115,6 +118,20 @@ def _rank(item: tuple[int, TaskFailure]) -> tuple[bool, int]:
     return not (code < 0 or 128 < code < 160), order
 
 
+def gpu_mismatch(nodes: list[_Node]) -> str:
+    """Why a cluster of these nodes is refused for their GPUs ("" when every node shows as many)."""
+    counts = {n.gpus for n in nodes if n.gpus is not None}
+    if len(counts) <= 1:
+        return ""
+    shown = ", ".join(f"node {n.rank} {n.label} ({n.host}): {n.gpus} GPU(s)" for n in nodes)
+    mixed = 0 in counts
+    return (f"the nodes of this --nnodes cluster show different GPU counts ({shown}); "
+            + ("a cluster mixing GPU and CPU-only nodes" if mixed else "nodes with different GPU counts")
+            + " cannot train in one collective group (NCCL fails deep inside TensorFlow). Fix: run every node with "
+            "the same number of visible GPUs (set CUDA_VISIBLE_DEVICES on the larger ones), or "
+            "CUDA_VISIBLE_DEVICES= (empty) on every node to train on CPU")
+
+
 def message(kind: str, data: Any = None) -> bytes:
     return (kind + ("" if data is None else " " + json.dumps(data)) + "\n").encode()
 
@@ -135,6 +152,7 @@ class _Node:
     ports: tuple[int, ...] = ()
     rank: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gpus: int | None = None  # GPUs the node shows (JOIN's "gpus")
     uid: str = ""  # the launcher's own id (JOIN's "id"): one node across rounds, also two on one host
     last_seen: float = field(default_factory=time.monotonic)  # its last line (a heartbeat at least every HEARTBEAT s)
 
@@ -167,8 +185,12 @@ class RendezvousServer:
     """
 
     def __init__(self, host: str, port: int, token: bytes, nnodes: int, workers_per_node: int,
-                 attempts: int = 1, exit_grace: float = 30.0, chief: bool = False, ps: int = 0) -> None:
+                 attempts: int = 1, exit_grace: float = 30.0, chief: bool = False, ps: int = 0,
+                 gpus: int | None = None) -> None:
         self.nnodes, self.workers_per_node, self.attempts = nnodes, workers_per_node, attempts
+        #: The serving node's GPU count: a node showing another joins anyway, and the cluster is then refused on
+        #: every node for its GPUs (with `--workers-per-node gpu` its layout differs too, for the same reason).
+        self.gpus = gpus
         self.shape = node_layout(workers_per_node, chief, ps)
         self.placement = layout.node_tasks(nnodes, workers_per_node, chief, ps)
         self.slots = max(len(tasks) for tasks in self.placement)
@@ -238,13 +260,15 @@ class RendezvousServer:
             node.serving, node.host = bool(data["serving"]), str(data["host"])
             node.ports = tuple(int(p) for p in data["ports"])
             shape = data.get("layout") or node_layout(len(node.ports))
+            node.gpus = None if data.get("gpus") is None else int(data["gpus"])
         except (KeyError, TypeError, ValueError, AttributeError):
             node.send(b"REFUSED a malformed JOIN\n")
             return False
+        gpus_differ = None not in (node.gpus, self.gpus) and node.gpus != self.gpus
         with self._lock:
             others = [n for n in round_.nodes if not n.serving]
-            refused = round_.formed or shape != self.shape or len(node.ports) != self.slots or (
-                not node.serving and len(others) >= self.nnodes - 1)
+            refused = round_.formed or (not gpus_differ and (shape != self.shape or len(node.ports) != self.slots)) \
+                or (not node.serving and len(others) >= self.nnodes - 1)
             if not refused:
                 round_.nodes.append(node)
         if refused:
@@ -272,6 +296,11 @@ class RendezvousServer:
                 node.rank = rank
             round_.nodes = nodes
             round_.formed = True
+        mismatch = gpu_mismatch(nodes)
+        if mismatch:  # before any task starts: NCCL would fail deep inside (tensorflow/tensorflow#60847)
+            for node in nodes:
+                node.send(f"MISMATCH {mismatch}\n".encode())
+            return
         shape = self.shape
         count = len(nodes)  # all N (an elastic round: its own number of nodes)
         placement = self.placement if count == self.nnodes else layout.node_tasks(

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from stratkit.cluster import ClusterSpec
+from stratkit.cluster import ClusterSpec, gpus
 from stratkit.cluster import layout as cluster_layout
 from stratkit.cluster.layout import Task, tf_config_json
 from stratkit.errors import ConfigError
@@ -130,25 +130,16 @@ def remap_visible(addresses: Sequence[str], preset: str | None, where: str = "th
     Spark's addresses count the devices *visible* to the executor; when the
     executor itself runs with CUDA_VISIBLE_DEVICES="10,11,12,13", address "2"
     is physical device "12", and the child process (which gets its own
-    CUDA_VISIBLE_DEVICES) must be given "12".
+    CUDA_VISIBLE_DEVICES) must be given "12" (`stratkit.cluster.gpus.translate`,
+    the launcher's rule too).
     """
-    if preset is None:
-        return list(addresses)
-    visible = [d.strip() for d in preset.split(",") if d.strip()]
-    out = []
-    for address in addresses:
-        index = int(address)
-        if index >= len(visible):
-            raise ConfigError(f"Spark assigned GPU address {address} but CUDA_VISIBLE_DEVICES={preset!r} on {where} "
-                              f"lists only {len(visible)} device(s). Fix: make the discovery script report "
-                              "indices into CUDA_VISIBLE_DEVICES (0..N-1), or unset CUDA_VISIBLE_DEVICES there")
-        out.append(visible[index])
-    return out
+    return gpus.translate(addresses, preset, what="Spark assigned GPU address", where=where,
+                          fix="make the discovery script report indices into CUDA_VISIBLE_DEVICES (0..N-1), or "
+                              "unset CUDA_VISIBLE_DEVICES there")
 
 
-def split_evenly(total: int, parts: int, index: int) -> int:
-    """How many of `total` items part `index` of `parts` gets: sizes differ by at most one, larger first."""
-    return total // parts + (1 if index < total % parts else 0)
+#: Kept importable from here (`stratkit.cluster.gpus` owns it).
+split_evenly = gpus.split_evenly
 
 
 def visible_devices(role: TaskRole, *, use_gpu: bool, owned: Sequence[str] | None, count: int | None,
@@ -178,3 +169,27 @@ def visible_devices(role: TaskRole, *, use_gpu: bool, owned: Sequence[str] | Non
                               "or ask for fewer GPUs per task")
         addresses = addresses[:count]
     return ",".join(remap_visible(addresses, preset))
+
+
+def gpu_count(visible: str) -> int:
+    """GPUs a CUDA_VISIBLE_DEVICES value shows ("" shows none)."""
+    return gpus.Assignment(visible).count or 0
+
+
+def check_gpu_counts(roles: Sequence[TaskRole], counts: Sequence[int]) -> None:
+    """Refuse a cluster whose training tasks see different numbers of GPUs (every task runs this on the same list).
+
+    Each barrier task reports its count with its address; MultiWorkerMirrored needs as many devices on every
+    worker, and NCCL refuses a mix of GPU and CPU-only workers deep inside TensorFlow
+    (tensorflow/tensorflow#60847), so the cluster is refused here, naming the tasks, before TensorFlow starts.
+    """
+    training = [(r.label, counts[r.rank]) for r in roles if r.task_type != "ps"]
+    if len({count for _, count in training}) <= 1:
+        return
+    shown = ", ".join(f"{label}: {count} GPU(s)" for label, count in training)
+    mixed = any(count == 0 for _, count in training)
+    raise ConfigError(f"the Spark tasks see different numbers of GPUs ({shown}); "
+                      + ("a cluster mixing GPU and CPU-only workers" if mixed else "workers with different GPU counts")
+                      + " cannot train in one MultiWorkerMirrored cluster. Fix: give every executor the same GPU "
+                      "resources (spark.executor.resource.gpu.amount and spark.task.resource.gpu.amount), set "
+                      "gpus_per_worker, or pass use_gpu=False to train on CPU")

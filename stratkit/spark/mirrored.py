@@ -123,7 +123,15 @@ class MirroredStrategyRunner:
         runner._api_name, runner._log = type(self).__name__, log  # SparkRunner.run checks SSL, once
         runner._gpu_resource_name = self._gpu_resource_name
         if self._use_gpu:
-            runner._gpu_counts = [layout.split_evenly(self._num_slots, tasks, rank) for rank in range(tasks)]
+            counts = [layout.split_evenly(self._num_slots, tasks, rank) for rank in range(tasks)]
+            if len(set(counts)) > 1:  # the tasks would refuse it (layout.check_gpu_counts): say so before any job
+                per_task = math.ceil(self._num_slots / tasks)
+                raise ConfigError(f"num_slots={self._num_slots} over {tasks} Spark tasks gives them "
+                                  f"{' and '.join(map(str, sorted(set(counts), reverse=True)))} GPUs: workers with "
+                                  "different GPU counts cannot train in one MultiWorkerMirrored cluster. Fix: "
+                                  f"num_slots a multiple of spark.task.resource.{self._gpu_resource_name}.amount "
+                                  f"(e.g. num_slots={per_task * tasks} or {per_task * (tasks - 1) or per_task})")
+            runner._gpu_counts = counts
         runner._wrap = None if self._use_custom_strategy else _WRAP
         try:
             return runner.run(train_fn, **kwargs)

@@ -11,8 +11,10 @@ cluster), or an answer does not come within `WAIT_SECONDS`, a task falls back
 to `allGather`; a task that is still waiting gives up at the same deadline, so
 all of them meet in the all-gather.
 
-Protocol (one line each way): task -> driver `<token> <rank> <address>`;
-driver -> task a JSON list of every rank's address. The token is the run's
+Protocol (one line each way): task -> driver `<token> <rank> <member>`;
+driver -> task a JSON list of every rank's member. A member is what the task
+tells the others (`stratkit.spark.task`: its address and GPU count, as JSON);
+the driver passes it on as it came. The token is the run's
 random secret; a wrong one, or a line longer than 1 KiB, closes the connection.
 """
 

@@ -157,12 +157,15 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     try:
         host = _host_of(context.getTaskInfos()[rank].address)
         holder, port = hold_port(host)
-        addresses = _gather_addresses(plan, context, rank, f"{_format_host(host)}:{port}")
+        visible = _visible_devices(plan, role, context)
+        addresses, gpu_counts = _gather_addresses(plan, context, rank, f"{_format_host(host)}:{port}",
+                                                  layout.gpu_count(visible))
         note("addresses gathered")
+        layout.check_gpu_counts(plan.roles, gpu_counts)  # every task refuses the same mixed cluster
 
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
-        env["CUDA_VISIBLE_DEVICES"] = _visible_devices(plan, role, context)
+        env["CUDA_VISIBLE_DEVICES"] = visible
         spec = layout.validate(plan.roles, addresses, rank, env)
         env["TF_CONFIG"] = layout.tf_config(plan.roles, addresses, rank)
         env[LAUNCHER_VAR] = layout.LAUNCHER
@@ -229,16 +232,20 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             pass
 
 
-def _gather_addresses(plan: TaskPlan, context: Any, rank: int, address: str) -> list[str]:
-    """Every rank's "host:port": through the driver (no barrier wait), else Spark's all-gather."""
+def _gather_addresses(plan: TaskPlan, context: Any, rank: int, address: str,
+                      gpus: int = 0) -> tuple[list[str], list[int]]:
+    """Every rank's "host:port" and GPU count: through the driver (no barrier wait), else Spark's all-gather."""
     from stratkit.spark import rendezvous
 
-    addresses = rendezvous.exchange(plan.log_host, plan.rendezvous_port, plan.rendezvous_token, rank, address)
-    if addresses is not None and len(addresses) == plan.num_tasks:
-        return addresses
-    gathered = context.allGather(json.dumps({"rank": rank, "address": address}))
-    by_rank = {item["rank"]: item["address"] for item in map(json.loads, gathered)}
-    return [by_rank[r] for r in range(plan.num_tasks)]
+    mine = json.dumps({"address": address, "gpus": gpus}, separators=(",", ":"))
+    members = rendezvous.exchange(plan.log_host, plan.rendezvous_port, plan.rendezvous_token, rank, mine)
+    if members is not None and len(members) == plan.num_tasks:
+        parsed = [json.loads(m) for m in members]
+        return [p["address"] for p in parsed], [int(p["gpus"]) for p in parsed]
+    gathered = context.allGather(json.dumps({"rank": rank, "address": address, "gpus": gpus}))
+    by_rank = {item["rank"]: item for item in map(json.loads, gathered)}
+    return ([by_rank[r]["address"] for r in range(plan.num_tasks)],
+            [int(by_rank[r]["gpus"]) for r in range(plan.num_tasks)])
 
 
 def failure_record(role: TaskRole, exit_code: int, lines: Any) -> str:

@@ -8,11 +8,13 @@ themselves on a model built in `make_strategy(...).scope()` get it too.
 from __future__ import annotations
 
 import functools
-
 import logging
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from stratkit.cluster import ClusterSpec, detect
+from stratkit.cluster import ClusterSpec, detect, slurm
 from stratkit.errors import ConfigError
 # A private TensorFlow read, so it lives behind the gate; still importable from here as before.
 from stratkit.strategy.keras_compat import runtime_initialized
@@ -39,8 +41,12 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
             mirrored: `devices` (default: all GPUs, else all logical CPUs),
                 `logical_cpus=N` (split the CPU into N logical devices first;
                 useful for testing on a CPU machine; input batches then stay
-                in host memory unless you pass InputOptions), `cross_device_ops`.
-            multi_worker_mirrored: `implementation` ("auto", "ring", "nccl"),
+                in host memory unless you pass InputOptions), `cross_device_ops`
+                ("nccl", "hierarchical_copy", "reduce_to_one_device" or a
+                `tf.distribute.CrossDeviceOps`; default: STRATKIT_CROSS_DEVICE_OPS, else
+                TensorFlow's: NCCL over GPUs).
+            multi_worker_mirrored: `implementation` ("auto", "ring", "nccl"; default
+                "nccl" when this worker has GPUs, else "ring"; yours wins),
                 `timeout_seconds` (collective timeout; keep it well above any
                 chief pause), `bytes_per_pack` (gradient packing).
             parameter_server: `variable_partitioner` (e.g.
@@ -74,6 +80,7 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
     elif strategy is not None:
         spec = _override(spec, strategy)
 
+    pin_gpus(spec)  # before TensorFlow enumerates its devices
     build = _BUILDERS[spec.strategy]
     known = _OPTIONS[spec.strategy]
     unknown = sorted(set(options) - known)
@@ -96,6 +103,38 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
 
     timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result
+
+
+def pin_gpus(spec: ClusterSpec, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """In a Slurm step whose tasks all see every GPU of their node, keep only this task's share.
+
+    `stratkit.cluster.slurm.gpu_share` decides (by SLURM_LOCALID; with
+    `--gpus-per-task` Slurm's own assignment stands); this sets it as the
+    process's CUDA_VISIBLE_DEVICES, which CUDA reads when TensorFlow first
+    looks at its devices -- so it must happen before any TensorFlow op, as for
+    MultiWorkerMirrored itself. Other sources (the launcher, Spark, a
+    platform's TF_CONFIG) set the variable before the process starts.
+
+    Returns:
+        The value set, or None when nothing changed.
+
+    Raises:
+        ConfigError: when TensorFlow already started (it saw every GPU).
+    """
+    env = os.environ if environ is None else environ
+    if spec.source != "slurm":
+        return None
+    share = slurm.gpu_share(env)
+    if share is None:
+        return None
+    if "tensorflow" in sys.modules and runtime_initialized():  # (not imported yet: it cannot have started)
+        raise ConfigError(f"this Slurm task should use GPUs {share or 'none'} of its node (SLURM_LOCALID="
+                          f"{env.get('SLURM_LOCALID')}), but TensorFlow already started and sees them all. Fix: "
+                          f"{_STARTUP_FIX}; or give each task its own GPUs with srun --gpus-per-task")
+    env["CUDA_VISIBLE_DEVICES"] = env[slurm.PINNED_VAR] = share
+    log.info("Slurm task SLURM_LOCALID=%s: CUDA_VISIBLE_DEVICES=%r (its share of the node's GPUs)",
+             env.get("SLURM_LOCALID"), share)
+    return share
 
 
 def _positional_kind(positional: str, strategy: str | None) -> str:
@@ -175,9 +214,38 @@ def host_inputs(strategy: Any) -> Any:
     return strategy
 
 
+#: `make_strategy("mirrored", cross_device_ops=...)` by name, also from this variable.
+CROSS_DEVICE_OPS_VAR = "STRATKIT_CROSS_DEVICE_OPS"
+CROSS_DEVICE_OPS = ("nccl", "hierarchical_copy", "reduce_to_one_device")
+
+
+def cross_device_ops_for(value: Any, environ: Mapping[str, str] | None = None) -> Any:
+    """MirroredStrategy's reduction: a name from `CROSS_DEVICE_OPS` (or STRATKIT_CROSS_DEVICE_OPS), or TF's object.
+
+    None and no variable: TensorFlow's default (NCCL over several GPUs). The
+    names are the fallbacks users are told to try when several GPUs give NaN
+    where one does not (tensorflow/tensorflow#90686): "hierarchical_copy",
+    then "reduce_to_one_device".
+    """
+    env = os.environ if environ is None else environ
+    where = "cross_device_ops"
+    if value is None and env.get(CROSS_DEVICE_OPS_VAR, "").strip():
+        value, where = env[CROSS_DEVICE_OPS_VAR], CROSS_DEVICE_OPS_VAR
+    if value is None or not isinstance(value, str):
+        return value  # TF's default, or the user's own tf.distribute.CrossDeviceOps
+    name = value.strip().lower().replace("-", "_")
+    if name not in CROSS_DEVICE_OPS:
+        raise ConfigError(f"{where}={value!r} is not a cross-device reduction. Fix: one of "
+                          f"{', '.join(CROSS_DEVICE_OPS)} (or a tf.distribute.CrossDeviceOps object)")
+    tf = _tf()
+    return {"nccl": tf.distribute.NcclAllReduce, "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+            "reduce_to_one_device": tf.distribute.ReductionToOneDevice}[name]()
+
+
 def _build_mirrored(spec: ClusterSpec, devices: list[str] | None = None, logical_cpus: int | None = None,
                     cross_device_ops: Any = None):
     tf = _tf()
+    cross_device_ops = cross_device_ops_for(cross_device_ops)
     if logical_cpus is not None:
         cpu_devices = configure_logical_cpus(logical_cpus)
     if devices is None:
@@ -197,9 +265,13 @@ def cluster_resolver(spec: ClusterSpec):
         rpc_layer="grpc", num_accelerators={"GPU": spec.num_gpus} if spec.num_gpus else None)
 
 
-def _build_multi_worker(spec: ClusterSpec, implementation: str = "auto", timeout_seconds: float | None = None,
+def _build_multi_worker(spec: ClusterSpec, implementation: str | None = None, timeout_seconds: float | None = None,
                         bytes_per_pack: int = 0):
     tf = _tf()
+    if implementation is None:
+        # NCCL when this worker has GPUs: the front doors (launcher rendezvous, Spark) refuse clusters mixing
+        # GPU and CPU-only workers, which NCCL cannot serve (tensorflow/tensorflow#60847); ring otherwise.
+        implementation = "nccl" if tf.config.list_physical_devices("GPU") else "ring"
     impls = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
              "ring": tf.distribute.experimental.CommunicationImplementation.RING,
              "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}

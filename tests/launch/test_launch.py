@@ -167,7 +167,7 @@ def test_a_non_number_for_a_count_flag_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["launch", "--workers", "two", "--", "python", "x.py"])
     assert exit_.value.code == 2
-    assert "argument --workers: expected a whole number, got 'two'" in capsys.readouterr().err
+    assert "argument --workers: expected a whole number or 'gpu', got 'two'" in capsys.readouterr().err
 
 
 def test_env_vars_fill_the_flags_and_a_flag_wins(monkeypatch, capsys):

@@ -543,3 +543,95 @@ def test_with_log_dir_every_node_writes_its_tasks_logs_and_events(tmp_path):
     assert "logged" in (tmp_path / "a" / "worker-0.log").read_text()
     assert "logged" in (tmp_path / "b" / "worker-1.log").read_text()
     assert any('"event": "done"' in line for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines())
+
+
+# -- GPUs: every node reports its count; a cluster of different counts is refused on every node ----------------
+@pytest.mark.parametrize("elastic", [False, True], ids=["nnodes-2", "nnodes-1:2"])
+def test_nodes_with_different_gpu_counts_are_refused_on_every_node_naming_them(elastic):
+    import threading
+
+    from stratkit.launch.elastic import ElasticRendezvous
+
+    port = free_ports(1)[0]
+    server = (ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=5.0, gpus=4) if elastic
+              else RendezvousServer("127.0.0.1", port, TOKEN.encode(), nnodes=2, workers_per_node=1, gpus=4))
+    links = [NodeLink("127.0.0.1", port, TOKEN.encode(), serving=i == 0, workers_per_node=1, join_timeout=10,
+                      gpus=gpus) for i, gpus in enumerate((4, 0))]
+    errors: list[str] = []
+
+    def join(link: NodeLink, port_: int) -> None:
+        try:
+            link.join([port_])
+        except ConfigError as exc:
+            errors.append(str(exc))
+
+    try:
+        for link in links:
+            link.connect(0)
+        threads = [threading.Thread(target=join, args=(link, 7001 + i)) for i, link in enumerate(links)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert len(errors) == 2, errors
+        for message in errors:
+            assert "node 0" in message and "4 GPU(s)" in message and "node 1" in message and "0 GPU(s)" in message
+            assert "mixing GPU and CPU-only nodes" in message and "Fix:" in message
+        assert all(link.cluster == {} for link in links)  # no cluster formed: no task starts
+    finally:
+        for link in links:
+            link.close()
+        server.close()
+
+
+GPU_SHOW = [sys.executable, "-c", "import os; print('GPUS', os.environ['CUDA_VISIBLE_DEVICES'])"]
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_two_hosts_pin_their_own_gpus_and_different_gpu_counts_are_refused_on_both():
+    import hosts
+
+    with hosts.make_hosts(2) as (h1, h2):
+        argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                f"{h1.address}:29400", "--stop-grace", "3", "--rdzv-timeout", "60", "--workers-per-node", "2", "--",
+                *GPU_SHOW]
+        env = child_env(None, {TOKEN_VAR: TOKEN, "CUDA_VISIBLE_DEVICES": None, "STRATKIT_FAKE_GPU_COUNT": "4"})
+        procs = _start_on_two_hosts(h1, h2, argv, env, late=1)
+        outs = [p.communicate(timeout=120) for p in procs]
+        _assert_all_ok(procs, outs)
+        # each node splits its own 4 GPUs between its own 2 workers
+        assert sorted(re.findall(r"\[(worker:\d)\] GPUS (\S+)", outs[0][0] + outs[1][0])) == \
+            [("worker:0", "0,1"), ("worker:1", "2,3"), ("worker:2", "0,1"), ("worker:3", "2,3")]
+        assert re.search(r"worker:2 started: pid \d+ at [\d.:]+, GPUs 0,1", outs[1][1]), outs[1][1][-2000:]
+
+        # one worker per GPU of each node: 4 on h1, 2 on h2 -- refused for the GPUs, on both, at once
+        argv[argv.index("--workers-per-node") + 1] = "gpu"
+        procs = _start_on_two_hosts(h1, h2, argv, env, late=1, env2={**env, "STRATKIT_FAKE_GPU_COUNT": "2"})
+        outs = [p.communicate(timeout=120) for p in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 2, err[-3000:]
+        assert f"node 0 h1 ({h1.address}): 4 GPU(s)" in err and f"node 1 h2 ({h2.address}): 2 GPU(s)" in err, err
+        assert "different GPU counts" in err and "Fix:" in err
+        assert "started: pid" not in err and "GPUS" not in out  # refused before any task started
+
+
+def test_an_elastic_node_arriving_with_another_gpu_count_is_refused_and_the_running_round_goes_on():
+    from stratkit.launch.elastic import ElasticRendezvous
+
+    port = free_ports(1)[0]
+    server = ElasticRendezvous("127.0.0.1", port, TOKEN.encode(), 1, 2, 1, last_call=0.2)
+    first = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=True, workers_per_node=1, join_timeout=10, gpus=4)
+    late = NodeLink("127.0.0.1", port, TOKEN.encode(), serving=False, workers_per_node=1, join_timeout=10, gpus=2)
+    try:
+        first.connect(0)
+        first.join([7001])  # the round forms with node 0 alone after the last call
+        assert first.cluster == {"worker": ["127.0.0.1:7001"]}
+        late.connect(0)
+        with pytest.raises(ConfigError, match=r"shows 2 GPU\(s\) but the running nodes show 4"):
+            late.join([7002])
+        assert first.decision is None and not first.resize  # the running round was not ended for it
+    finally:
+        late.close()
+        first.close()
+        server.close()

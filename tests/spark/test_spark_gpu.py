@@ -89,7 +89,7 @@ def _per_task(runner) -> dict[str, str]:
 
 # -- spark-tensorflow-distributor's cases -------------------------------------------------------
 
-@pytest.mark.parametrize("num_slots, per_task", [(2, [2]), (3, [2, 1]), (6, [2, 2, 2]), (8, [2, 2, 2, 2])])
+@pytest.mark.parametrize("num_slots, per_task", [(2, [2]), (6, [2, 2, 2]), (8, [2, 2, 2, 2])])
 def test_num_slots_gpus_are_split_evenly_over_tasks_and_remapped_through_the_preset(spark, num_slots, per_task):
     runner = MirroredStrategyRunner(num_slots=num_slots, use_custom_strategy=True)
     assert runner.get_num_tasks() == len(per_task)  # ceil(num_slots / spark.task.resource.gpu.amount)
@@ -100,6 +100,15 @@ def test_num_slots_gpus_are_split_evenly_over_tasks_and_remapped_through_the_pre
         ids = devices.split(",")
         assert len(set(ids)) == len(ids) and set(ids) <= set(PRESET.split(","))
     assert chief_value == seen["worker:0"]
+
+
+def test_num_slots_that_would_give_tasks_different_gpu_counts_are_refused_before_any_job(spark):
+    # spark-tensorflow-distributor splits 3 slots as 2 + 1 GPUs; MWMS needs as many devices on every worker
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"num_slots=3 over 2 Spark tasks gives them 2 and 1 GPUs.*Fix: num_slots a "
+                                          r"multiple of spark.task.resource.gpu.amount \(e.g. num_slots=4 or 2\)"):
+        MirroredStrategyRunner(num_slots=3, use_custom_strategy=True).run(report_visible_devices)
+    assert time.monotonic() - started < 5
 
 
 def test_more_slots_than_the_cluster_can_schedule_fail_at_once(spark):

@@ -384,3 +384,16 @@ def test_a_stage_that_fails_before_any_task_reports_shows_what_spark_said_in_the
     assert "failure: Spark failed the barrier stage before a training process reported its exit" in message
     assert "  | ModuleNotFoundError: No module named 'stratkit'" in message and "Foo.scala" not in message
     assert "Fix: the executors' Python cannot import a module" in message
+
+
+def test_every_task_refuses_a_cluster_whose_training_tasks_see_different_gpu_counts():
+    roles = layout.plan_roles(2, num_ps=1)  # chief, worker:0, worker:1, ps:0
+    layout.check_gpu_counts(roles, [2, 2, 2, 0])  # ps tasks get none by design
+    with pytest.raises(ConfigError) as info:
+        layout.check_gpu_counts(roles, [2, 2, 0, 0])
+    message = str(info.value)
+    assert "chief:0: 2 GPU(s), worker:0: 2 GPU(s), worker:1: 0 GPU(s)" in message
+    assert "mixing GPU and CPU-only workers" in message and "Fix:" in message
+    with pytest.raises(ConfigError, match="worker:1: 1 GPU.*different GPU counts"):
+        layout.check_gpu_counts(layout.plan_roles(2), [2, 1])
+    assert layout.gpu_count("") == 0 and layout.gpu_count("10,11") == 2

@@ -36,16 +36,55 @@ def test_one_device_is_the_default_on_a_cpu_host():
     assert report["device"].endswith("CPU:0")
 
 
-def test_mirrored_over_two_logical_cpus_reduces_across_replicas():
+def test_mirrored_over_two_logical_cpus_reduces_across_replicas_with_the_reduction_asked_for():
     result = run_process(_code("""
+        import os
         s = stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
         import tensorflow as tf
+        from stratkit.errors import ConfigError
         ctx_ids = s.run(lambda: tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))
         total = s.reduce("SUM", ctx_ids, axis=None)
-        print(json.dumps({"type": type(s).__name__, "replicas": s.num_replicas_in_sync, "sum": float(total)}))
+        report = {"type": type(s).__name__, "replicas": s.num_replicas_in_sync, "sum": float(total)}
+        # the cross-device reduction by name (GPU hosts' fallbacks), or from STRATKIT_CROSS_DEVICE_OPS
+        for name in ("reduce_to_one_device", "hierarchical_copy", "env"):
+            if name == "env":
+                os.environ["STRATKIT_CROSS_DEVICE_OPS"] = "Reduce-To-One-Device"
+            s = stratkit.make_strategy(strategy="mirrored", logical_cpus=2,
+                                       **({} if name == "env" else {"cross_device_ops": name}))
+            total = s.reduce("SUM", s.run(lambda: tf.constant(1.5)), axis=None)
+            report[name] = [type(s.extended._cross_device_ops).__name__, float(total)]
+        os.environ["STRATKIT_CROSS_DEVICE_OPS"] = "ring"
+        try:
+            stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
+        except ConfigError as exc:
+            report["refused"] = str(exc)
+        print(json.dumps(report))
     """))
     assert result.ok, describe([result])
-    assert result.last_json() == {"type": "MirroredStrategy", "replicas": 2, "sum": 3.0}
+    report = result.last_json()
+    assert {k: report[k] for k in ("type", "replicas", "sum")} == {"type": "MirroredStrategy", "replicas": 2,
+                                                                 "sum": 3.0}
+    assert report["reduce_to_one_device"] == ["ReductionToOneDevice", 3.0]
+    assert report["hierarchical_copy"] == ["HierarchicalCopyAllReduce", 3.0]
+    assert report["env"] == ["ReductionToOneDevice", 3.0]
+    assert "STRATKIT_CROSS_DEVICE_OPS='ring'" in report["refused"] and "Fix:" in report["refused"]
+
+
+def test_a_slurm_task_seeing_every_gpu_of_its_node_is_pinned_to_its_share_before_tensorflow_starts():
+    # srun -N2 --ntasks-per-node=4 without --gpus-per-task, on 8-GPU nodes (the tests' stand-in inventory)
+    slurm = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
+             "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "STRATKIT_FAKE_GPU_COUNT": "8",
+             "CUDA_VISIBLE_DEVICES": None}
+    result = run_process(_code("""
+        import os
+        from stratkit.strategy.factory import pin_gpus
+        first = pin_gpus(stratkit.detect())
+        again = pin_gpus(stratkit.detect())
+        print(json.dumps({"first": first, "again": again, "env": os.environ["CUDA_VISIBLE_DEVICES"],
+                          "gpus": stratkit.detect().num_gpus}))
+    """), env=slurm)
+    assert result.ok, describe([result])
+    assert result.last_json() == {"first": "2,3", "again": None, "env": "2,3", "gpus": 2}
 
 
 def test_multi_worker_mirrored_in_two_real_processes_all_reduces():
@@ -57,7 +96,8 @@ def test_multi_worker_mirrored_in_two_real_processes_all_reduces():
         value = s.run(lambda: tf.constant(float(spec.task_index + 1)))
         mwms = isinstance(s, tf.distribute.MultiWorkerMirroredStrategy)
         print(json.dumps({"mwms": mwms, "replicas": s.num_replicas_in_sync,
-                          "sum": float(s.reduce("SUM", value, axis=None)), "chief": spec.is_chief}))
+                          "sum": float(s.reduce("SUM", value, axis=None)), "chief": spec.is_chief,
+                          "implementation": s.extended._communication_options.implementation.name}))
     """), worker_tf_configs(ports), timeout=120, grace_after_failure=15)
     assert all(r.ok for r in results), describe(results)
     reports = [r.last_json() for r in results]
@@ -65,6 +105,7 @@ def test_multi_worker_mirrored_in_two_real_processes_all_reduces():
     assert [r["mwms"] for r in reports] == [True, True]
     assert [r["replicas"] for r in reports] == [2, 2]
     assert [r["chief"] for r in reports] == [True, False]
+    assert [r["implementation"] for r in reports] == ["RING", "RING"]  # no GPU here: ring, not NCCL
 
 
 def test_parameter_server_cluster_chief_coordinates_and_servers_exit_zero():

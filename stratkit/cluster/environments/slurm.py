@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping
 
-from stratkit.cluster import slurm
+from stratkit.cluster import gpus, slurm
 from stratkit.cluster.environments.base import ClusterEnvironment
 from stratkit.cluster.rules import spec_for_cluster
 from stratkit.cluster.spec import ClusterSpec
@@ -20,6 +20,9 @@ class SlurmEnvironment(ClusterEnvironment):
         if not slurm.is_slurm_step(environ):
             return None
         cluster, rank = slurm.slurm_cluster(environ)
+        share = slurm.gpu_share(environ)  # this task's own GPUs when its node's tasks all see all of them
+        if share is not None:
+            num_gpus = gpus.Assignment(share).count or 0
         return spec_for_cluster(cluster, "worker", rank, source="slurm", num_gpus=num_gpus, reasons=[
             f"SLURM_STEP_NUM_TASKS={environ['SLURM_STEP_NUM_TASKS']} > 1 and "
             f"SLURM_PROCID={environ['SLURM_PROCID']}: a Slurm job step"])
