@@ -4,8 +4,8 @@ Usage: python parity_cases.py MODE CASE[,CASE...]
 MODE: one | mirrored (2 logical CPUs) | mirrored4 (4 logical CPUs) | mwms (TF_CONFIG)
 Prints one line `RESULT {json}`: per case the weights, the history and what else the case checks.
 Each case is the smallest script that shows one way a replica's loss can fail to become one process's
-gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling,
-accumulation, BatchNorm, custom metrics and a custom train_step.
+gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling
+(and its float16 headroom), accumulation, BatchNorm, custom metrics and a custom train_step; and the logged per-output and `sum` losses.
 """
 
 import json
