@@ -40,8 +40,8 @@ hangs. Here, in a replica context of such a strategy:
    magnitude and overflow at an N times lower loss scale. The loss scale
    (``LossScaleOptimizer``'s dynamic scale, ``loss_scale_factor``) is divided
    by N instead, and the optimizer then sums the all-reduced gradients rather
-   than averaging them: each row's float16 gradient is one process's (bit for
-   bit when N is a power of two), the scale variable and what ``fit`` logs are
+   than averaging them: each row's float16 gradient has one process's size
+   (scale / N times N x share), the scale variable and what ``fit`` logs are
    unchanged, and a float32 run without loss scaling does not pass here.
 
 Size: over 400 lines because the four parts are one convention (a loss in fit is N x its share, the
