@@ -1,10 +1,11 @@
 """Tiny Keras scripts whose numbers one process and N replicas must agree on (run by test_global_gradient.py).
 
-Usage: python parity_cases.py MODE CASE[,CASE...]   MODE: one | mirrored (2 logical CPUs) | mwms (TF_CONFIG)
+Usage: python parity_cases.py MODE CASE[,CASE...]
+MODE: one | mirrored (2 logical CPUs) | mirrored4 (4 logical CPUs) | mwms (TF_CONFIG)
 Prints one line `RESULT {json}`: per case the weights, the history and what else the case checks.
 Each case is the smallest script that shows one way a replica's loss can fail to become one process's
-gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling,
-accumulation, BatchNorm, custom metrics and a custom train_step.
+gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling
+(and its float16 headroom), accumulation, BatchNorm, custom metrics and a custom train_step; and the logged per-output and `sum` losses.
 """
 
 import json
@@ -17,7 +18,8 @@ MODE, CASES = sys.argv[1], sys.argv[2].split(",")
 # One Trainer, created first (a multi-worker strategy must exist before any TensorFlow op); the model.fit
 # cases use its strategy, the Trainer case the Trainer itself.
 trainer = {"one": lambda: stratkit.Trainer(strategy="one_device"),
-           "mirrored": lambda: stratkit.Trainer(strategy="mirrored", logical_cpus=2)}.get(MODE, stratkit.Trainer)()
+           "mirrored": lambda: stratkit.Trainer(strategy="mirrored", logical_cpus=2),
+           "mirrored4": lambda: stratkit.Trainer(strategy="mirrored", logical_cpus=4)}.get(MODE, stratkit.Trainer)()
 strategy = trainer.strategy
 
 import keras  # noqa: E402
@@ -192,6 +194,45 @@ def case(name):
             return out
         finally:
             keras.mixed_precision.set_global_policy("float32")
+    if name == "loss_scale_headroom":   # mixed_float16: a row's float16 gradient has one process's size
+        # pred - y = 1.5 on every row: one process's float16 gradient of a row's output is scale * 3/8, finite up
+        # to scale 2**17; one at N times that size overflows from scale 2**17 / N (the kernel's gradient, a sum
+        # of rows times 1/16, stays finite either way). The scale must settle where one process's does.
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            with scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False,
+                                                                                kernel_initializer="ones")])
+                model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.SGD(0.1), initial_scale=2.0 ** 24, dynamic_growth_steps=2), loss="mse")
+            scales = []
+            record = keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: scales.append(float(model.optimizer.dynamic_scale.value.numpy())))
+            out = fit(model, np.full((16, 4), 1 / 16, "float32"), np.full((16, 1), -1.25, "float32"), 8, epochs=8,
+                      callbacks=[record])
+            out["scales"] = scales
+            out["applied_steps"] = int(model.optimizer.iterations.numpy())
+            return out
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    if name == "output_losses":     # two outputs, 7 rows, batch 4: the last batch splits 2 + 1 rows
+        with scope():
+            inputs = keras.Input((7,))
+            model = keras.Model(inputs, {"a": keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                                 name="a")(inputs),
+                                         "b": keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros",
+                                                                 name="b")(inputs)})
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"a": "mse", "b": "mae"})
+        x, y = EYE(7), {"a": np.array([[1], [2], [3], [1], [1], [2], [6]], "float32"), "b": ONES(7)}
+        out = fit(model, x, y, 4, epochs=2)
+        out["evaluate"] = model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+        return out
+    if name == "sum_loss":          # reduction="sum", 7 rows, batch 4: the last batch splits 2 + 1 rows
+        model = dense(7, sgd(0.05), loss=keras.losses.MeanSquaredError(reduction="sum"))
+        out = fit(model, EYE(7), np.arange(1, 8, dtype="float32").reshape(7, 1), 4, epochs=2)
+        out["evaluate"] = float(model.evaluate(EYE(7), np.arange(1, 8, dtype="float32").reshape(7, 1),
+                                               batch_size=4, verbose=0))
+        return out
     if name == "trainer_uneven":    # the same uneven batch through stratkit.Trainer
         def build():
             model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1, use_bias=False,

@@ -6,7 +6,8 @@ MirroredStrategy over 2 logical CPUs (the multi-GPU box's path), and 2 MultiWork
 127.0.0.1. Weights and every history entry must match one process within 1e-5 (float16 loss scaling:
 the same skipped steps and loss-scale sequence, weights within 1e-3 since float16 rounds the split batch
 differently), and the 2 workers must be bit-identical. Each case failed on Keras's own path (the
-numbers are in the issue "Users' scripts, round 3").
+numbers are in the issues "Users' scripts, round 3" and "round 4"). The float16 headroom case also runs
+on a local MirroredStrategy over 4 logical CPUs, where an N-times-too-large float16 gradient shows most.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
-         "trainer_uneven"]
+         "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss"]
+#: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
+FLOAT16 = {"loss_scaling", "loss_scale_headroom"}
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
 
@@ -72,7 +75,7 @@ def _assert_same_math(case: str, expected: dict, got: dict) -> None:
     assert expected_items.keys() == got_items.keys(), (case, expected, got)
     for path, want in expected_items.items():
         have = got_items[path]
-        if case == "loss_scaling" and not path.startswith(".scales"):
+        if case in FLOAT16 and not path.startswith((".scales", ".applied_steps")):
             ok = math.isclose(have, want, rel_tol=1e-3)          # float16 rounds the split batch differently
         else:
             ok = abs(have - want) <= 1e-5 * max(1.0, abs(want))
@@ -97,6 +100,20 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
     assert dict(_flat(chief[case])) == dict(_flat(worker[case])), f"{case}: the workers differ: {chief[case]} vs {worker[case]}"
     if case not in SAME_MODEL_ONLY:
         _assert_same_math(case, one_process[case], chief[case])
+
+
+#: what 4 replicas in one process run: the cases whose error grows with N (uneven splits leave a replica empty)
+FOUR_REPLICAS = ["loss_scale_headroom", "output_losses", "sum_loss"]
+
+
+def test_a_local_mirrored_strategy_over_four_cpus_equals_one_process(one_process):
+    """mixed_float16 on 4 replicas: the loss scale settles where one process's does and no more steps are
+    skipped (a replica's float16 gradients at 4x one process's settled at a 4x lower scale)."""
+    result = run_process(str(SCRIPT), args=["mirrored4", ",".join(FOUR_REPLICAS)], timeout=240)
+    assert result.ok, describe([result])
+    four = _result(result.stdout)
+    for case in FOUR_REPLICAS:
+        _assert_same_math(case, one_process[case], four[case])
 
 
 LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]

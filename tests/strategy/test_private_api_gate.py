@@ -361,7 +361,8 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.backend", "import keras.src.ops",
         "module path keras.src.backend.tensorflow.optimizer", "module path keras.src.losses.loss",
         "module path keras.src.optimizers.base_optimizer", "module path keras.src.optimizers.loss_scale_optimizer",
-        "patch setattr(owner, name)",  # loss reduction, optimizer apply / update step (the one gradient path)
+        "module path keras.src.trainers.compile_utils",  # CompileLoss.call: the per-output loss trackers
+        "patch setattr(owner, name)",  # loss reduction, optimizer apply / update step / scale_loss (the one gradient path)
         "private _accumulated_gradients", "private _all_reduce_sum_gradients", "private _apply_weight_decay",
         "private _backend_apply_gradients", "private _backend_increment_gradient_accumulators",
         "private _backend_reset_gradient_accumulators", "private _backend_update_step", "private _clip_gradients",

@@ -29,9 +29,23 @@ hangs. Here, in a replica context of such a strategy:
    custom ``train_step`` that logs its loss, a ``compute_loss`` override that
    returns ``ops.mean(...)``, a loss function returning its batch mean. Keras's
    own loss tracker is weighted by the global row count
-   (``unscale_loss_for_distribution``). Outside ``fit`` (a custom training
-   loop) Keras's convention stays: a loss is the replica's share, gradients are
-   summed.
+   (``unscale_loss_for_distribution``, which needs the step's global rows: a
+   ``sum`` loss all-reduces them too, as a mean loss does); a multi-output
+   model's ``<output>_loss`` trackers, which Keras weighs per replica and not
+   by rows, get the value itself (its mean over the replicas is one process's).
+   Outside ``fit`` (a custom training loop) Keras's convention stays: a loss is
+   the replica's share, gradients are summed.
+4. **Loss scaling** (``optimizer.scale_loss``, in fit): N x its share would
+   make a replica's float16 backward pass run at N times one process's per-row
+   magnitude and overflow at an N times lower loss scale. The loss scale
+   (``LossScaleOptimizer``'s dynamic scale, ``loss_scale_factor``) is divided
+   by N instead, and the optimizer then sums the all-reduced gradients rather
+   than averaging them: each row's float16 gradient has one process's size
+   (scale / N times N x share), the scale variable and what ``fit`` logs are
+   unchanged, and a float32 run without loss scaling does not pass here.
+
+Size: over 400 lines because the four parts are one convention (a loss in fit is N x its share, the
+optimizer undoes the N): splitting them would put the two halves of it in different modules.
 
 Metric logs are synchronised by :mod:`.synced_logs`, BatchNorm's moments by
 :mod:`.batchnorm`. Installed by the gate (``keras_compat.apply``) on tested
@@ -52,6 +66,7 @@ from typing import Any
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _LOSS_MODULE = "keras.src.losses.loss"
+_COMPILE_UTILS_MODULE = "keras.src.trainers.compile_utils"
 _TF_OPTIMIZER_MODULE = "keras.src.backend.tensorflow.optimizer"
 _BASE_OPTIMIZER_MODULE = "keras.src.optimizers.base_optimizer"
 _LSO_MODULE = "keras.src.optimizers.loss_scale_optimizer"
@@ -60,7 +75,8 @@ _INNER_MARK = "_stratkit_gradients_reduced_by_outer"
 
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
-_local = threading.local()     # per replica thread: the all-reduce already done, the step's row counts
+_local = threading.local()     # per replica thread: the all-reduce already done, the step's row counts,
+                               # inside Keras's CompileLoss, optimizers whose loss scale was divided by N
 _fit_depth = 0                 # > 0 while a guarded fit/evaluate runs (process-wide: replicas run in threads)
 
 
@@ -157,6 +173,8 @@ def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = N
         return values if _fit_depth else values / replicas
     total = ops.sum(values)
     if reduction == "sum":
+        if _fit_depth:      # no count to divide by, but Keras's loss tracker needs the step's global rows
+            _sum_across_replicas(ops.zeros((), dtype="int32"), ops.shape(values)[0])
         return _as_loss_value(total, replicas)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         count = ops.sum(sample_weight)
@@ -182,6 +200,10 @@ def unscale_loss_for_distribution(value: Any) -> Any:
     replicas = sync_replicas()
     if not replicas or not _fit_depth:
         return _originals["unscale_loss_for_distribution"](value)
+    if getattr(_local, "in_compile_loss", 0):
+        # an <output>_loss tracker: Keras weighs each replica's value alike (the batch's static size, or 1),
+        # so N x share, whose mean over the replicas is one process's value, is already what it must add
+        return value
     stash = getattr(_local, "rows", None)
     if stash is None or stash[0] is not _graph():
         return value
@@ -194,6 +216,20 @@ def unscale_loss_for_distribution(value: Any) -> Any:
     share = ops.where(ops.equal(rows, 0), ops.cast(value, global_rows.dtype) * global_rows / replicas, 0.0)
     _local.unweighted = (_graph(), share)
     return value * ops.cast(factor, value.dtype)
+
+
+def _marking_compile_loss(original: Any) -> Any:
+    """``CompileLoss.call`` marked on this replica thread: its unscale calls feed the per-output trackers."""
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _local.in_compile_loss = getattr(_local, "in_compile_loss", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.in_compile_loss -= 1
+
+    setattr(call, _PATCH_MARK, True)
+    return call
 
 
 def take_unweighted_loss() -> Any:
@@ -232,7 +268,9 @@ def _reduced_apply(original: Any) -> Any:
         variables = list(trainable_variables) if trainable_variables is not None else (
             list(self._trainable_variables) if self.built else [None] * len(grads))
         reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, variables)))]
-        if _fit_depth:      # in fit a loss value reads as one process's: the gradient is the replicas' mean
+        # in fit a loss value reads as one process's: the gradient is the replicas' mean, unless the loss
+        # scale was divided by N already (4.)
+        if _fit_depth and not _take_divided_scale(self):
             reduced = [_scaled(g, 1.0 / sync_replicas()) for g in reduced]
         _local.reduced = getattr(_local, "reduced", 0) + 1
         try:
@@ -242,6 +280,33 @@ def _reduced_apply(original: Any) -> Any:
 
     setattr(apply, _PATCH_MARK, True)
     return apply
+
+
+def _divided_scale(original: Any) -> Any:
+    """``scale_loss`` in fit on N replicas: the loss scale divided by N (see the module docstring, 4)."""
+    @functools.wraps(original)
+    def scale_loss(self: Any, loss: Any) -> Any:
+        scaled = original(self, loss)
+        replicas = sync_replicas()
+        if not (_fit_depth and replicas) or scaled is loss:     # nothing scaled: fit's averaging stays
+            return scaled
+        divided = getattr(_local, "divided_scale", None)
+        if divided is None or divided[0] is not _graph():
+            divided = _local.divided_scale = (_graph(), set())
+        divided[1].add(id(self))
+        return scaled / replicas
+
+    setattr(scale_loss, _PATCH_MARK, True)
+    return scale_loss
+
+
+def _take_divided_scale(optimizer: Any) -> bool:
+    """True once per step where ``optimizer.scale_loss`` divided its scale by N in this step's graph."""
+    divided = getattr(_local, "divided_scale", None)
+    if divided is None or divided[0] is not _graph() or id(optimizer) not in divided[1]:
+        return False
+    divided[1].discard(id(optimizer))
+    return True
 
 
 def _backend_update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
@@ -317,6 +382,7 @@ def _targets() -> list[tuple[Any, str, str, Any]]:
     tf_optimizer = importlib.import_module(_TF_OPTIMIZER_MODULE).TFOptimizer
     base = importlib.import_module(_BASE_OPTIMIZER_MODULE).BaseOptimizer
     lso = importlib.import_module(_LSO_MODULE).LossScaleOptimizer
+    compile_loss = importlib.import_module(_COMPILE_UTILS_MODULE).CompileLoss
     return [
         (loss, "reduce_weighted_values", "reduce_weighted_values", reduce_weighted_values),
         (loss, "scale_loss_for_distribution", "scale_loss_for_distribution", scale_loss_for_distribution),
@@ -325,7 +391,13 @@ def _targets() -> list[tuple[Any, str, str, Any]]:
         (tf_optimizer, "_backend_apply_gradients", "BaseOptimizer._backend_apply_gradients", _backend_apply_gradients),
         (base, "apply", "BaseOptimizer.apply", _reduced_apply),
         (lso, "apply", "LossScaleOptimizer.apply", _reduced_apply),
+        (base, "scale_loss", "BaseOptimizer.scale_loss", _divided_scale),
+        (lso, "scale_loss", "LossScaleOptimizer.scale_loss", _divided_scale),
+        (compile_loss, "call", "CompileLoss.call", _marking_compile_loss),
     ]
+
+
+_FACTORIES = (_reduced_apply, _divided_scale, _marking_compile_loss)
 
 
 def installed() -> bool:
@@ -341,7 +413,7 @@ def install() -> None:
             if getattr(current, _PATCH_MARK, False):
                 continue
             _originals[key] = current
-            new = replacement(current) if replacement is _reduced_apply else replacement
+            new = replacement(current) if replacement in _FACTORIES else replacement
             setattr(owner, name, new)
 
 
@@ -380,6 +452,11 @@ def self_check() -> list[str]:
         source = inspect.getsource(update)
         if "_all_reduce_sum_gradients(" not in source or "_distributed_tf_update_step" not in source:
             problems.append("TFOptimizer._backend_update_step no longer all-reduces then merges the update")
+        compile_loss = importlib.import_module(_COMPILE_UTILS_MODULE).CompileLoss
+        call = _originals.get("CompileLoss.call", compile_loss.__dict__.get("call"))
+        if "unscale_loss_for_distribution(" not in inspect.getsource(call):
+            problems.append("CompileLoss.call no longer feeds its per-output trackers through "
+                            "unscale_loss_for_distribution")
     except Exception as exc:  # noqa: BLE001 - anything unexpected means "cannot verify"
         problems.append(f"self-check failed: {exc!r}")
     return problems
