@@ -152,6 +152,55 @@ def train_gan(name, in_scope=True):
     return [float(v) for w in gan.get_weights() for v in np.ravel(w)], history.history
 
 
+class TinyVAE(keras.Model):
+    """Keras's VAE example in small, without its random sampling (the decoder reads z_mean): no call(), an encoder
+    and a decoder as attributes, loss trackers, the compiled optimizer applied in train_step."""
+
+    def __init__(self):
+        super().__init__()
+        init = lambda seed: keras.initializers.GlorotUniform(seed=seed)  # noqa: E731
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, "relu", kernel_initializer=init(1))(inputs)
+        self.encoder = keras.Model(inputs, [keras.layers.Dense(2, kernel_initializer=init(2))(hidden),
+                                            keras.layers.Dense(2, kernel_initializer=init(3))(hidden)])
+        self.decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, "relu", kernel_initializer=init(4)),
+                                         keras.layers.Dense(6, kernel_initializer=init(5))])
+        self.trackers = [keras.metrics.Mean(name=n) for n in ("total_loss", "reconstruction_loss", "kl_loss")]
+
+    @property
+    def metrics(self):
+        return self.trackers
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var = self.encoder(data)
+            reconstruction = keras.ops.mean(keras.ops.sum(keras.ops.square(data - self.decoder(z_mean)), axis=1))
+            kl = keras.ops.mean(keras.ops.sum(-0.5 * (1 + z_log_var - keras.ops.square(z_mean)
+                                                      - keras.ops.exp(z_log_var)), axis=1))
+            total = reconstruction + kl
+        self.optimizer.apply_gradients(zip(tape.gradient(total, self.trainable_weights), self.trainable_weights))
+        for tracker, value in zip(self.trackers, (total, reconstruction, kl)):
+            tracker.update_state(value)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def train_vae(with_trainer=True):
+    def build():
+        vae = TinyVAE()
+        vae.compile(optimizer=keras.optimizers.Adam(1e-2))
+        return vae
+
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+    if with_trainer:    # through stratkit.Trainer, its strategy's scope and fit
+        vae = trainer.build(build)
+        history = trainer.fit(vae, x, epochs=2, global_batch_size=8, shuffle=False, verbose=0)
+    else:               # Keras without a strategy
+        vae = build()
+        history = vae.fit(x, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    history.history.pop("examples_per_sec", None)
+    return [float(v) for w in vae.get_weights() for v in np.ravel(w)], history.history
+
+
 class Noise(keras.layers.Layer):
     """x + keras.random.normal under the layer's own SeedGenerator."""
 
@@ -201,6 +250,12 @@ def case(name):
             out = {"finite": bool(np.isfinite(w).all()), "per_mode": {"w": w, "h": h}}
         if MODE == "one":           # stratkit's one-device choice against Keras without a strategy
             out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_gan(name, in_scope=False)[0]))))
+        return out
+    if name == "vae_exact":
+        w, h = train_vae()
+        out = {"w": w, "h": h, "per_mode": {}}
+        if MODE == "one":
+            out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_vae(with_trainer=False)[0]))))
         return out
     if name == "random_draws":
         distinct, keras_bits = distinct_draws()

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
-         "trainer_uneven", "gan_exact", "dcgan", "random_draws"]
+         "trainer_uneven", "gan_exact", "dcgan", "vae_exact", "random_draws"]
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
 #: a case's own numbers that follow its mode's random path or compare it with plain Keras: workers only
@@ -109,9 +109,10 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
         _assert_same_math(case, one_process[case], chief[case])
 
 
-@pytest.mark.parametrize("case", ["gan_exact", "dcgan"])
+@pytest.mark.parametrize("case", ["gan_exact", "dcgan", "vae_exact"])
 def test_a_model_without_call_trains_on_one_device_exactly_as_keras_without_a_strategy(case, one_process):
-    """Keras's DCGAN example (train_step, no call()) under stratkit's one-device choice: Keras's own numbers."""
+    """Keras's DCGAN and VAE examples (train_step, no call()) under stratkit's one-device choice (model.fit on its
+    strategy; the VAE through Trainer): Keras's own numbers without a strategy, bit for bit."""
     assert one_process[case]["per_mode"]["plain_gap"] == 0.0
 
 
