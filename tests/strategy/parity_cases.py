@@ -214,9 +214,10 @@ class Noise(keras.layers.Layer):
 
 def distinct_draws():
     """For 64 identical rows, twice: how many distinct rows Dropout, RandomTranslation and keras.random.normal give
-    over the global batch (one process: 128 each), and whether one device draws Keras's own bits."""
+    over the global batch (one process: 128 each), whether one device draws Keras's own bits, and the generators'
+    states (every replica's copy, which must advance as one process's)."""
     with scope():
-        layers = {"dropout": keras.layers.Dropout(0.5), "normal": Noise(),
+        layers = {"dropout": keras.layers.Dropout(0.5, seed=3), "normal": Noise(),
                   "translation": keras.layers.RandomTranslation(0.4, 0.4, fill_mode="constant", seed=5)}
     rows = {"dropout": np.ones((64, 32), "float32"), "normal": np.ones((64, 4), "float32"),
             "translation": np.tile(np.arange(36, dtype="float32").reshape(1, 6, 6, 1), (64, 1, 1, 1))}
@@ -229,7 +230,11 @@ def distinct_draws():
         distinct[kind] = len({row.tobytes() for row in drawn[kind]})
     plain = Noise()      # the same generator outside any strategy: Keras's own bits
     plain_rows = np.concatenate([(plain(rows["normal"]) - 1.0).numpy() for _ in range(2)])
-    return distinct, bool(np.array_equal(drawn["normal"] - 1.0, plain_rows))
+    states = {kind: [[int(v) for v in np.ravel(copy)] for value in vars(layer).values()
+                     if isinstance(value, keras.random.SeedGenerator)
+                     for copy in strategy.experimental_local_results(value.state.value)]
+              for kind, layer in layers.items()}
+    return distinct, states, bool(np.array_equal(drawn["normal"] - 1.0, plain_rows))
 
 
 def dropout_fit():
@@ -258,9 +263,12 @@ def case(name):
             out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_vae(with_trainer=False)[0]))))
         return out
     if name == "random_draws":
-        distinct, keras_bits = distinct_draws()
+        distinct, states, keras_bits = distinct_draws()
         first = dropout_fit()
         return {"distinct": distinct, "same_seed_same_weights": first == dropout_fit(),
+                "states": {kind: copies[0] for kind, copies in states.items()},
+                "copies_spread": max(abs(a - b) for copies in states.values() for c in copies
+                                     for a, b in zip(c, copies[0])),
                 "per_mode": {"w": first, "keras_bits": keras_bits}}
 
     keras.utils.set_random_seed(1)
