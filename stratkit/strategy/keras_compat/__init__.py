@@ -254,15 +254,17 @@ def apply_one_device() -> bool:
     Keras builds every model under a strategy by calling it, which a model with
     only a ``train_step`` cannot do (see :mod:`.trainer_patches`). ``make_strategy``
     calls this for its one-device choice; it installs the trainer fixes (inert on
-    one device but for that build) on a tested Keras, or with ``STRATKIT_KERAS_COMPAT=force``,
-    and changes nothing otherwise: one device is never refused for an untested Keras.
+    one device but for that build) on a tested Keras only, and changes nothing
+    otherwise: one device is never refused for an untested Keras. Not under
+    ``STRATKIT_KERAS_COMPAT=force`` either: :func:`apply` would then take the
+    installed fixes for an upstream fix and skip the rest of the patches.
 
     Returns:
         True when the fix is in place.
     """
     mode = _mode()
     version = installed_keras_version()
-    if mode == "off" or _major(version) < 3 or (version not in TESTED_KERAS_VERSIONS and mode != "force"):
+    if mode == "off" or version not in TESTED_KERAS_VERSIONS:
         return False
     import keras
 
