@@ -5,9 +5,14 @@ MODE: one | mirrored (2 logical CPUs) | mirrored4 (4 logical CPUs) | mwms (TF_CO
 Prints one line `RESULT {json}`: per case the weights, the history and what else the case checks.
 Each case is the smallest script that shows one way a replica's loss can fail to become one process's
 gradient: which rows (fit's own shuffling of arrays), counts (uneven batch, empty shard, masks, weights), clipping, scalar losses, loss scaling
-(and its float16 headroom), accumulation, BatchNorm, custom metrics and a custom train_step; and the logged per-output and `sum` losses.
+(and its float16 headroom), accumulation, BatchNorm, custom metrics and a custom train_step; then models without call() (Keras's DCGAN example
+in small) and random draws (Dropout, an augmentation layer, keras.random under a SeedGenerator); and the logged
+per-output and `sum` losses.
+A case's `per_mode` entry holds what must not equal one process (random paths, comparisons with plain Keras): the
+workers still agree on it bit for bit.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -93,7 +98,182 @@ class MeanLossModel(keras.Model):
         return keras.ops.mean(keras.ops.square(y_pred - y))
 
 
+class TinyGAN(keras.Model):
+    """Keras's DCGAN example in small: no call(), a generator and a discriminator as attributes, compile() with two
+    optimizers, loss trackers as metrics. `latent(real)` gives the generator's input rows."""
+
+    def __init__(self, latent):
+        super().__init__()
+        init = lambda seed: keras.initializers.GlorotUniform(seed=seed)  # noqa: E731
+        self.discriminator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu", kernel_initializer=init(1)),
+                                               keras.layers.Dense(1, kernel_initializer=init(2))])
+        self.generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, "relu", kernel_initializer=init(3)),
+                                           keras.layers.Dense(4, kernel_initializer=init(4))])
+        self.latent = latent
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.d_loss_tracker, self.g_loss_tracker = keras.metrics.Mean(name="d_loss"), keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def train_step(self, real):
+        rows = keras.ops.shape(real)[0]
+        fake = self.generator(self.latent(self, real))
+        labels = keras.ops.concatenate([keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(keras.ops.concatenate([fake, real], axis=0)))
+        self.d_optimizer.apply(tape.gradient(d_loss, self.discriminator.trainable_weights),
+                               self.discriminator.trainable_weights)
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(keras.ops.zeros((rows, 1)), self.discriminator(self.generator(self.latent(self, real))))
+        self.g_optimizer.apply(tape.gradient(g_loss, self.generator.trainable_weights), self.generator.trainable_weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+LATENT = {"gan_exact": lambda gan, real: keras.ops.tanh(real[:, :3]),    # no randomness: exact on N replicas
+          "dcgan": lambda gan, real: keras.random.normal((keras.ops.shape(real)[0], 3), seed=gan.seed_generator)}
+
+
+def train_gan(name, in_scope=True):
+    keras.utils.set_random_seed(1)
+    with scope() if in_scope else contextlib.nullcontext():
+        gan = TinyGAN(LATENT[name])
+        gan.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2),
+                    keras.losses.BinaryCrossentropy(from_logits=True))
+        if in_scope:    # an optimizer applied by hand is built in the scope (Mirrored: keras_compat notes)
+            gan.d_optimizer.build(gan.discriminator.trainable_variables)
+            gan.g_optimizer.build(gan.generator.trainable_variables)
+    real = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    history = gan.fit(real, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return [float(v) for w in gan.get_weights() for v in np.ravel(w)], history.history
+
+
+class TinyVAE(keras.Model):
+    """Keras's VAE example in small, without its random sampling (the decoder reads z_mean): no call(), an encoder
+    and a decoder as attributes, loss trackers, the compiled optimizer applied in train_step."""
+
+    def __init__(self):
+        super().__init__()
+        init = lambda seed: keras.initializers.GlorotUniform(seed=seed)  # noqa: E731
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, "relu", kernel_initializer=init(1))(inputs)
+        self.encoder = keras.Model(inputs, [keras.layers.Dense(2, kernel_initializer=init(2))(hidden),
+                                            keras.layers.Dense(2, kernel_initializer=init(3))(hidden)])
+        self.decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, "relu", kernel_initializer=init(4)),
+                                         keras.layers.Dense(6, kernel_initializer=init(5))])
+        self.trackers = [keras.metrics.Mean(name=n) for n in ("total_loss", "reconstruction_loss", "kl_loss")]
+
+    @property
+    def metrics(self):
+        return self.trackers
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var = self.encoder(data)
+            reconstruction = keras.ops.mean(keras.ops.sum(keras.ops.square(data - self.decoder(z_mean)), axis=1))
+            kl = keras.ops.mean(keras.ops.sum(-0.5 * (1 + z_log_var - keras.ops.square(z_mean)
+                                                      - keras.ops.exp(z_log_var)), axis=1))
+            total = reconstruction + kl
+        self.optimizer.apply_gradients(zip(tape.gradient(total, self.trainable_weights), self.trainable_weights))
+        for tracker, value in zip(self.trackers, (total, reconstruction, kl)):
+            tracker.update_state(value)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def train_vae(with_trainer=True):
+    def build():
+        vae = TinyVAE()
+        vae.compile(optimizer=keras.optimizers.Adam(1e-2))
+        return vae
+
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+    if with_trainer:    # through stratkit.Trainer, its strategy's scope and fit
+        vae = trainer.build(build)
+        history = trainer.fit(vae, x, epochs=2, global_batch_size=8, shuffle=False, verbose=0)
+    else:               # Keras without a strategy
+        vae = build()
+        history = vae.fit(x, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    history.history.pop("examples_per_sec", None)
+    return [float(v) for w in vae.get_weights() for v in np.ravel(w)], history.history
+
+
+class Noise(keras.layers.Layer):
+    """x + keras.random.normal under the layer's own SeedGenerator."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x + keras.random.normal(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def distinct_draws():
+    """For 64 identical rows, twice: how many distinct rows Dropout, RandomTranslation and keras.random.normal give
+    over the global batch (one process: 128 each), whether one device draws Keras's own bits, and the generators'
+    states (every replica's copy, which must advance as one process's)."""
+    with scope():
+        layers = {"dropout": keras.layers.Dropout(0.5, seed=3), "normal": Noise(),
+                  "translation": keras.layers.RandomTranslation(0.4, 0.4, fill_mode="constant", seed=5)}
+    rows = {"dropout": np.ones((64, 32), "float32"), "normal": np.ones((64, 4), "float32"),
+            "translation": np.tile(np.arange(36, dtype="float32").reshape(1, 6, 6, 1), (64, 1, 1, 1))}
+    distinct, drawn = {}, {}
+    for kind, layer in layers.items():
+        batches = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices(rows[kind]).batch(64).repeat(2))
+        step = tf.function(lambda x: strategy.gather(strategy.run(lambda v: layer(v, training=True), args=(x,)), 0))
+        drawn[kind] = np.concatenate([step(x).numpy().reshape(64, -1) for x in batches])
+        distinct[kind] = len({row.tobytes() for row in drawn[kind]})
+    plain = Noise()      # the same generator outside any strategy: Keras's own bits
+    plain_rows = np.concatenate([(plain(rows["normal"]) - 1.0).numpy() for _ in range(2)])
+    states = {kind: [[int(v) for v in np.ravel(copy)] for value in vars(layer).values()
+                     if isinstance(value, keras.random.SeedGenerator)
+                     for copy in strategy.experimental_local_results(value.state.value)]
+              for kind, layer in layers.items()}
+    return distinct, states, bool(np.array_equal(drawn["normal"] - 1.0, plain_rows))
+
+
+def dropout_fit():
+    keras.utils.set_random_seed(1)
+    with scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, kernel_initializer="ones"),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    return fit(model, np.ones((16, 8), "float32"), ONES(16), 8, epochs=2)["w"]
+
+
 def case(name):
+    if name in LATENT:
+        w, h = train_gan(name)
+        if name == "gan_exact":
+            out = {"w": w, "h": h, "per_mode": {}}
+        else:                       # random latent rows: each replica its own, so not one process's path
+            out = {"finite": bool(np.isfinite(w).all()), "per_mode": {"w": w, "h": h}}
+        if MODE == "one":           # stratkit's one-device choice against Keras without a strategy
+            out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_gan(name, in_scope=False)[0]))))
+        return out
+    if name == "vae_exact":
+        w, h = train_vae()
+        out = {"w": w, "h": h, "per_mode": {}}
+        if MODE == "one":
+            out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_vae(with_trainer=False)[0]))))
+        return out
+    if name == "random_draws":
+        distinct, states, keras_bits = distinct_draws()
+        first = dropout_fit()
+        return {"distinct": distinct, "same_seed_same_weights": first == dropout_fit(),
+                "states": {kind: copies[0] for kind, copies in states.items()},
+                "copies_spread": max(abs(a - b) for copies in states.values() for c in copies
+                                     for a, b in zip(c, copies[0])),
+                "per_mode": {"w": first, "keras_bits": keras_bits}}
+
     keras.utils.set_random_seed(1)
     sgd = lambda lr=0.1, **kw: (lambda: keras.optimizers.SGD(lr, **kw))  # noqa: E731
     if name == "uneven":            # 7 rows, global batch 4: the last batch has 3 rows (2 + 1)

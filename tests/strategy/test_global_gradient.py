@@ -1,5 +1,6 @@
 """N replicas train as one process with the same global batch: counts, clipping, loss scaling, accumulation,
-BatchNorm, custom metrics and custom train steps (stratkit/strategy/keras_compat/global_gradient.py).
+BatchNorm, custom metrics and custom train steps (stratkit/strategy/keras_compat/global_gradient.py); models without
+call() (Keras's DCGAN example in small, keras_compat/trainer_patches.py); random draws (keras_compat/replica_seeds.py).
 
 Every case of `parity_cases.py` runs three times, each in real processes: one process, a local
 MirroredStrategy over 2 logical CPUs (the multi-GPU box's path), and 2 MultiWorkerMirrored workers on
@@ -8,6 +9,12 @@ the same skipped steps and loss-scale sequence, weights within 1e-3 since float1
 differently), and the 2 workers must be bit-identical. Each case failed on Keras's own path (the
 numbers are in the issues "Users' scripts, round 3" and "round 4"). The float16 headroom case also runs
 on a local MirroredStrategy over 4 logical CPUs, where an N-times-too-large float16 gradient shows most.
+
+Randomness is held to one process's statistics, not its bits: over 64 identical rows drawn twice, Dropout,
+RandomTranslation and keras.random.normal under a SeedGenerator give 128 distinct rows on one process and
+must on 2 replicas (Keras alone: 64, every replica drawing the same numbers for its i-th row). What follows a
+random path (weights of a dropout model, the DCGAN with random latent rows) sits under a case's `per_mode`
+key: not compared with one process, but the same seed must give the same weights and the workers must agree.
 """
 
 from __future__ import annotations
@@ -25,11 +32,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
-         "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss"]
+         "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss", "gan_exact", "dcgan", "vae_exact",
+         "random_draws"]
 #: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
 FLOAT16 = {"loss_scaling", "loss_scale_headroom"}
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
+#: a case's own numbers that follow its mode's random path or compare it with plain Keras: workers only
+_PER_MODE = "per_mode"
 
 
 def _result(stdout: str) -> dict:
@@ -71,6 +81,7 @@ def _flat(value, path=""):
 
 
 def _assert_same_math(case: str, expected: dict, got: dict) -> None:
+    expected, got = ({k: v for k, v in d.items() if k != _PER_MODE} for d in (expected, got))
     expected_items, got_items = dict(_flat(expected)), dict(_flat(got))
     assert expected_items.keys() == got_items.keys(), (case, expected, got)
     for path, want in expected_items.items():
@@ -114,6 +125,26 @@ def test_a_local_mirrored_strategy_over_four_cpus_equals_one_process(one_process
     four = _result(result.stdout)
     for case in FOUR_REPLICAS:
         _assert_same_math(case, one_process[case], four[case])
+
+
+@pytest.mark.parametrize("case", ["gan_exact", "dcgan", "vae_exact"])
+def test_a_model_without_call_trains_on_one_device_exactly_as_keras_without_a_strategy(case, one_process):
+    """Keras's DCGAN and VAE examples (train_step, no call()) under stratkit's one-device choice (model.fit on its
+    strategy; the VAE through Trainer): Keras's own numbers without a strategy, bit for bit."""
+    assert one_process[case]["per_mode"]["plain_gap"] == 0.0
+
+
+def test_one_replica_draws_keras_own_random_numbers(one_process):
+    assert one_process["random_draws"]["per_mode"]["keras_bits"] is True
+
+
+def test_random_draws_are_as_diverse_as_one_process_and_reproducible(one_process, mirrored, two_workers):
+    assert one_process["random_draws"]["distinct"] == {"dropout": 128, "normal": 128, "translation": 128}
+    for run in (mirrored, *two_workers):
+        assert run["random_draws"]["distinct"] == one_process["random_draws"]["distinct"]
+        assert run["random_draws"]["same_seed_same_weights"] is True
+    # the replicas draw differently, not Keras's one-replica bits
+    assert mirrored["random_draws"]["per_mode"]["keras_bits"] is False
 
 
 LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]

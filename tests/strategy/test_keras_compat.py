@@ -364,6 +364,37 @@ def test_legacy_keras_env_reads_the_tf_keras_version(fresh, monkeypatch):
     assert not _is_patched()
 
 
+def test_one_device_gets_the_trainer_fixes_on_a_tested_version(fresh, monkeypatch):
+    # a model without call() (Keras's DCGAN example) needs the build fix on one device too (test_global_gradient)
+    assert keras_compat.apply_one_device() is True
+    assert _is_patched()
+    assert keras_compat.apply_one_device() is True and _is_patched()   # idempotent
+
+
+@pytest.mark.parametrize("version, mode, fixed", [("3.99.0", None, False), ("3.99.0", "force", False),
+                                                  ("3.15.1", "off", False), ("2.15.0", None, False)])
+def test_one_device_is_never_refused_and_follows_the_gate(fresh, monkeypatch, version, mode, fixed):
+    monkeypatch.setattr(keras_compat, "installed_keras_version", lambda: version)
+    if mode:
+        monkeypatch.setenv(keras_compat.ENV_VAR, mode)
+    assert keras_compat.apply_one_device() is fixed
+    assert _is_patched() is fixed
+
+
+def test_apply_wraps_the_seed_generator_once_and_revert_gives_it_back(fresh):
+    import keras
+
+    original = keras.random.SeedGenerator.__dict__["next"]
+    assert keras_compat.apply() == "patched"
+    wrapped = keras.random.SeedGenerator.__dict__["next"]
+    assert wrapped is not original
+    keras_compat._status = None
+    keras_compat.apply()
+    assert keras.random.SeedGenerator.__dict__["next"] is wrapped       # not wrapped twice
+    keras_compat.revert()
+    assert keras.random.SeedGenerator.__dict__["next"] is original
+
+
 # --------------------------------------------------------------------------
 # Cheap guards and import hygiene
 # --------------------------------------------------------------------------

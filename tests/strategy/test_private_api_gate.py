@@ -413,6 +413,10 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.backend", "import keras.src.layers.layer",
         "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _losses",
     },
+    "stratkit/strategy/keras_compat/replica_seeds.py": {
+        # keras.random.SeedGenerator.next wrapped: the seed it hands out folded with the replica id (N > 1 replicas)
+        "patch cls.next",
+    },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back
         "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",

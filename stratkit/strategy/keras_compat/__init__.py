@@ -22,6 +22,7 @@ The modules, one responsibility each:
 * :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss
   scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
   (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
+* :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
 * :mod:`.array_shuffle`: the arrays ``fit`` shuffles take one order on every worker;
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
@@ -56,6 +57,7 @@ from stratkit.strategy.keras_compat import batchnorm as _batchnorm
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
 from stratkit.strategy.keras_compat import layer_losses as _layer_losses
+from stratkit.strategy.keras_compat import replica_seeds as _replica_seeds
 from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
 from stratkit.strategy.keras_compat import save_guards as _save_guards
@@ -117,6 +119,7 @@ __all__ = [
     "TESTED_KERAS_VERSIONS",
     "TESTED_TENSORFLOW_VERSIONS",
     "apply",
+    "apply_one_device",
     "check_parameter_server",
     "check_supported",
     "check_jit_compile",
@@ -245,6 +248,33 @@ def apply(strategy: Any = None) -> str:
         return _status
 
 
+def apply_one_device() -> bool:
+    """The one fix one device needs: models without ``call()`` (Keras's DCGAN/VAE examples) train as without a strategy.
+
+    Keras builds every model under a strategy by calling it, which a model with
+    only a ``train_step`` cannot do (see :mod:`.trainer_patches`). ``make_strategy``
+    calls this for its one-device choice; it installs the trainer fixes (inert on
+    one device but for that build) on a tested Keras only, and changes nothing
+    otherwise: one device is never refused for an untested Keras. Not under
+    ``STRATKIT_KERAS_COMPAT=force`` either: :func:`apply` would then take the
+    installed fixes for an upstream fix and skip the rest of the patches.
+
+    Returns:
+        True when the fix is in place.
+    """
+    mode = _mode()
+    version = installed_keras_version()
+    if mode == "off" or version not in TESTED_KERAS_VERSIONS:
+        return False
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return False
+    with _lock:
+        _install()
+    return True
+
+
 def revert() -> None:
     """Restore the original Keras functions and forget the cached :func:`apply` result.
 
@@ -260,6 +290,7 @@ def revert() -> None:
         _layer_losses.uninstall()
         _synced_logs.uninstall()
         _batchnorm.uninstall()
+        _replica_seeds.uninstall()
         _status = None
 
 
@@ -270,6 +301,7 @@ def _install_all() -> None:
     _layer_losses.install()   # the count all-reduce pauses a replica thread: keep its added losses its own
     _synced_logs.install()
     _batchnorm.install()
+    _replica_seeds.install()  # Dropout, augmentation, keras.random: each replica its own draws
 
 
 def install_fit_guards() -> bool:

@@ -19,6 +19,15 @@ two bugs that stop ``fit``/``evaluate`` under ``MultiWorkerMirroredStrategy``
    ``axis=None`` (mean across replicas only) and leave every other case to the
    original function.
 
+The replacement of ``_maybe_symbolic_build`` also lets a model with no
+``call()`` of its own train under a strategy (Keras's DCGAN / VAE examples:
+a ``train_step`` over sub-models held as attributes). Upstream builds every
+model under a strategy by calling it, which such a model cannot do
+(``RuntimeError: Unable to automatically build the model``, even on one
+device), while Keras without a strategy defers building to the traced
+``train_step``. We defer the same way for these models and build only the
+compiled optimizer in the scope, as the symbolic build would.
+
 Both replace private Keras functions; the gate (``keras_compat.apply``)
 decides whether they are installed.
 """
@@ -70,6 +79,13 @@ def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = Non
         # Without an explicit strategy Keras defers building to tracing time.
         return
     strategy = self.distribute_strategy
+    if not has_forward_pass(self):
+        # Nothing to call: train_step builds what it uses when traced, as Keras without a strategy does. The
+        # compiled optimizer is built here, in the scope, since slots a replica step creates would not be mirrored.
+        if self.optimizer is not None and not self.optimizer.built:
+            with strategy.scope():
+                self.optimizer.build(self.trainable_variables)
+        return
     if iterator is not None:
         for _, _, it in iterator:
             batch = next(it)
@@ -77,6 +93,13 @@ def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = Non
             break
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+def has_forward_pass(model: Any) -> bool:
+    """False for a ``keras.Model`` subclass without a ``call()`` of its own (it only overrides the steps)."""
+    import keras
+
+    return not isinstance(model, keras.Model) or type(model).call is not keras.Model.call
 
 
 def _static_rank(strategy: Any, value: Any) -> int | None:
