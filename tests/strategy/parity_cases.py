@@ -91,6 +91,75 @@ class MeanLossModel(keras.Model):
         return keras.ops.mean(keras.ops.square(y_pred - y))
 
 
+def distributed_batches(x, y, global_batch):
+    return strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+
+
+def custom_loop():
+    """The tutorial's loop as written: Adam made in the scope, never built before `strategy.run`."""
+    global_batch = 4
+    with scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, kernel_initializer="ones"),
+                                  keras.layers.Dense(1, kernel_initializer="ones")])
+        loss_object = keras.losses.MeanSquaredError(reduction=None)
+        optimizer = keras.optimizers.Adam(0.01)
+
+    def train_step(inputs):
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(batch):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), axis=None)
+
+    x, y = EYE(8) * np.arange(1, 9, dtype="float32")[:, None] / 8, ONES(8)
+    losses = [float(distributed_train_step(batch)) for _ in range(2) for batch in distributed_batches(x, y, global_batch)]
+    return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "losses": losses,
+            "iterations": int(optimizer.iterations.numpy())}
+
+
+def gan_loop():
+    """Two models trained in one replica step by two optimizers (a GAN's shape), neither built beforehand."""
+    global_batch = 4
+    with scope():
+        generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, kernel_initializer="ones")])
+        discriminator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        g_optimizer, d_optimizer = keras.optimizers.Adam(0.01), keras.optimizers.RMSprop(0.01)
+        bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction=None)
+
+    def train_step(inputs):
+        latent, real = inputs
+        with tf.GradientTape() as tape:
+            fake = generator(latent)
+            scores = discriminator(tf.concat([fake, real], axis=0))
+            labels = tf.concat([tf.zeros_like(scores[: tf.shape(fake)[0]]), tf.ones_like(scores[tf.shape(fake)[0]:])], 0)
+            d_loss = tf.nn.compute_average_loss(bce(labels, scores), global_batch_size=2 * global_batch)
+        grads = tape.gradient(d_loss, discriminator.trainable_variables)
+        d_optimizer.apply_gradients(zip(grads, discriminator.trainable_variables))
+        with tf.GradientTape() as tape:
+            scores = discriminator(generator(latent))
+            g_loss = tf.nn.compute_average_loss(bce(tf.ones_like(scores), scores), global_batch_size=global_batch)
+        grads = tape.gradient(g_loss, generator.trainable_variables)
+        g_optimizer.apply_gradients(zip(grads, generator.trainable_variables))
+        return d_loss, g_loss
+
+    @tf.function
+    def distributed_train_step(batch):
+        return [strategy.reduce("SUM", loss, axis=None) for loss in strategy.run(train_step, args=(batch,))]
+
+    # fixed "noise": the loop itself is under test here, not the random draws
+    latent = np.linspace(-1, 1, 16, dtype="float32").reshape(8, 2)
+    real = np.linspace(0, 2, 24, dtype="float32").reshape(8, 3)
+    losses = [[float(v) for v in distributed_train_step(batch)]
+              for _ in range(2) for batch in distributed_batches(latent, real, global_batch)]
+    return {"w": [float(v) for m in (generator, discriminator) for w in m.get_weights() for v in np.ravel(w)],
+            "losses": losses, "iterations": [int(o.iterations.numpy()) for o in (g_optimizer, d_optimizer)]}
+
+
 def case(name):
     keras.utils.set_random_seed(1)
     sgd = lambda lr=0.1, **kw: (lambda: keras.optimizers.SGD(lr, **kw))  # noqa: E731
@@ -192,6 +261,10 @@ def case(name):
             return out
         finally:
             keras.mixed_precision.set_global_policy("float32")
+    if name == "custom_loop":       # TensorFlow's custom-training-loop tutorial: the optimizer built by its first apply
+        return custom_loop()
+    if name == "gan_loop":          # a GAN's loop: two models, two optimizers, both built by their first apply
+        return gan_loop()
     if name == "trainer_uneven":    # the same uneven batch through stratkit.Trainer
         def build():
             model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1, use_bias=False,

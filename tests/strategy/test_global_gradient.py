@@ -1,5 +1,6 @@
 """N replicas train as one process with the same global batch: counts, clipping, loss scaling, accumulation,
-BatchNorm, custom metrics and custom train steps (stratkit/strategy/keras_compat/global_gradient.py).
+BatchNorm, custom metrics, custom train steps (stratkit/strategy/keras_compat/global_gradient.py) and custom
+training loops whose optimizers are built by their first apply (keras_compat/optimizer_build.py).
 
 Every case of `parity_cases.py` runs three times, each in real processes: one process, a local
 MirroredStrategy over 2 logical CPUs (the multi-GPU box's path), and 2 MultiWorkerMirrored workers on
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
-         "trainer_uneven"]
+         "trainer_uneven", "custom_loop", "gan_loop"]
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
 

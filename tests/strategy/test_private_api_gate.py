@@ -412,6 +412,10 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.backend", "import keras.src.layers.layer",
         "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _losses",
     },
+    "stratkit/strategy/keras_compat/optimizer_build.py": {
+        # an unbuilt optimizer's first apply in a replica context (several devices): built in a merge_call
+        "import keras.src.backend", "patch optimizer.built",
+    },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back
         "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",
