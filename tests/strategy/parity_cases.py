@@ -182,10 +182,15 @@ def case(name):
             model = keras.Sequential([keras.Input((6,)),
                                       keras.layers.Dense(2, use_bias=False, kernel_initializer="ones", **activity),
                                       AddedLoss(),
-                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
+                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                                         kernel_regularizer=keras.regularizers.l2(0.01))])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        out = fit(model, EYE(6), ONES(6), 4, epochs=2)    # 6 rows, batch 4: the last batch splits 1 + 1
+        # what model.losses lists between steps and after fit: one process's count (add_loss, the regularizers)
+        listed = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: counts.append(len(model.losses)))
+        counts = []
+        out = fit(model, EYE(6), ONES(6), 4, epochs=2, callbacks=[listed])   # 6 rows, batch 4: the last splits 1 + 1
         out["evaluate"] = float(model.evaluate(EYE(6), ONES(6), batch_size=4, verbose=0))
+        out["losses_listed"] = counts + [len(model.losses)]
         return out
     if name == "regularized_empty_shard":   # a weight regularizer, and one replica without rows
         with scope():

@@ -410,7 +410,8 @@ GATE_INVENTORY: dict[str, set[str]] = {
     "stratkit/strategy/keras_compat/layer_losses.py": {
         # Layer.add_loss / _get_own_losses / _clear_losses wrapped: a list per replica thread under Mirrored/MWMS
         "import keras.src.backend", "import keras.src.layers.layer",
-        "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _losses",
+        "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _layers",
+        "private _losses",
     },
     "stratkit/strategy/keras_compat/optimizer_build.py": {
         # an unbuilt optimizer's first apply in a replica context (several devices): built in a merge_call
