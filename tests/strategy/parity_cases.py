@@ -95,6 +95,33 @@ def distributed_batches(x, y, global_batch):
     return strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
 
 
+class RowCount(keras.layers.Layer):
+    """Counts the rows its calls see, summed over the replicas: one process's count when each row is seen once."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum", name="rows")
+
+    def call(self, x):
+        # TensorFlow's own assign_add: Keras's is assign(self + delta), which a "sum" variable would sum N times
+        self.rows.value.assign_add(tf.cast(tf.shape(x)[0], "float32"))
+        return x
+
+
+def on_batch():
+    with scope():
+        counter = RowCount()
+        model = keras.Sequential([keras.Input((7,)), counter,
+                                  keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    x = EYE(7) * np.arange(1, 8, dtype="float32")[:, None]
+    out = {"train": [model.train_on_batch(x, ONES(7), return_dict=True) for _ in range(2)],
+           "test": model.test_on_batch(x, 2 * ONES(7), return_dict=True),
+           "predict": [float(v) for v in np.ravel(model.predict_on_batch(np.arange(37 * 7, dtype="float32").reshape(37, 7) / 100))]}
+    out["rows"] = float(counter.rows.numpy())      # 7 + 7 + 7 + 37 when every row is computed once
+    out["w"] = [float(v) for w in model.get_weights()[1:] for v in np.ravel(w)]
+    return out
+
+
 def custom_loop():
     """The tutorial's loop as written: Adam made in the scope, never built before `strategy.run`."""
     global_batch = 4
@@ -266,6 +293,8 @@ def case(name):
             return out
         finally:
             keras.mixed_precision.set_global_policy("float32")
+    if name == "on_batch":          # the *_on_batch methods: 7 rows split 4 + 3, predict 37 rows
+        return on_batch()
     if name == "custom_loop":       # TensorFlow's custom-training-loop tutorial: the optimizer built by its first apply
         return custom_loop()
     if name == "gan_loop":          # a GAN's loop: two models, two optimizers, both built by their first apply

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
 SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
-         "trainer_uneven", "custom_loop", "gan_loop"]
+         "trainer_uneven", "custom_loop", "gan_loop", "on_batch"]
 #: what is timing, not math
 _NOT_COMPARED = {"examples_per_sec"}
 

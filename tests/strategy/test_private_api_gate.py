@@ -375,7 +375,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _loss_tracker",  # its total gets the part of a replica without rows (Keras weighs it 0)
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
-        "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict
+        "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict / *_on_batch
     },
     "stratkit/strategy/keras_compat/internals.py": {
         "import tensorflow.python.eager.context",
@@ -412,6 +412,10 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.backend", "import keras.src.layers.layer",
         "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _layers",
         "private _losses",
+    },
+    "stratkit/strategy/keras_compat/on_batch.py": {
+        # the model's train/test/predict function swapped, while one *_on_batch call runs, for one fed shares
+        "patch setattr(model, attribute)",
     },
     "stratkit/strategy/keras_compat/optimizer_build.py": {
         # an unbuilt optimizer's first apply in a replica context (several devices): built in a merge_call

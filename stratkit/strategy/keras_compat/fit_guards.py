@@ -24,6 +24,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   the chief's checkpoint files are complete when any worker reads them; a
   Python generator given to ``fit`` gets a warning (:func:`warn_if_generator`);
   arrays ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
+* ``train_on_batch``/``test_on_batch``/``predict_on_batch`` on N > 1 replicas: each replica its share of
+  the batch (:mod:`.on_batch`).
   One process, or one worker, is left exactly as Keras does it.
 
 A second guard catches Keras metrics updated in a parameter-server step
@@ -42,7 +44,8 @@ from typing import Any
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
 from stratkit.strategy.collectives import min_over_workers
-from stratkit.strategy.keras_compat import array_shuffle, batchnorm, global_gradient, metric_guard, synced_logs
+from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
+                                            synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -299,6 +302,11 @@ def install(version: str, mode: str) -> bool:
             if not getattr(current, _PATCH_MARK, False):
                 _guard_originals[name] = current
                 setattr(cls, name, _guarded(name, current))
+        for name in on_batch.METHODS:     # each replica its share of the batch (checks nothing: no guard)
+            current = cls.__dict__[name]
+            if not getattr(current, _PATCH_MARK, False):
+                _guard_originals[name] = current
+                setattr(cls, name, on_batch.wrap(name, current))
         array_shuffle.install()  # wraps Keras's own method only while a multi-worker fit runs
         if version in TESTED_KERAS_VERSIONS or mode == "force":
             metric_guard.install()
@@ -313,7 +321,7 @@ def revert_fit_guards() -> None:
     with _guards_lock:
         if _guard_originals:
             cls = _trainer_module().TensorFlowTrainer
-            for name in _FIT_METHODS:
+            for name in (*_FIT_METHODS, *on_batch.METHODS):
                 if name in _guard_originals:
                     setattr(cls, name, _guard_originals.pop(name))
         metric_guard.revert()
