@@ -100,6 +100,16 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
         _assert_same_math(case, one_process[case], chief[case])
 
 
+def test_the_batchnorm_notice_names_the_layers_that_train_per_replica(one_process, mirrored, two_workers):
+    """A base called with training=False but left trainable trains its BatchNormalization (Keras's own
+    semantics): the fit-start notice names it and the two fixes."""
+    assert one_process["batchnorm"]["notice"] == []         # one replica: nothing to say
+    for notices in (mirrored["batchnorm"]["notice"], two_workers[0]["batchnorm"]["notice"]):
+        assert len(notices) == 1, notices
+        assert "1 layer(s)" in notices[0] and "base/base_bn" in notices[0], notices[0]
+        assert "STRATKIT_SYNC_BATCHNORM=1" in notices[0] and "layer.trainable = False" in notices[0], notices[0]
+
+
 LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]
 
 

@@ -201,17 +201,24 @@ def _num_workers(strategy: Any) -> int:
 
 
 _said_batchnorm = False
+#: how many BatchNormalization layers the notice names (a ResNet has dozens)
+_NAMED = 8
 
 
-def _say_batchnorm_once(strategy: Any) -> None:
+def _say_batchnorm_once(model: Any, strategy: Any) -> None:
     global _said_batchnorm
-    if not _said_batchnorm:
-        _said_batchnorm = True
-        log.warning("BatchNormalization on %d replicas: each replica normalises its own rows (as Keras and "
-                    "PyTorch DDP do) and stratkit averages the moving statistics over the replicas at each "
-                    "epoch's end and before every evaluation, so every worker holds the same model. For one "
-                    "process's math (the global batch's moments) set %s=1 (costs a collective per layer and step).",
-                    global_gradient.replicas_of(strategy), batchnorm.ENV_VAR)
+    names = batchnorm.training_layer_names(model)
+    if _said_batchnorm or not names:
+        return
+    _said_batchnorm = True
+    shown = ", ".join(names[:_NAMED]) + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
+    log.warning("BatchNormalization on %d replicas: %d layer(s) train with each replica's own rows' moments (as "
+                "Keras and PyTorch DDP do): %s. stratkit averages their moving statistics over the replicas at "
+                "each epoch's end and before every evaluation, so every worker holds the same model. For one "
+                "process's math set %s=1 (the global batch's moments; costs a collective per layer and step), or, "
+                "fine-tuning, freeze those layers themselves (layer.trainable = False: a base called with "
+                "training=False still trains its BatchNormalization while the base is trainable).",
+                global_gradient.replicas_of(strategy), len(names), shown, batchnorm.ENV_VAR)
 
 
 def _one_order(strategy: Any) -> Any:
@@ -262,7 +269,7 @@ def _guarded(name: str, original: Any) -> Any:
                 bound.arguments["callbacks"] = [batchnorm.averaging_callback(self, strategy), *(given or [])]
                 args, kwargs = bound.args[1:], bound.kwargs
                 if name == "fit":
-                    _say_batchnorm_once(strategy)
+                    _say_batchnorm_once(self, strategy)
         _inside_guarded_call.active = True
         exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
             global_gradient.installed()
