@@ -46,8 +46,10 @@ def build_outside_replicas(optimizer: Any, variables: Any) -> None:
 
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return
-    if _local_devices(tf.distribute.get_strategy()) < 2:
-        return
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)) or \
+            _local_devices(strategy) < 2:
+        return                      # one device per process builds in place; a PS loop builds up front
     variables = list(variables)
 
     def build(distribution: Any) -> None:
