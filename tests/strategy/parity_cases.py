@@ -14,6 +14,7 @@ workers still agree on it bit for bit.
 
 import contextlib
 import json
+import logging
 import os
 import sys
 
@@ -147,9 +148,7 @@ def train_gan(name, in_scope=True):
         gan = TinyGAN(LATENT[name])
         gan.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2),
                     keras.losses.BinaryCrossentropy(from_logits=True))
-        if in_scope:    # an optimizer applied by hand is built in the scope (Mirrored: keras_compat notes)
-            gan.d_optimizer.build(gan.discriminator.trainable_variables)
-            gan.g_optimizer.build(gan.generator.trainable_variables)
+        # its two optimizers are built by their first apply (keras_compat/optimizer_build.py), as the example does
     real = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
     history = gan.fit(real, batch_size=8, epochs=2, shuffle=False, verbose=0)
     return [float(v) for w in gan.get_weights() for v in np.ravel(w)], history.history
@@ -249,6 +248,102 @@ def dropout_fit():
     return fit(model, np.ones((16, 8), "float32"), ONES(16), 8, epochs=2)["w"]
 
 
+def distributed_batches(x, y, global_batch):
+    return strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+
+
+class RowCount(keras.layers.Layer):
+    """Counts the rows its calls see, summed over the replicas: one process's count when each row is seen once."""
+
+    def build(self, input_shape):
+        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation="sum", name="rows")
+
+    def call(self, x):
+        # TensorFlow's own assign_add: Keras's is assign(self + delta), which a "sum" variable would sum N times
+        self.rows.value.assign_add(tf.cast(tf.shape(x)[0], "float32"))
+        return x
+
+
+def on_batch():
+    with scope():
+        counter = RowCount()
+        model = keras.Sequential([keras.Input((7,)), counter,
+                                  keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    x = EYE(7) * np.arange(1, 8, dtype="float32")[:, None]
+    out = {"train": [model.train_on_batch(x, ONES(7), return_dict=True) for _ in range(2)],
+           "test": model.test_on_batch(x, 2 * ONES(7), return_dict=True),
+           "predict": [float(v) for v in np.ravel(model.predict_on_batch(np.arange(37 * 7, dtype="float32").reshape(37, 7) / 100))]}
+    out["rows"] = float(counter.rows.numpy())      # 7 + 7 + 7 + 37 when every row is computed once
+    out["w"] = [float(v) for w in model.get_weights()[1:] for v in np.ravel(w)]
+    return out
+
+
+def custom_loop():
+    """The tutorial's loop as written: Adam made in the scope, never built before `strategy.run`."""
+    global_batch = 4
+    with scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2, kernel_initializer="ones"),
+                                  keras.layers.Dense(1, kernel_initializer="ones")])
+        loss_object = keras.losses.MeanSquaredError(reduction=None)
+        optimizer = keras.optimizers.Adam(0.01)
+
+    def train_step(inputs):
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(batch):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), axis=None)
+
+    x, y = EYE(8) * np.arange(1, 9, dtype="float32")[:, None] / 8, ONES(8)
+    losses = [float(distributed_train_step(batch)) for _ in range(2) for batch in distributed_batches(x, y, global_batch)]
+    return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "losses": losses,
+            "iterations": int(optimizer.iterations.numpy())}
+
+
+def gan_loop():
+    """Two models trained in one replica step by two optimizers (a GAN's shape), neither built beforehand."""
+    global_batch = 4
+    with scope():
+        generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3, kernel_initializer="ones")])
+        discriminator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        g_optimizer, d_optimizer = keras.optimizers.Adam(0.01), keras.optimizers.RMSprop(0.01)
+        bce = keras.losses.BinaryCrossentropy(from_logits=True, reduction=None)
+
+    def train_step(inputs):
+        latent, real = inputs
+        with tf.GradientTape() as tape:
+            fake = generator(latent)
+            scores = discriminator(tf.concat([fake, real], axis=0))
+            labels = tf.concat([tf.zeros_like(scores[: tf.shape(fake)[0]]), tf.ones_like(scores[tf.shape(fake)[0]:])], 0)
+            d_loss = tf.nn.compute_average_loss(bce(labels, scores), global_batch_size=2 * global_batch)
+        grads = tape.gradient(d_loss, discriminator.trainable_variables)
+        d_optimizer.apply_gradients(zip(grads, discriminator.trainable_variables))
+        with tf.GradientTape() as tape:
+            scores = discriminator(generator(latent))
+            g_loss = tf.nn.compute_average_loss(bce(tf.ones_like(scores), scores), global_batch_size=global_batch)
+        grads = tape.gradient(g_loss, generator.trainable_variables)
+        g_optimizer.apply_gradients(zip(grads, generator.trainable_variables))
+        return d_loss, g_loss
+
+    @tf.function
+    def distributed_train_step(batch):
+        return [strategy.reduce("SUM", loss, axis=None) for loss in strategy.run(train_step, args=(batch,))]
+
+    # fixed "noise": the loop itself is under test here, not the random draws
+    latent = np.linspace(-1, 1, 16, dtype="float32").reshape(8, 2)
+    real = np.linspace(0, 2, 24, dtype="float32").reshape(8, 3)
+    losses = [[float(v) for v in distributed_train_step(batch)]
+              for _ in range(2) for batch in distributed_batches(latent, real, global_batch)]
+    return {"w": [float(v) for m in (generator, discriminator) for w in m.get_weights() for v in np.ravel(w)],
+            "losses": losses, "iterations": [int(o.iterations.numpy()) for o in (g_optimizer, d_optimizer)]}
+
+
 def case(name):
     if name in LATENT:
         w, h = train_gan(name)
@@ -295,10 +390,15 @@ def case(name):
             model = keras.Sequential([keras.Input((6,)),
                                       keras.layers.Dense(2, use_bias=False, kernel_initializer="ones", **activity),
                                       AddedLoss(),
-                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
+                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                                         kernel_regularizer=keras.regularizers.l2(0.01))])
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        out = fit(model, EYE(6), ONES(6), 4, epochs=2)    # 6 rows, batch 4: the last batch splits 1 + 1
+        # what model.losses lists between steps and after fit: one process's count (add_loss, the regularizers)
+        listed = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: counts.append(len(model.losses)))
+        counts = []
+        out = fit(model, EYE(6), ONES(6), 4, epochs=2, callbacks=[listed])   # 6 rows, batch 4: the last splits 1 + 1
         out["evaluate"] = float(model.evaluate(EYE(6), ONES(6), batch_size=4, verbose=0))
+        out["losses_listed"] = counts + [len(model.losses)]
         return out
     if name == "regularized_empty_shard":   # a weight regularizer, and one replica without rows
         with scope():
@@ -343,13 +443,27 @@ def case(name):
     if name in ("batchnorm", "batchnorm_exact"):   # exact: the global batch's moments (STRATKIT_SYNC_BATCHNORM=1)
         os.environ["STRATKIT_SYNC_BATCHNORM"] = "1" if name == "batchnorm_exact" else "0"
         with scope():
-            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones"),
-                                      keras.layers.BatchNormalization(), keras.layers.Dense(1, kernel_initializer="ones")])
+            # Keras's fine-tuning recipe: a base called with training=False, left trainable, so its
+            # BatchNormalization trains anyway (keras-team/keras#20285); the fit-start notice names it
+            base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones"),
+                                     keras.layers.BatchNormalization(name="base_bn")], name="base")
+            inputs = keras.Input((3,))
+            model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(base(inputs, training=False)))
             model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        notices = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: notices.append(record.getMessage())
+        logging.getLogger("stratkit").addHandler(handler)
         rng = np.random.default_rng(0)
-        out = fit(model, rng.normal(size=(60, 3)).astype("float32"), rng.normal(size=(60, 1)).astype("float32"), 16,
-                  epochs=2)
-        statistics = [model.layers[1].moving_mean, model.layers[1].moving_variance]
+        try:
+            out = fit(model, rng.normal(size=(60, 3)).astype("float32"), rng.normal(size=(60, 1)).astype("float32"),
+                      16, epochs=2)
+        finally:
+            logging.getLogger("stratkit").removeHandler(handler)
+        if name == "batchnorm":     # per-replica moments: what the notice at fit's start said
+            out["notice"] = [n for n in notices if n.startswith("BatchNormalization on")]
+        bn = base.layers[1]
+        statistics = [bn.moving_mean, bn.moving_variance]
         out["moving"] = [float(v) for s in statistics for v in np.ravel(s)]
         # how far the replicas' own copies of the statistics are apart (0: every replica holds the same model)
         copies = [[np.ravel(c.numpy()) for c in strategy.experimental_local_results(s.value)] for s in statistics]
@@ -413,6 +527,12 @@ def case(name):
         out["evaluate"] = float(model.evaluate(EYE(7), np.arange(1, 8, dtype="float32").reshape(7, 1),
                                                batch_size=4, verbose=0))
         return out
+    if name == "on_batch":          # the *_on_batch methods: 7 rows split 4 + 3, predict 37 rows
+        return on_batch()
+    if name == "custom_loop":       # TensorFlow's custom-training-loop tutorial: the optimizer built by its first apply
+        return custom_loop()
+    if name == "gan_loop":          # a GAN's loop: two models, two optimizers, both built by their first apply
+        return gan_loop()
     if name == "trainer_uneven":    # the same uneven batch through stratkit.Trainer
         def build():
             model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(1, use_bias=False,

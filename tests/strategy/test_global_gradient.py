@@ -1,6 +1,8 @@
 """N replicas train as one process with the same global batch: counts, clipping, loss scaling, accumulation,
-BatchNorm, custom metrics and custom train steps (stratkit/strategy/keras_compat/global_gradient.py); models without
-call() (Keras's DCGAN example in small, keras_compat/trainer_patches.py); random draws (keras_compat/replica_seeds.py).
+BatchNorm, custom metrics, custom train steps (stratkit/strategy/keras_compat/global_gradient.py), custom
+training loops whose optimizers are built by their first apply (keras_compat/optimizer_build.py); models
+without call() (Keras's DCGAN example in small, keras_compat/trainer_patches.py); random draws
+(keras_compat/replica_seeds.py).
 
 Every case of `parity_cases.py` runs three times, each in real processes: one process, a local
 MirroredStrategy over 2 logical CPUs (the multi-GPU box's path), and 2 MultiWorkerMirrored workers on
@@ -33,7 +35,7 @@ SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
          "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss", "gan_exact", "dcgan", "vae_exact",
-         "random_draws"]
+         "random_draws", "custom_loop", "gan_loop", "on_batch"]
 #: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
 FLOAT16 = {"loss_scaling", "loss_scale_headroom"}
 #: what is timing, not math
@@ -145,6 +147,16 @@ def test_random_draws_are_as_diverse_as_one_process_and_reproducible(one_process
         assert run["random_draws"]["same_seed_same_weights"] is True
     # the replicas draw differently, not Keras's one-replica bits
     assert mirrored["random_draws"]["per_mode"]["keras_bits"] is False
+
+
+def test_the_batchnorm_notice_names_the_layers_that_train_per_replica(one_process, mirrored, two_workers):
+    """A base called with training=False but left trainable trains its BatchNormalization (Keras's own
+    semantics): the fit-start notice names it and the two fixes."""
+    assert one_process["batchnorm"]["notice"] == []         # one replica: nothing to say
+    for notices in (mirrored["batchnorm"]["notice"], two_workers[0]["batchnorm"]["notice"]):
+        assert len(notices) == 1, notices
+        assert "1 layer(s)" in notices[0] and "base/base_bn" in notices[0], notices[0]
+        assert "STRATKIT_SYNC_BATCHNORM=1" in notices[0] and "layer.trainable = False" in notices[0], notices[0]
 
 
 LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]

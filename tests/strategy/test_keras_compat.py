@@ -418,3 +418,22 @@ def test_importing_keras_compat_does_not_import_tensorflow():
         text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_batchnorm_notice_names_the_layers_that_train_not_the_frozen_ones(monkeypatch):
+    """The fit-start notice's list (stratkit/strategy/keras_compat/batchnorm.py training_layer_names): a
+    base called with training=False but trainable trains its BatchNormalization (keras-team/keras#20285)."""
+    keras = pytest.importorskip("keras")
+    from stratkit.strategy.keras_compat import batchnorm
+
+    monkeypatch.delenv(batchnorm.ENV_VAR, raising=False)
+    base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(name="trains"),
+                             keras.layers.BatchNormalization(name="frozen"),
+                             keras.layers.BatchNormalization(name="synced", synchronized=True)], name="base")
+    base.get_layer("frozen").trainable = False
+    inputs = keras.Input((3,))
+    head = keras.layers.BatchNormalization(name="head")
+    model = keras.Model(inputs, head(base(inputs, training=False)))
+    assert batchnorm.training_layer_names(model) == ["base/trains", "head"]
+    monkeypatch.setenv(batchnorm.ENV_VAR, "1")            # the global batch's moments: nothing per replica
+    assert batchnorm.training_layer_names(model) == []

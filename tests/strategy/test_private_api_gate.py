@@ -376,7 +376,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _loss_tracker",  # its total gets the part of a replica without rows (Keras weighs it 0)
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
-        "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict
+        "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict / *_on_batch
     },
     "stratkit/strategy/keras_compat/internals.py": {
         "import tensorflow.python.eager.context",
@@ -411,7 +411,16 @@ GATE_INVENTORY: dict[str, set[str]] = {
     "stratkit/strategy/keras_compat/layer_losses.py": {
         # Layer.add_loss / _get_own_losses / _clear_losses wrapped: a list per replica thread under Mirrored/MWMS
         "import keras.src.backend", "import keras.src.layers.layer",
-        "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _losses",
+        "patch setattr(cls, name)", "private _clear_losses", "private _get_own_losses", "private _layers",
+        "private _losses",
+    },
+    "stratkit/strategy/keras_compat/on_batch.py": {
+        # the model's train/test/predict function swapped, while one *_on_batch call runs, for one fed shares
+        "patch setattr(model, attribute)",
+    },
+    "stratkit/strategy/keras_compat/optimizer_build.py": {
+        # an unbuilt optimizer's first apply in a replica context (several devices): built in a merge_call
+        "import keras.src.backend", "patch optimizer.built",
     },
     "stratkit/strategy/keras_compat/replica_seeds.py": {
         # keras.random.SeedGenerator.next wrapped: the seed it hands out folded with the replica id (N > 1 replicas)

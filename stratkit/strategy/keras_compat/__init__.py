@@ -23,6 +23,8 @@ The modules, one responsibility each:
   scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
   (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
+* :mod:`.optimizer_build`: a custom loop's optimizer, built by its first ``apply`` in ``strategy.run``,
+  is built in the cross-replica context; :mod:`.on_batch`: ``*_on_batch`` split over the replicas;
 * :mod:`.array_shuffle`: the arrays ``fit`` shuffles take one order on every worker;
 * :mod:`.fit_guards` (the user's own ``model.fit``) and :mod:`.metric_guard` (Keras metrics in PS steps);
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;

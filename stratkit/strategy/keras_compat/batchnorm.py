@@ -13,7 +13,10 @@ workers end with different moving means, predictions and saved models.
   layers (the moving average is linear, so this is the moving average of the
   replicas' mean batch statistics). The workers, their predictions and the
   saved model are then identical, at the cost of one small collective per epoch.
-  One line at the start of ``fit`` says so, with the switch below.
+  One line at the start of ``fit`` says so, names the layers that train so
+  (:func:`training_layer_names`: a ``base(x, training=False)`` that is
+  trainable is among them) and gives the two fixes: the switch below, or
+  freezing those layers (``layer.trainable = False``).
 * ``STRATKIT_SYNC_BATCHNORM=1``: **one process's math**. The replacement for
   ``BatchNormalization._moments`` sums (sum, sum of squares, count) over the
   replicas in one all-reduce per layer and returns the global batch's moments,
@@ -88,6 +91,35 @@ def _per_replica_statistics(model: Any) -> list[Any]:
         if isinstance(layer, cls) and not layer.synchronized and getattr(layer, "moving_mean", None) is not None:
             found += [v for v in layer.non_trainable_variables]
     return found
+
+
+def training_layer_names(model: Any) -> list[str]:
+    """The BatchNormalization layers of `model` that train with each replica's own moments, as paths.
+
+    A layer trains when it is trainable: Keras runs a frozen one (``layer.trainable = False``) in inference
+    mode, but a trainable one called as ``base(x, training=False)`` in a functional model trains anyway
+    once ``base.trainable = True`` (the outer call's ``training`` wins, keras-team/keras#20285). Empty with
+    ``STRATKIT_SYNC_BATCHNORM=1`` (no per-replica moments) and for ``synchronized=True`` layers.
+    """
+    if exact():
+        return []
+    cls = _layer_class()
+    names: list[str] = []
+    seen: set[int] = set()
+
+    def walk(layer: Any, prefix: str) -> None:
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if isinstance(child, cls):
+                if child.trainable and not child.synchronized:
+                    names.append(prefix + child.name)
+            else:
+                walk(child, f"{prefix}{child.name}/")
+
+    walk(model, "")
+    return names
 
 
 def has_per_replica_statistics(model: Any) -> bool:

@@ -24,6 +24,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   the chief's checkpoint files are complete when any worker reads them; a
   Python generator given to ``fit`` gets a warning (:func:`warn_if_generator`);
   arrays ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
+* ``train_on_batch``/``test_on_batch``/``predict_on_batch`` on N > 1 replicas: each replica its share of
+  the batch (:mod:`.on_batch`).
   One process, or one worker, is left exactly as Keras does it.
 
 A second guard catches Keras metrics updated in a parameter-server step
@@ -42,7 +44,8 @@ from typing import Any
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
 from stratkit.strategy.collectives import min_over_workers
-from stratkit.strategy.keras_compat import array_shuffle, batchnorm, global_gradient, metric_guard, synced_logs
+from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
+                                            synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -198,17 +201,24 @@ def _num_workers(strategy: Any) -> int:
 
 
 _said_batchnorm = False
+#: how many BatchNormalization layers the notice names (a ResNet has dozens)
+_NAMED = 8
 
 
-def _say_batchnorm_once(strategy: Any) -> None:
+def _say_batchnorm_once(model: Any, strategy: Any) -> None:
     global _said_batchnorm
-    if not _said_batchnorm:
-        _said_batchnorm = True
-        log.warning("BatchNormalization on %d replicas: each replica normalises its own rows (as Keras and "
-                    "PyTorch DDP do) and stratkit averages the moving statistics over the replicas at each "
-                    "epoch's end and before every evaluation, so every worker holds the same model. For one "
-                    "process's math (the global batch's moments) set %s=1 (costs a collective per layer and step).",
-                    global_gradient.replicas_of(strategy), batchnorm.ENV_VAR)
+    names = batchnorm.training_layer_names(model)
+    if _said_batchnorm or not names:
+        return
+    _said_batchnorm = True
+    shown = ", ".join(names[:_NAMED]) + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
+    log.warning("BatchNormalization on %d replicas: %d layer(s) train with each replica's own rows' moments (as "
+                "Keras and PyTorch DDP do): %s. stratkit averages their moving statistics over the replicas at "
+                "each epoch's end and before every evaluation, so every worker holds the same model. For one "
+                "process's math set %s=1 (the global batch's moments; costs a collective per layer and step), or, "
+                "fine-tuning, freeze those layers themselves (layer.trainable = False: a base called with "
+                "training=False still trains its BatchNormalization while the base is trainable).",
+                global_gradient.replicas_of(strategy), len(names), shown, batchnorm.ENV_VAR)
 
 
 def _one_order(strategy: Any) -> Any:
@@ -259,7 +269,7 @@ def _guarded(name: str, original: Any) -> Any:
                 bound.arguments["callbacks"] = [batchnorm.averaging_callback(self, strategy), *(given or [])]
                 args, kwargs = bound.args[1:], bound.kwargs
                 if name == "fit":
-                    _say_batchnorm_once(strategy)
+                    _say_batchnorm_once(self, strategy)
         _inside_guarded_call.active = True
         exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
             global_gradient.installed()
@@ -299,6 +309,11 @@ def install(version: str, mode: str) -> bool:
             if not getattr(current, _PATCH_MARK, False):
                 _guard_originals[name] = current
                 setattr(cls, name, _guarded(name, current))
+        for name in on_batch.METHODS:     # each replica its share of the batch (checks nothing: no guard)
+            current = cls.__dict__[name]
+            if not getattr(current, _PATCH_MARK, False):
+                _guard_originals[name] = current
+                setattr(cls, name, on_batch.wrap(name, current))
         array_shuffle.install()  # wraps Keras's own method only while a multi-worker fit runs
         if version in TESTED_KERAS_VERSIONS or mode == "force":
             metric_guard.install()
@@ -313,7 +328,7 @@ def revert_fit_guards() -> None:
     with _guards_lock:
         if _guard_originals:
             cls = _trainer_module().TensorFlowTrainer
-            for name in _FIT_METHODS:
+            for name in (*_FIT_METHODS, *on_batch.METHODS):
                 if name in _guard_originals:
                     setattr(cls, name, _guard_originals.pop(name))
         metric_guard.revert()

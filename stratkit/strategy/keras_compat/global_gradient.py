@@ -63,6 +63,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from stratkit.strategy.keras_compat.optimizer_build import build_outside_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _LOSS_MODULE = "keras.src.losses.loss"
@@ -259,6 +260,9 @@ def _scaled(grad: Any, factor: float) -> Any:
 def _reduced_apply(original: Any) -> Any:
     @functools.wraps(original)
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        if trainable_variables is not None and not self.built:
+            trainable_variables = list(trainable_variables)       # may be a one-pass iterator
+            build_outside_replicas(self, trainable_variables)      # a custom loop's first apply: see its module
         if (not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)):
             return original(self, grads, trainable_variables)
         inner = getattr(self, "inner_optimizer", None)

@@ -16,7 +16,10 @@ activity_regularizer=l2(0.5))`` and a layer calling ``add_loss``: weights
 Fix: in a replica context of a Mirrored/MWMS strategy with N > 1 replicas,
 ``add_loss``, the read and the clearing use a list per layer and per thread;
 everywhere else (one device, eager calls, Keras's stateless scope) Keras's
-own list, unchanged. Installed with :mod:`.global_gradient`, which makes the
+own list, unchanged. Keras's own list still receives the losses of each
+process's first replica (and only them), so ``model.losses`` read between
+steps or after ``fit`` lists what one process lists (it listed only the weight
+regularizers before). Installed with :mod:`.global_gradient`, which makes the
 pause.
 """
 
@@ -57,6 +60,16 @@ def _replica_losses(layer: Any) -> list[Any] | None:
     return vars(local).setdefault("losses", [])     # this thread's view of the threading.local
 
 
+def _first_local_replica() -> bool:
+    """True in this process's first replica thread: the one whose losses Keras's own list keeps."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    devices = len(tf.distribute.get_strategy().extended.worker_devices) or 1
+    return replica is not None and int(replica) % devices == 0
+
+
 def add_loss(self: Any, loss: Any) -> None:
     mine = _replica_losses(self)
     if mine is None:
@@ -64,8 +77,9 @@ def add_loss(self: Any, loss: Any) -> None:
     own = self._losses
     before = len(own)
     _originals["add_loss"](self, loss)       # Keras's checks; it appends to the shared list...
-    mine.extend(own[before:])                  # ...which this thread alone runs now: move them to its own
-    del own[before:]
+    mine.extend(own[before:])                  # ...which this thread alone runs now: its own gets them...
+    if not _first_local_replica():             # ...and the shared list keeps the first replica's only, so
+        del own[before:]                       # model.losses outside a step lists one process's losses
 
 
 def _get_own_losses(self: Any) -> list[Any]:
@@ -75,9 +89,13 @@ def _get_own_losses(self: Any) -> list[Any]:
 
 def _clear_losses(self: Any) -> None:
     mine = _replica_losses(self)
-    if mine is not None:
-        mine.clear()
-    _originals["_clear_losses"](self)        # the shared list, and every sublayer (through this method)
+    if mine is None or _first_local_replica():
+        if mine is not None:
+            mine.clear()
+        return _originals["_clear_losses"](self)   # the shared list, and every sublayer (through this method)
+    mine.clear()
+    for layer in self._layers:                # another replica: its own lists only, the first one's stay
+        layer._clear_losses()
 
 
 for _function in (add_loss, _get_own_losses, _clear_losses):
