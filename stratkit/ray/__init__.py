@@ -19,10 +19,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from stratkit.ray.failures import RayTrainingError
+from stratkit.ray.runner import RayRunner, RayRunReport
+
 if TYPE_CHECKING:
     from stratkit.ray.train import RayReportCallback
 
-__all__ = ["RayReportCallback"]
+__all__ = ["RayReportCallback", "RayRunReport", "RayRunner", "RayTrainingError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -69,6 +69,6 @@ def import_ray(api: str) -> Any:
         import ray
     except ImportError as exc:
         raise ConfigError(f"{api} needs Ray, which this Python ({sys.executable}) cannot import ({exc}). "
-                          f"Fix: {INSTALL}") from None
+                          'Fix: pip install "stratkit[ray]"') from None
     check_version(str(getattr(ray, "__version__", "0")), api)
     return ray
