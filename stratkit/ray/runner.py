@@ -227,10 +227,10 @@ class RayRunner:
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
                 ).remote(task.name))
-            where = ray.get([a.where.remote() for a in actors])
+            where = self._get(ray, [a.where.remote() for a in actors], deadline, attempt)
             addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
             hosts = [addresses[w["node_id"]] for w in where]
-            held = ray.get([a.hold.remote(host) for a, host in zip(actors, hosts)])
+            held = self._get(ray, [a.hold.remote(host) for a, host in zip(actors, hosts)], deadline, attempt)
             cluster = cluster_layout.build_cluster(
                 tasks, [cluster_layout.format_address(h, p) for h, p in zip(hosts, held)])
             chief = cluster_layout.primary_task(tasks)
@@ -238,9 +238,9 @@ class RayRunner:
             for rank, task in enumerate(tasks):
                 report.nodes[task.name] = hosts[rank]
                 report.actor_pids[task.name] = where[rank]["pid"]
-            replies = ray.get([a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
-                                              t == chief, self._visible(t, w["gpus"]))
-                               for a, t, w in zip(actors, tasks, where)])
+            replies = self._get(ray, [a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
+                                                     t == chief, self._visible(t, w["gpus"]))
+                                      for a, t, w in zip(actors, tasks, where)], deadline, attempt)
             for state, reply in zip(states, replies):
                 state.pid = reply.get("pid")
                 report.pids[state.label] = state.pid
@@ -260,6 +260,18 @@ class RayRunner:
                     log.debug("could not stop an actor: %s", exc)
                 ray.kill(actor)
             remove_placement_group(group)
+
+    def _get(self, ray: Any, refs: list[Any], deadline: float | None, attempt: int) -> list[Any]:
+        """`ray.get(refs)` within the run's deadline: actors Ray cannot start in time end the run, never hang it."""
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(refs, timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
+        except GetTimeoutError:
+            raise RayTrainingError(f"the tasks' actors did not start within timeout={self.timeout}s (attempt "
+                                   f"{attempt} of {self.max_retries + 1}); every task was stopped. Fix: raise "
+                                   "timeout, or check that the Ray nodes can start workers (ray status)",
+                                   attempt=attempt, timed_out=True) from None
 
     def _visible(self, task: Task, assigned: str | None) -> str:
         """The training process's CUDA_VISIBLE_DEVICES: Ray's assignment for a GPU task, none otherwise."""

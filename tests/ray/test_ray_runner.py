@@ -95,6 +95,37 @@ def test_two_workers_train_as_one_process_and_the_chiefs_result_comes_back(ray_s
     _wait_gone(report.actor_pids.values())
 
 
+def parameter_server_training():
+    import keras
+
+    import stratkit
+
+    trainer = stratkit.Trainer()  # ps and worker tasks serve here and exit 0 when the chief is done
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model = trainer.build(build)
+    history = trainer.fit(model, make_data(), epochs=3, steps_per_epoch=8, per_replica_batch_size=32)
+    return {"strategy": trainer.spec.strategy, "source": trainer.spec.source,
+            "loss": [float(v) for v in history.history["loss"]]}
+
+
+def test_parameter_servers_on_ray_train_and_every_task_ends(ray_session):
+    runner = RayRunner(num_workers=1, num_ps=1, timeout=300)
+    got = runner.run(parameter_server_training)
+    assert got["strategy"] == "parameter_server" and got["source"] == "ray"
+    assert got["loss"][-1] < got["loss"][0]
+    report = runner.last_run
+    assert report.tasks == ["chief:0", "worker:0", "ps:0"] and report.succeeded
+    for label, pid in report.pids.items():  # the ps and worker tasks served until the chief was done, then exited
+        assert pid is not None and not alive(pid), label
+
+
 def _wait_gone(pids, seconds=30.0):
     deadline = time.monotonic() + seconds
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
