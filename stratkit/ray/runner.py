@@ -45,6 +45,8 @@ log = status.logger(__name__)
 ARGUMENTS = cluster_layout.Spelling(workers="num_workers", ps="num_ps")
 #: Seconds to wait for the placement group when `timeout` is None (a run never waits forever for resources).
 PLACEMENT_WAIT = 300.0
+#: After a task fails, how long the other tasks' actors get to answer before their node counts as lost.
+PROBE_SECONDS = 5.0
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
@@ -313,7 +315,31 @@ class RayRunner:
                 state.exit_code = reply["exit"]
                 state.exception = tuple(reply["exception"])
                 if state.exit_code != 0:
-                    raise failures.task_failed(state, states, attempt, attempts)
+                    lost = self._unanswered(ray, actors, states, pending.values())
+                    # A task whose peer's node died usually fails first (its collective breaks at once, while
+                    # Ray takes its health check to declare the node dead): the lost node is the root cause.
+                    raise failures.task_failed(lost[0] if lost else state, states, attempt, attempts)
+
+    def _unanswered(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState],
+                    running: Any) -> list[TaskState]:
+        """The running tasks whose actors do not answer within PROBE_SECONDS (their node is likely lost)."""
+        indices = sorted(set(running))
+        if not indices:
+            return []
+        probes = {actors[i].where.remote(): i for i in indices}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=PROBE_SECONDS)
+        lost = []
+        for ref, i in probes.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+                    states[i].lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            else:
+                states[i].lost = f"its actor did not answer within {PROBE_SECONDS:g} s"
+            lost.append(states[i])
+        return lost
 
 
 def _plan(num_workers: int, num_ps: int) -> list[Task]:
