@@ -1,13 +1,15 @@
 """The driver of tests/ray/test_ray_hosts.py, run on test host h1 against the two-node Ray cluster.
 
-`python ray_hosts_driver.py ADDRESS`: RayRunner with 2 workers, one per node (STRICT_SPREAD), trains 3
-epochs; the driver then trains the same model in its own process (no TF_CONFIG) and prints both as JSON.
+`python ray_hosts_driver.py ADDRESS OUT`: RayRunner with 2 workers, one per node (STRICT_SPREAD), trains 3
+epochs; the driver then trains the same model in its own process (no TF_CONFIG), then the same job runs
+inside Ray Train (TensorflowTrainer, one worker per node); each result is printed as JSON.
 Then a second, long run, which the test breaks by killing h2: its RayTrainingError is printed as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import ray
@@ -49,13 +51,37 @@ def train(epochs):
             "replicas": trainer.num_replicas, "source": trainer.spec.source}
 
 
-def main(address: str) -> None:
+def ray_train_loop(config):
+    """The same job inside Ray Train (TensorflowTrainer writes the TF_CONFIG); each rank writes its weights."""
+    import json
+    import os
+
+    import ray.train
+
+    result = train(config["epochs"])
+    rank = ray.train.get_context().get_world_rank()
+    with open(os.path.join(config["out"], f"raytrain-rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+
+
+def main(address: str, out: str) -> None:
     ray.init(address=address, _node_ip_address="198.18.0.1", log_to_driver=False)
     runner = RayRunner(num_workers=2, placement_strategy="STRICT_SPREAD", timeout=300)
     got = runner.run(train, 3)
     print("RESULT " + json.dumps({"got": got, "nodes": runner.last_run.nodes}), flush=True)
     single = train(3)
     print("SINGLE " + json.dumps(single), flush=True)
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    TensorflowTrainer(ray_train_loop, train_loop_config={"epochs": 3, "out": out},
+                      scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
+                      run_config=RunConfig(name="hosts", storage_path=os.path.join(out, "ray-results"))).fit()
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(out, f"raytrain-rank{rank}.json")) as handle:
+            ranks.append(json.load(handle))
+    print("RAYTRAIN " + json.dumps(ranks), flush=True)
     print("LONG RUN STARTS", flush=True)
     try:
         RayRunner(num_workers=2, placement_strategy="STRICT_SPREAD", timeout=300).run(train, 1000)
@@ -66,4 +92,4 @@ def main(address: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -2,7 +2,8 @@
 
 `ray start --head` on h1 (198.18.0.1), `ray start --address=...` on h2 (198.18.0.2), no dashboard, no usage
 reporting, Ray's files in the test's own directory; the driver (`ray_hosts_driver.py`) runs on h1. One
-cluster: 2 workers, one per node, train exactly as one process (<= 1e-5); then h2 is killed in the middle of
+cluster: 2 workers, one per node, train exactly as one process (<= 1e-5), through RayRunner and inside
+Ray Train (TensorflowTrainer + stratkit.Trainer); then h2 is killed in the middle of
 a long run, and the run fails naming the task that ran there and node 198.18.0.2 within 60 s. Leaving the test, `ray stop`
 runs on both hosts and the hosts' teardown kills whatever is left in their namespaces.
 """
@@ -61,7 +62,9 @@ def test_two_ray_nodes_train_exactly_and_a_lost_node_is_named(two_hosts, tmp_pat
                       timeout=180, env=env)
         assert node.returncode == 0, node.stdout[-3000:]
 
-        driver = h1.popen([sys.executable, str(DRIVER), f"198.18.0.1:{PORT}"], env=env, stdout=subprocess.PIPE,
+        out = tmp_path / "out"
+        out.mkdir()
+        driver = h1.popen([sys.executable, str(DRIVER), f"198.18.0.1:{PORT}", str(out)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines: queue.Queue[str | None] = queue.Queue()
 
@@ -81,19 +84,26 @@ def test_two_ray_nodes_train_exactly_and_a_lost_node_is_named(two_hosts, tmp_pat
             return line
 
         deadline = time.monotonic() + 400
-        result = single = None
-        while single is None:
+        result = single = ray_train = None
+        while ray_train is None:
             line = next_line(deadline)
             if line.startswith("RESULT "):
                 result = json.loads(line[len("RESULT "):])
             elif line.startswith("SINGLE "):
                 single = json.loads(line[len("SINGLE "):])
+            elif line.startswith("RAYTRAIN "):
+                ray_train = json.loads(line[len("RAYTRAIN "):])
         got = result["got"]
         assert sorted(result["nodes"].values()) == ["198.18.0.1", "198.18.0.2"]  # one worker per node
         assert got["replicas"] == 2 and got["source"] == "ray"
         assert got["host"] == ("h1" if result["nodes"]["worker:0"] == "198.18.0.1" else "h2")
         worst = max(abs(a - b) for g, w in zip(got["weights"], single["weights"]) for a, b in zip(g, w))
         assert worst <= 1e-5, f"2 Ray nodes vs one process: max |diff| of weights {worst}"
+        # The same job inside Ray Train across the two nodes: exact too, the workers identical.
+        assert sorted(r["host"] for r in ray_train) == ["h1", "h2"]
+        assert ray_train[0]["weights"] == ray_train[1]["weights"] and ray_train[0]["replicas"] == 2
+        worst = max(abs(a - b) for g, w in zip(ray_train[0]["weights"], single["weights"]) for a, b in zip(g, w))
+        assert worst <= 1e-5, f"Ray Train on 2 nodes vs one process: max |diff| of weights {worst}"
 
         # The long run: kill h2 (its raylet, its task's actor and training process) once both tasks train.
         while not next_line(deadline).startswith("[worker:1] EPOCH 1"):

@@ -159,9 +159,10 @@ def test_a_failed_task_ends_the_run_with_its_root_cause(ray_session):
 
 
 def test_a_retry_runs_fresh_actors_and_returns_the_chiefs_result(ray_session, tmp_path):
-    runner = RayRunner(num_workers=2, max_retries=1, timeout=120)
+    # min_workers: the retry counts what the live nodes fit (here all 4 CPUs: both workers again).
+    runner = RayRunner(num_workers=2, max_retries=1, min_workers=1, timeout=120)
     assert runner.run(fail_on_worker_1, str(tmp_path / "failed-once")) == "worker:0 done"
-    assert runner.last_run.attempts == 2
+    assert runner.last_run.attempts == 2 and runner.last_run.tasks == ["worker:0", "worker:1"]
 
 
 def sleep_forever():
