@@ -1,6 +1,6 @@
 """TensorFlow's start-up noise: logging defaults for the training processes stratkit starts.
 
-One place for both front doors (the local launcher and the Spark runner).
+One place for every front door (the local launcher, the Spark runner, the Ray runner).
 
 Two parts, because TensorFlow 2.21 logs some lines before its own logging is
 configured:
@@ -19,9 +19,9 @@ configured:
     machine, GPU will not be used"). On a machine with drivers it is kept: there
     it is a real problem.
 
-Both front doors use both parts: `stratkit launch` (`launch/plan.py` adds the
+Every front door uses both parts: `stratkit launch` (`launch/plan.py` adds the
 defaults, `launch/attempt.py` filters each task's output, console and log
-alike) and the Spark runner (`spark/process.py`).
+alike), the Spark runner (`spark/process.py`) and the Ray runner (`ray/task.py`).
 
 A task that Slurm starts (`srun python train.py`) has no stratkit parent to do
 either, so `quiet_tensorflow_import` does both inside the task, around

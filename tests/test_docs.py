@@ -251,7 +251,8 @@ def _public_names(module: str) -> list[str]:
     raise AssertionError(f"{module} has no __all__")
 
 
-@pytest.mark.parametrize("module", ["stratkit", "stratkit.callbacks", "stratkit.launch", "stratkit.spark"])
+@pytest.mark.parametrize("module", ["stratkit", "stratkit.callbacks", "stratkit.launch", "stratkit.spark",
+                                    "stratkit.ray"])
 def test_every_public_name_is_in_the_api_reference(module):
     page = (DOCS / "reference" / "api.md").read_text()
     if module == "stratkit.callbacks":

@@ -184,7 +184,7 @@ def check_task(cluster: Mapping[str, Sequence[str]], task: Task, *, launcher: st
     Args:
         cluster: the TF_CONFIG "cluster".
         task: the task to check.
-        launcher: the front door's STRATKIT_LAUNCHER value ("launch", "spark"), set in the task's environment.
+        launcher: the front door's STRATKIT_LAUNCHER value ("launch", "spark", "ray"), set in the task's environment.
         fix: what the user should change when detection does not see the plan (the front door
             knows where its tasks' environment comes from).
         environ: the task's environment without TF_CONFIG (default: empty).

@@ -31,7 +31,7 @@ class ClusterSpec:
         is_chief: True for the task that saves, logs and coordinates.
         num_workers: training hosts (chief + workers); 1 on a single host.
         source: which environment produced the spec ("tf_config", "sagemaker",
-            "slurm", "tpu", "local", "launch", "spark").
+            "slurm", "tpu", "local", "launch", "spark", "ray").
         num_gpus: GPUs visible to this process (without importing TensorFlow).
         tpu: the TPU name or address for the "tpu" strategy, else None.
         reasons: human-readable lines saying which variables decided the spec.

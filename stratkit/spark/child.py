@@ -44,12 +44,9 @@ import os
 import socket
 import sys
 import time
-import traceback
 
-from stratkit.errors import PayloadError
+from stratkit.process.payload import PAYLOAD, RESULT, exit_now, load_payload, run_function  # noqa: F401 - names the task uses
 
-PAYLOAD = "payload.pkl"
-RESULT = "result.pkl"
 RUN = "run.json"
 
 #: Environment the task sets for the training process.
@@ -67,16 +64,8 @@ MESSAGE_BYTES = 64 * 1024
 
 
 def _load(workdir: str):
-    import cloudpickle
-
-    with open(os.path.join(workdir, PAYLOAD), "rb") as handle:
-        try:
-            return cloudpickle.load(handle)
-        except Exception as exc:
-            raise PayloadError(
-                f"could not unpickle train_fn and its arguments in the training process ({type(exc).__name__}: "
-                f"{exc}). Fix: define train_fn in the driver script or notebook (pickled by value), or install "
-                "the module it lives in on every executor (same Python as PYSPARK_PYTHON)") from exc
+    return load_payload(workdir, fix="define train_fn in the driver script or notebook (pickled by value), or "
+                                     "install the module it lives in on every executor (same Python as PYSPARK_PYTHON)")
 
 
 def _resolve_data(value):
@@ -170,7 +159,7 @@ def _run(workdir: str, preloaded: float | None, forked: float) -> int:
     _set_name(process_name(os.environ.get(RUN_VAR, "")))
     if "numpy" in sys.modules:  # its global generator was seeded once in the standby: every fork would repeat it
         sys.modules["numpy"].random.seed()
-    from stratkit import status, timeline
+    from stratkit import timeline
 
     timeline.mark("process forked", forked)
     if preloaded is not None:
@@ -179,53 +168,14 @@ def _run(workdir: str, preloaded: float | None, forked: float) -> int:
     from stratkit.spark import context
 
     context.install_proxy()
-    code = 0
-    try:
+
+    def call():
         fn, args, kwargs = _load(workdir)
         timeline.mark("function starts")
-        result = _call(fn, args, kwargs)
-        timeline.mark("function returns")
-        if os.environ.get(RESULT_VAR) == "1":
-            import cloudpickle
+        return _call(fn, args, kwargs)
 
-            tmp = os.path.join(workdir, RESULT + ".tmp")
-            with open(tmp, "wb") as handle:
-                cloudpickle.dump(result, handle)
-            os.replace(tmp, os.path.join(workdir, RESULT))
-            timeline.mark("result written")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if code:
-            status.logger(__name__).warning(f"train_fn called sys.exit({exc.code!r})")
-    except BaseException as exc:  # noqa: BLE001 - report everything, including KeyboardInterrupt
-        traceback.print_exc()
-        # What the interpreter records for an uncaught exception, so exit hooks (e.g. the parameter-server
-        # chief's "end training" signal) see that train_fn failed.
-        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
-        code = 1
-    return _exit_now(code)
-
-
-def _exit_now(code: int) -> int:
-    """Run the exit hooks, flush, and end the process without TensorFlow's slow teardown.
-
-    Measured (TF 2.21, 2-worker MultiWorkerMirroredStrategy): a normal
-    interpreter exit takes 1.5-4 s after the last Python line (the runtime's
-    shutdown), and nothing of the user's is in it: the Python exit hooks
-    (`atexit`: logging, the parameter-server chief's end-of-training signal)
-    run here. No `gc.collect()`: with TensorFlow and Keras loaded it took
-    seconds (4.3 s measured on the loaded test machine); a file object left
-    open in a global is therefore not flushed (docs/spark.md says to close files).
-    """
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code  # pragma: no cover
+    code = run_function(call, workdir, keep_result=os.environ.get(RESULT_VAR) == "1", mark=timeline.mark)
+    return exit_now(code)
 
 
 if __name__ == "__main__":

@@ -21,24 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stratkit.errors import ConfigError
 from stratkit.spark import slots
 
 #: Seconds the slot count is watched after a failed attempt (a lost executor is removed meanwhile).
 SETTLE_SECONDS = 5.0
-
-
-def check_min_workers(min_workers: int | None, num_workers: int, num_ps: int) -> int | None:
-    """`min_workers` checked against the layout (None: not elastic); a ConfigError naming it otherwise."""
-    if min_workers is None:
-        return None
-    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
-        raise ConfigError(f"min_workers must be an integer in 1..num_workers={num_workers}: got {min_workers!r}. "
-                          f"Fix: e.g. min_workers=1 (a retry may then run with 1 to {num_workers} workers)")
-    if num_ps:
-        raise ConfigError(f"min_workers={min_workers} with num_ps={num_ps}: only a synchronous (MultiWorkerMirrored) "
-                          "cluster can shrink between retries here. Fix: drop min_workers, or num_ps")
-    return min_workers
 
 
 def workers_for_retry(num_workers: int, min_workers: int, spark_context: Any,

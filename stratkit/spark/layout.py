@@ -27,6 +27,7 @@ from stratkit.cluster import ClusterSpec, gpus
 from stratkit.cluster import layout as cluster_layout
 from stratkit.cluster.layout import Task, tf_config_json
 from stratkit.errors import ConfigError
+from stratkit.process.arguments import positive_int as _positive_int
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "spark".
 LAUNCHER = "spark"
@@ -60,12 +61,6 @@ class TaskRole:
     def trains(self) -> bool:
         """True for tasks that compute steps on data (chief/worker of a synchronous cluster, PS workers)."""
         return self.task_type == "worker"
-
-
-def _positive_int(name: str, value: object, minimum: int = 1, example: str = "2") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}: got {value!r}. Fix: e.g. {name}={example}")
-    return value
 
 
 def plan_roles(num_workers: int, num_ps: int = 0) -> list[TaskRole]:

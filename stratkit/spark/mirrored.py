@@ -46,7 +46,8 @@ from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.failures import REPORT_TITLE, SparkTrainingError
 from stratkit.spark.confs import read_confs, spark_context
-from stratkit.spark.runner import SparkRunner, _pickle_payload
+from stratkit.process.payload import pickle_payload
+from stratkit.spark.runner import SparkRunner
 
 #: The logger spark-tensorflow-distributor uses (its class name), so its users' log filters keep working.
 log = logging.getLogger("MirroredStrategyRunner")
@@ -171,7 +172,7 @@ class MirroredStrategyRunner:
         process = None
         try:
             with open(os.path.join(workdir, child_module.PAYLOAD), "wb") as handle:
-                handle.write(_pickle_payload(train_fn, (), kwargs))
+                handle.write(pickle_payload(train_fn, (), kwargs, where="the Spark tasks"))
             process = TrainingProcess(workdir, env, lambda text: print(prefixed("local:0", text), flush=True))
             code = process.stream()
             if code != 0:

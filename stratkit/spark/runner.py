@@ -32,6 +32,8 @@ from typing import Any
 
 from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.process import arguments
+from stratkit.process.payload import pickle_payload
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
 from stratkit.spark import elastic, layout, slots
@@ -124,20 +126,11 @@ class SparkRunner:
                  num_ps: int = 0, spark: Any = None, max_retries: int = 0, timeout: float | None = None,
                  min_workers: int | None = None) -> None:
         self.roles: list[TaskRole] = layout.plan_roles(num_workers, num_ps)
-        self.min_workers = elastic.check_min_workers(min_workers, num_workers, num_ps)
+        self.min_workers = arguments.check_min_workers(min_workers, num_workers, num_ps)
         layout.check_layout(self.roles)
-        if not isinstance(use_gpu, bool):
-            raise ConfigError(f"use_gpu must be True or False: got {use_gpu!r}")
-        if gpus_per_worker is not None:
-            layout._positive_int("gpus_per_worker", gpus_per_worker, example="1")
-            if not use_gpu:
-                raise ConfigError(f"gpus_per_worker={gpus_per_worker} needs use_gpu=True. Fix: pass use_gpu=True, "
-                                  "or drop gpus_per_worker")
-        layout._positive_int("max_retries", max_retries, minimum=0, example="1")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or timeout <= 0):
-            raise ConfigError(f"timeout must be a positive number of seconds or None: got {timeout!r}. "
-                              "Fix: e.g. timeout=3600")
+        arguments.check_gpus(use_gpu, gpus_per_worker)
+        arguments.positive_int("max_retries", max_retries, minimum=0, example="1")
+        arguments.check_timeout(timeout)
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.use_gpu = use_gpu
@@ -197,7 +190,7 @@ class SparkRunner:
                                   f"cut for {self.num_workers} workers, and a smaller retry would skip some. Fix: "
                                   "read the data inside train_fn (or pass numpy arrays), or drop min_workers")
             # Inside the task closure, which Spark broadcasts once per stage (not once per task).
-            payload = _pickle_payload(train_fn, args, kwargs)
+            payload = pickle_payload(train_fn, args, kwargs, where="the Spark tasks")
             driver_host = confs.get("spark.driver.host") or "127.0.0.1"
             bind_host = confs.get("spark.driver.bindAddress") or driver_host
             deadline = None if self.timeout is None else started + self.timeout
@@ -371,23 +364,6 @@ def _as_dataframe_input(value: Any) -> data_module.DataFrameInput | None:
     from pyspark.sql import DataFrame
 
     return data_module.DataFrameInput(value) if isinstance(value, DataFrame) else None
-
-
-def _pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps((train_fn, args, kwargs))
-    except Exception as exc:  # noqa: BLE001 - find the culprit for the message
-        for name, value in [("train_fn", train_fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)] + \
-                [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]:
-            try:
-                cloudpickle.dumps(value)
-            except Exception as inner:  # noqa: BLE001
-                raise ConfigError(f"{name} cannot be pickled to send to the Spark tasks ({type(inner).__name__}: "
-                                  f"{inner}). Fix: pass plain data (numbers, strings, numpy arrays, paths) and create "
-                                  "models, sessions, locks or open files inside train_fn") from None
-        raise ConfigError(f"train_fn and its arguments cannot be pickled ({type(exc).__name__}: {exc})") from None
 
 
 def _with_log_server(plan: TaskPlan, server: LogServer, exchange: Rendezvous) -> TaskPlan:

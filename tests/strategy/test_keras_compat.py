@@ -354,14 +354,20 @@ def test_keras_2_needs_nothing(fresh, monkeypatch):
     assert not _is_patched()
 
 
-def test_legacy_keras_env_reads_the_tf_keras_version(fresh, monkeypatch):
+def test_legacy_keras_env_still_patches_the_keras_3_that_import_keras_gives(fresh, monkeypatch):
+    # Ray Train sets TF_USE_LEGACY_KERAS=1 in every worker. That routes only `tf.keras` to tf_keras:
+    # `import keras` (what a Keras 3 model and stratkit.Trainer use) is still Keras 3, which needs the fixes.
+    # Before this was fixed, an installed tf_keras made the gate skip them, and a Keras 3 model in
+    # Ray Train failed with "Attempt to convert a value (PerReplica...".
+    import keras
+
     fake_tf_keras = types.ModuleType("tf_keras")
     fake_tf_keras.__version__ = "2.21.0"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tf_keras", fake_tf_keras)
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
-    assert keras_compat.installed_keras_version() == "2.21.0"
-    assert keras_compat.apply() == "not_needed"
-    assert not _is_patched()
+    assert keras_compat.installed_keras_version() == keras.__version__
+    assert keras_compat.apply() == "patched"
+    assert _is_patched()
 
 
 def test_one_device_gets_the_trainer_fixes_on_a_tested_version(fresh, monkeypatch):

@@ -1,5 +1,5 @@
-"""TF_CONFIG: plain, Kubeflow TFJob, SageMaker (its "master" read as "chief"), AI Platform, Ray,
-and the TF_CONFIG that `stratkit launch` and the Spark runner write."""
+"""TF_CONFIG: plain, Kubeflow TFJob, SageMaker (its "master" read as "chief"), AI Platform, Ray Train,
+and the TF_CONFIG that `stratkit launch`, the Spark runner and the Ray runner write."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from stratkit.cluster.spec import ClusterSpec
 from stratkit.cluster.tf_config import parse_tf_config
 from stratkit.errors import ConfigError
 
-#: Set by `stratkit launch` ("launch") and the Spark runner ("spark") next to TF_CONFIG.
+#: Set by `stratkit launch` ("launch"), the Spark runner ("spark") and the Ray runner ("ray") next to TF_CONFIG.
 LAUNCHER_VAR = "STRATKIT_LAUNCHER"
 #: Set by `stratkit launch --nnodes MIN:MAX` ("MIN:MAX" workers): the world size may change between restarts.
 ELASTIC_VAR = "STRATKIT_ELASTIC"
@@ -30,7 +30,7 @@ class TFConfigEnvironment(ClusterEnvironment):
         launcher = environ.get(LAUNCHER_VAR, "").strip()
         if parsed.renamed_master or any(var in environ for var in _SAGEMAKER_VARS):
             source = "sagemaker"
-        elif launcher in ("launch", "spark"):
+        elif launcher in ("launch", "spark", "ray"):
             source = launcher
         else:
             source = "tf_config"

@@ -182,7 +182,8 @@ def apply(strategy: Any = None) -> str:
     * ``"patched"``: Keras is a tested version; the fixes are installed.
     * ``"forced"``: Keras is untested and still buggy, but
       ``STRATKIT_KERAS_COMPAT=force``; the fixes are installed anyway.
-    * ``"not_needed"``: legacy Keras 2 / tf-keras (``TF_USE_LEGACY_KERAS=1``),
+    * ``"not_needed"``: a ``keras`` package older than 3 (``TF_USE_LEGACY_KERAS=1``
+      alone does not count: it changes only ``tf.keras``),
       a non-TensorFlow Keras backend, or an untested Keras 3 whose self-check
       shows both bugs fixed upstream. Nothing is changed.
     * ``"disabled"``: ``STRATKIT_KERAS_COMPAT=off``. Nothing is changed.

@@ -40,29 +40,17 @@ ENV_VAR = "STRATKIT_KERAS_COMPAT"
 _PATCH_MARK = "__stratkit_keras_compat__"
 
 
-def _legacy_keras_requested() -> bool:
-    """True when TensorFlow routes ``tf.keras`` to tf-keras (Keras 2).
-
-    Uses the exact test TensorFlow itself applies to ``TF_USE_LEGACY_KERAS``.
-    """
-    return os.environ.get("TF_USE_LEGACY_KERAS") in ("true", "True", "1")
-
-
 def installed_keras_version() -> str:
-    """The version of the Keras that training will use, e.g. ``"3.15.1"``.
+    """The version of the ``keras`` package, e.g. ``"3.15.1"``: the Keras the fixes patch.
 
-    With ``TF_USE_LEGACY_KERAS=1`` that is tf-keras (a ``2.x`` version) when it
-    is installed; otherwise the ``keras`` package. The gate's functions in
-    ``stratkit.strategy.keras_compat`` read it through the package's name, so
-    tests can monkeypatch ``keras_compat.installed_keras_version``.
+    ``TF_USE_LEGACY_KERAS=1`` (which Ray Train sets in every worker) routes only
+    ``tf.keras`` to tf-keras; ``import keras`` -- what Keras 3 models and
+    ``stratkit.Trainer`` use -- is still Keras 3 and still needs the fixes.
+    A tf-keras model is not touched by them (``Trainer.build`` refuses it with
+    a message). The gate's functions in ``stratkit.strategy.keras_compat``
+    read it through the package's name, so tests can monkeypatch
+    ``keras_compat.installed_keras_version``.
     """
-    if _legacy_keras_requested():
-        try:
-            import tf_keras  # type: ignore[import-not-found]
-
-            return str(tf_keras.__version__)
-        except ImportError:
-            pass  # TF will complain itself; report the Keras that is importable.
     import keras
 
     return str(keras.__version__)

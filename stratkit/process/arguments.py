@@ -1,0 +1,52 @@
+"""The arguments every cluster runner takes (`SparkRunner`, `RayRunner`), checked one way.
+
+A runner's own arguments (a SparkSession, a placement strategy) stay in the
+runner; what both take -- counts, `use_gpu`/`gpus_per_worker`, `max_retries`,
+`timeout`, `min_workers` -- is checked here, so a bad value gets the same
+`ConfigError` (the name, the value, the fix) from either front door.
+
+Pure Python: imports no TensorFlow and no engine.
+"""
+
+from __future__ import annotations
+
+from stratkit.errors import ConfigError
+
+
+def positive_int(name: str, value: object, minimum: int = 1, example: str = "2") -> int:
+    """`value` when it is an integer >= `minimum` (a bool is not); a ConfigError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}: got {value!r}. Fix: e.g. {name}={example}")
+    return value
+
+
+def check_gpus(use_gpu: object, gpus_per_worker: object) -> None:
+    """`use_gpu` is a bool; `gpus_per_worker` is None or a positive integer, and only with use_gpu=True."""
+    if not isinstance(use_gpu, bool):
+        raise ConfigError(f"use_gpu must be True or False: got {use_gpu!r}")
+    if gpus_per_worker is not None:
+        positive_int("gpus_per_worker", gpus_per_worker, example="1")
+        if not use_gpu:
+            raise ConfigError(f"gpus_per_worker={gpus_per_worker} needs use_gpu=True. Fix: pass use_gpu=True, "
+                              "or drop gpus_per_worker")
+
+
+def check_timeout(timeout: object) -> float | None:
+    """`timeout` when it is None or a positive number of seconds; a ConfigError otherwise."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"timeout must be a positive number of seconds or None: got {timeout!r}. "
+                          "Fix: e.g. timeout=3600")
+    return timeout
+
+
+def check_min_workers(min_workers: int | None, num_workers: int, num_ps: int) -> int | None:
+    """`min_workers` checked against the layout (None: not elastic); a ConfigError naming it otherwise."""
+    if min_workers is None:
+        return None
+    if isinstance(min_workers, bool) or not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
+        raise ConfigError(f"min_workers must be an integer in 1..num_workers={num_workers}: got {min_workers!r}. "
+                          f"Fix: e.g. min_workers=1 (a retry may then run with 1 to {num_workers} workers)")
+    if num_ps:
+        raise ConfigError(f"min_workers={min_workers} with num_ps={num_ps}: only a synchronous (MultiWorkerMirrored) "
+                          "cluster can shrink between retries here. Fix: drop min_workers, or num_ps")
+    return min_workers

@@ -1,0 +1,35 @@
+"""How do I start on Ray? The same training function on a Ray cluster, two ways.
+
+* Inside Ray Train: `ray.train.tensorflow.TensorflowTrainer` writes each
+  worker's TF_CONFIG, and a `stratkit.Trainer` in `train_loop_per_worker`
+  trains as one process; `RayReportCallback` reports metrics and the chief's
+  checkpoint every epoch and resumes from Ray's checkpoint after a restart.
+* `RayRunner(num_workers=N, num_ps=M).run(train_fn, ...)`: one fresh actor per
+  TF task in a placement group, train_fn in a fresh process per task, every
+  output line on the driver as `[worker:1] ...`, the chief's return value back,
+  `RayTrainingError` with the failing task's root cause, retries, a timeout,
+  and parameter servers.
+
+Importing this package imports neither Ray nor TensorFlow; Ray is imported when
+a runner runs (`stratkit.ray.versions`), Keras when `RayReportCallback` is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from stratkit.ray.failures import RayTrainingError
+from stratkit.ray.runner import RayRunner, RayRunReport
+
+if TYPE_CHECKING:
+    from stratkit.ray.train import RayReportCallback
+
+__all__ = ["RayReportCallback", "RayRunReport", "RayRunner", "RayTrainingError"]
+
+
+def __getattr__(name: str) -> Any:
+    # The callback is a Keras class: imported on first use, so the driver of a RayRunner never imports Keras.
+    if name == "RayReportCallback":
+        return importlib.import_module("stratkit.ray.train").RayReportCallback
+    raise AttributeError(f"module 'stratkit.ray' has no attribute {name!r}")

@@ -1,0 +1,359 @@
+"""`RayRunner`: run one training function as a TensorFlow cluster on Ray; return the chief's result on the driver.
+
+The driver side of the Ray adapter. One `run()`:
+  1. checks what can be checked before Ray places anything: the layout
+     (`cluster.layout`, through `stratkit.detect`), Ray's version, and that the
+     cluster has the GPUs asked for;
+  2. per attempt, a placement group with one bundle per TF task, waited for at
+     most `timeout` (a group Ray cannot place is a `ConfigError`, never a hang);
+  3. one fresh `stratkit.ray.task.TaskActor` per task in it: the node's address,
+     a held port, the TF_CONFIG checked in the actor before any TensorFlow
+     import, then the training process (`stratkit.ray.child`);
+  4. every task's output printed on the driver as `[worker:1] ...`; the first
+     task that fails (exit code, or its actor lost with its node) stops the
+     others and raises `RayTrainingError` with the root-cause report
+     (`stratkit.ray.failures`); `max_retries` re-runs everything with fresh
+     actors, with `min_workers` on the workers the cluster still has;
+  5. returns the chief's (rank 0's) return value.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stratkit import status
+from stratkit.cluster import layout as cluster_layout
+from stratkit.cluster.layout import Task
+from stratkit.errors import ConfigError
+from stratkit.process import arguments
+from stratkit.process.payload import pickle_payload
+from stratkit.process.pump import prefixed
+from stratkit.ray import failures
+from stratkit.ray.failures import RayTrainingError, TaskState
+from stratkit.ray.task import FIX, LAUNCHER, TaskActor
+from stratkit.ray.versions import import_ray
+
+log = status.logger(__name__)
+
+#: How the runner's arguments are written in layout messages (it adds the chief itself).
+ARGUMENTS = cluster_layout.Spelling(workers="num_workers", ps="num_ps")
+#: Seconds to wait for the placement group when `timeout` is None (a run never waits forever for resources).
+PLACEMENT_WAIT = 300.0
+#: After a task fails, how long the other tasks' actors get to answer before their node counts as lost.
+PROBE_SECONDS = 5.0
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class RayRunReport:
+    """What happened in the last `run()` (`runner.last_run`): for logs, tests and post-mortems."""
+
+    run_id: str
+    tasks: list[str]
+    attempts: int = 0
+    seconds: float = 0.0
+    succeeded: bool = False
+    #: Per task label: the node address it ran on, its training process id and the actor's process id.
+    nodes: dict[str, str] = field(default_factory=dict)
+    pids: dict[str, int | None] = field(default_factory=dict)
+    actor_pids: dict[str, int] = field(default_factory=dict)
+
+
+class RayRunner:
+    """Run `train_fn` on a Ray cluster as a TensorFlow cluster; return the chief's result on the driver.
+
+    Args:
+        num_workers: training tasks. Without `num_ps` they form a
+            MultiWorkerMirroredStrategy cluster of `num_workers` "worker" tasks
+            (worker 0 is the chief). With `num_ps`, a parameter-server cluster of
+            one "chief" (the coordinator), `num_workers` "worker" and `num_ps` "ps" tasks.
+        num_ps: parameter-server tasks (0: synchronous multi-worker training).
+        use_gpu: give each training task GPUs from Ray (`gpus_per_worker`, default 1), as
+            CUDA_VISIBLE_DEVICES; False hides every GPU (CUDA_VISIBLE_DEVICES="").
+        gpus_per_worker: GPUs per training task (needs use_gpu=True).
+        cpus_per_worker: Ray CPUs reserved per task (default 1).
+        max_retries: re-run everything (fresh actors, a fresh placement group) this many times after a
+            failure; train_fn using `trainer.fit(backup_dir=...)` on shared storage resumes.
+        min_workers: elastic retries (no `num_ps`): a retry runs with as many workers as the live
+            nodes fit, from `min_workers` to `num_workers`; `Trainer` keeps the global batch.
+        timeout: seconds for the whole `run()`, retries included (and for placing each attempt's
+            placement group; at most 300 s without it); then every task is stopped.
+        placement_strategy: Ray's placement group strategy ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD").
+
+    `ray.init(...)` must have been called (to start a local Ray or join a cluster).
+    Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
+    (TF_CONFIG, `spec.source == "ray"`); train_fn runs in a fresh Python process
+    per task, so it must import what it uses.
+    """
+
+    def __init__(self, num_workers: int = 2, *, num_ps: int = 0, use_gpu: bool = False,
+                 gpus_per_worker: int | None = None, cpus_per_worker: float = 1, max_retries: int = 0,
+                 min_workers: int | None = None, timeout: float | None = None,
+                 placement_strategy: str = "PACK") -> None:
+        arguments.positive_int("num_workers", num_workers)
+        arguments.positive_int("num_ps", num_ps, minimum=0, example="1")
+        self.tasks = _plan(num_workers, num_ps)
+        cluster_layout.check_plan(self.tasks, launcher=LAUNCHER, fix=FIX, allow_preset=False)
+        arguments.check_gpus(use_gpu, gpus_per_worker)
+        arguments.positive_int("max_retries", max_retries, minimum=0, example="1")
+        self.timeout = arguments.check_timeout(timeout)
+        self.min_workers = arguments.check_min_workers(min_workers, num_workers, num_ps)
+        if isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
+            raise ConfigError(f"cpus_per_worker must be a positive number: got {cpus_per_worker!r}. "
+                              "Fix: e.g. cpus_per_worker=2")
+        if placement_strategy not in _STRATEGIES:
+            raise ConfigError(f"placement_strategy must be one of {', '.join(_STRATEGIES)}: got "
+                              f"{placement_strategy!r}. Fix: e.g. placement_strategy=\"SPREAD\"")
+        self.num_workers = num_workers
+        self.num_ps = num_ps
+        self.use_gpu = use_gpu
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.cpus_per_worker = cpus_per_worker
+        self.max_retries = max_retries
+        self.placement_strategy = placement_strategy
+        self.last_run: RayRunReport | None = None
+
+    # -- public ---------------------------------------------------------------------------------
+    def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `train_fn(*args, **kwargs)` on every task; return the chief's (rank 0's) return value.
+
+        Raises:
+            ConfigError: Ray is missing or too old, not initialised, the cluster lacks the GPUs, the
+                placement group cannot be placed in time, or the arguments cannot be pickled.
+            RayTrainingError: a task failed (after all retries), or `timeout` passed.
+        """
+        if not callable(train_fn):
+            raise ConfigError(f"train_fn must be a function: got {type(train_fn).__name__}. "
+                              "Fix: runner.run(train_fn, *args, **kwargs)")
+        ray = import_ray("RayRunner")
+        if not ray.is_initialized():
+            raise ConfigError("RayRunner.run needs a Ray connection: ray.is_initialized() is False. Fix: call "
+                              "ray.init(address=\"auto\") to join a running cluster, or ray.init(num_cpus=4, "
+                              "include_dashboard=False) for a local one, before run()")
+        self._check_gpus(ray)
+        payload = pickle_payload(train_fn, args, kwargs, where="the Ray actors")
+        report = RayRunReport(run_id=f"stratkit-{uuid.uuid4().hex[:12]}", tasks=[t.name for t in self.tasks])
+        self.last_run = report
+        started = time.monotonic()
+        deadline = None if self.timeout is None else started + self.timeout
+        tasks = self.tasks
+        try:
+            for attempt in range(1, self.max_retries + 2):
+                report.attempts = attempt
+                try:
+                    result = self._attempt(ray, tasks, payload, attempt, deadline, report)
+                except RayTrainingError as error:
+                    if error.timed_out or attempt > self.max_retries:
+                        raise
+                    log.info("attempt %d of %d failed (%s); re-running every task with fresh actors", attempt,
+                             self.max_retries + 1, str(error).splitlines()[0])
+                    if self.min_workers is not None:
+                        workers = self._workers_for_retry(ray)
+                        if workers is None:
+                            log.warning("the live Ray nodes fit fewer than min_workers=%d workers: not retried",
+                                        self.min_workers)
+                            raise
+                        if workers != sum(t.role == "worker" for t in tasks):
+                            log.warning("world size %d -> %d: the retry runs with the workers the live nodes fit "
+                                        "(min_workers=%d, num_workers=%d)", len(tasks), workers, self.min_workers,
+                                        self.num_workers)
+                        tasks = _plan(workers, 0)
+                    continue
+                report.succeeded = True
+                return result
+            raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            report.seconds = time.monotonic() - started
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _bundle(self, task: Task) -> dict[str, float]:
+        bundle: dict[str, float] = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker and task.role != "ps":
+            bundle["GPU"] = self.gpus_per_worker
+        return bundle
+
+    def _check_gpus(self, ray: Any) -> None:
+        if not self.gpus_per_worker:
+            return
+        need = sum(self._bundle(t).get("GPU", 0) for t in self.tasks)
+        have = ray.cluster_resources().get("GPU", 0)
+        if need > have:
+            raise ConfigError(f"use_gpu=True with gpus_per_worker={self.gpus_per_worker} needs {need:g} GPU(s) for "
+                              f"{len(self.tasks) - self.num_ps} training task(s), but the Ray cluster has {have:g} "
+                              "(ray.cluster_resources()). Fix: add GPU nodes, lower num_workers or gpus_per_worker, "
+                              "or pass use_gpu=False")
+
+    def _workers_for_retry(self, ray: Any) -> int | None:
+        """How many one-bundle workers the live nodes fit, clamped to num_workers; None below min_workers."""
+        fit = 0
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            resources = node.get("Resources", {})
+            count = int(resources.get("CPU", 0) // self.cpus_per_worker)
+            if self.gpus_per_worker:
+                count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
+            fit += count
+        workers = min(self.num_workers, fit)
+        return workers if self.min_workers is not None and workers >= self.min_workers else None
+
+    def _attempt(self, ray: Any, tasks: Sequence[Task], payload: bytes, attempt: int, deadline: float | None,
+                 report: RayRunReport) -> Any:
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        attempts = self.max_retries + 1
+        bundles = [self._bundle(t) for t in tasks]
+        group = placement_group(bundles, strategy=self.placement_strategy)
+        actors: list[Any] = []
+        try:
+            wait = PLACEMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _ = ray.wait([group.ready()], timeout=wait)
+            if not ready:
+                raise ConfigError(
+                    f"Ray could not place the {len(tasks)} task(s) of this run (one bundle each: "
+                    f"{_describe(bundles)}, placement_strategy={self.placement_strategy!r}) within {wait:g} s "
+                    f"(timeout={self.timeout}); the cluster has {_resources(ray.cluster_resources())}, free now "
+                    f"{_resources(ray.available_resources())}. Fix: lower num_workers, num_ps, cpus_per_worker or "
+                    "gpus_per_worker, add nodes, or use placement_strategy=\"PACK\"")
+            remote = ray.remote(TaskActor)
+            for rank, task in enumerate(tasks):
+                bundle = bundles[rank]
+                actors.append(remote.options(
+                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                ).remote(task.name))
+            where = self._get(ray, [a.where.remote() for a in actors], deadline, attempt)
+            addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+            hosts = [addresses[w["node_id"]] for w in where]
+            held = self._get(ray, [a.hold.remote(host) for a, host in zip(actors, hosts)], deadline, attempt)
+            cluster = cluster_layout.build_cluster(
+                tasks, [cluster_layout.format_address(h, p) for h, p in zip(hosts, held)])
+            chief = cluster_layout.primary_task(tasks)
+            states = [TaskState(task.name, rank, hosts[rank]) for rank, task in enumerate(tasks)]
+            for rank, task in enumerate(tasks):
+                report.nodes[task.name] = hosts[rank]
+                report.actor_pids[task.name] = where[rank]["pid"]
+            replies = self._get(ray, [a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
+                                                     t == chief, self._visible(t, w["gpus"]))
+                                      for a, t, w in zip(actors, tasks, where)], deadline, attempt)
+            for state, reply in zip(states, replies):
+                state.pid = reply.get("pid")
+                report.pids[state.label] = state.pid
+            refused = next((reply["error"] for reply in replies if "error" in reply), None)
+            if refused is not None:
+                raise ConfigError(refused)
+            log.info("%s: attempt %d, %d task(s) (%s) on %s", report.run_id, attempt, len(tasks),
+                     ", ".join(t.name for t in tasks), ", ".join(sorted(set(hosts))))
+            self._watch(ray, actors, states, attempt, attempts, deadline)
+            value = ray.get(actors[tasks.index(chief)].result.remote())
+            return None if value is None else pickle.loads(value)
+        finally:
+            for actor in actors:
+                try:
+                    ray.get(actor.stop.remote(), timeout=15)
+                except Exception as exc:  # noqa: BLE001 - a lost actor cannot stop; its process died with it
+                    log.debug("could not stop an actor: %s", exc)
+                ray.kill(actor)
+            remove_placement_group(group)
+
+    def _get(self, ray: Any, refs: list[Any], deadline: float | None, attempt: int) -> list[Any]:
+        """`ray.get(refs)` within the run's deadline: actors Ray cannot start in time end the run, never hang it."""
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(refs, timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
+        except GetTimeoutError:
+            raise RayTrainingError(f"the tasks' actors did not start within timeout={self.timeout}s (attempt "
+                                   f"{attempt} of {self.max_retries + 1}); every task was stopped. Fix: raise "
+                                   "timeout, or check that the Ray nodes can start workers (ray status)",
+                                   attempt=attempt, timed_out=True) from None
+
+    def _visible(self, task: Task, assigned: str | None) -> str:
+        """The training process's CUDA_VISIBLE_DEVICES: Ray's assignment for a GPU task, none otherwise."""
+        if not self.gpus_per_worker or task.role == "ps":
+            return ""
+        devices = [d for d in (assigned or "").split(",") if d.strip()]
+        if len(devices) != self.gpus_per_worker:
+            raise ConfigError(f"task {task.name} was given CUDA_VISIBLE_DEVICES={assigned!r} by Ray, not "
+                              f"{self.gpus_per_worker} GPU(s). Fix: do not set RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_"
+                              "DEVICES on the nodes, and start them with their GPUs (ray start --num-gpus)")
+        return ",".join(devices)
+
+    def _watch(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState], attempt: int, attempts: int,
+               deadline: float | None) -> None:
+        """Print every task's lines until all exited 0; raise on the first failure or at the deadline."""
+        from ray.exceptions import RayActorError
+
+        cursors = [0] * len(actors)
+        pending = {actors[i].poll.remote(0): i for i in range(len(actors))}
+        while pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise failures.timed_out(states, self.timeout, attempt, attempts)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+            for ref in ready:
+                i = pending.pop(ref)
+                state = states[i]
+                try:
+                    reply = ray.get(ref)
+                except RayActorError as exc:
+                    state.lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise failures.task_failed(state, states, attempt, attempts) from None
+                for text in reply["lines"]:
+                    print(prefixed(state.label, text), file=sys.stdout, flush=True)
+                state.lines = (state.lines + reply["lines"])[-50:]
+                cursors[i] = reply["cursor"]
+                if reply["exit"] is None:
+                    pending[actors[i].poll.remote(cursors[i])] = i
+                    continue
+                state.exit_code = reply["exit"]
+                state.exception = tuple(reply["exception"])
+                if state.exit_code != 0:
+                    lost = self._unanswered(ray, actors, states, pending.values())
+                    # A task whose peer's node died usually fails first (its collective breaks at once, while
+                    # Ray takes its health check to declare the node dead): the lost node is the root cause.
+                    raise failures.task_failed(lost[0] if lost else state, states, attempt, attempts)
+
+    def _unanswered(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState],
+                    running: Any) -> list[TaskState]:
+        """The running tasks whose actors do not answer within PROBE_SECONDS (their node is likely lost)."""
+        indices = sorted(set(running))
+        if not indices:
+            return []
+        probes = {actors[i].where.remote(): i for i in indices}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=PROBE_SECONDS)
+        lost = []
+        for ref, i in probes.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+                    states[i].lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            else:
+                states[i].lost = f"its actor did not answer within {PROBE_SECONDS:g} s"
+            lost.append(states[i])
+        return lost
+
+
+def _plan(num_workers: int, num_ps: int) -> list[Task]:
+    return cluster_layout.plan_tasks(num_workers, chief=num_ps > 0, ps=num_ps, spelling=ARGUMENTS)
+
+
+def _describe(bundles: Sequence[dict[str, float]]) -> str:
+    kinds: dict[str, int] = {}
+    for bundle in bundles:
+        key = _resources(bundle)
+        kinds[key] = kinds.get(key, 0) + 1
+    return ", ".join(f"{count} x {key}" for key, count in kinds.items())
+
+
+def _resources(resources: dict[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"

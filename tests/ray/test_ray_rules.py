@@ -1,0 +1,67 @@
+"""`RayRunner`'s refusals that need no Ray cluster: bad arguments, Ray missing or too old (fast, no Ray started)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from stratkit.errors import ConfigError
+from stratkit.ray import versions
+from stratkit.ray.runner import RayRunner
+
+
+def _train():
+    return 1
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"num_workers": 0}, "num_workers must be an integer >= 1: got 0"),
+    ({"num_workers": 2, "num_ps": -1}, "num_ps"),
+    ({"num_workers": 2, "gpus_per_worker": 1}, "gpus_per_worker=1 needs use_gpu=True"),
+    ({"num_workers": 2, "use_gpu": "yes"}, "use_gpu"),
+    ({"num_workers": 2, "timeout": 0}, "timeout"),
+    ({"num_workers": 2, "min_workers": 3}, "min_workers"),
+    ({"num_workers": 2, "num_ps": 1, "min_workers": 1}, "min_workers=1 with num_ps=1"),
+    ({"num_workers": 2, "cpus_per_worker": 0}, "cpus_per_worker"),
+    ({"num_workers": 2, "placement_strategy": "ANYWHERE"}, "placement_strategy"),
+    ({"num_workers": 2, "max_retries": -1}, "max_retries"),
+])
+def test_bad_arguments_are_config_errors_naming_the_value_and_fix(kwargs, names):
+    with pytest.raises(ConfigError, match="Fix|must be") as caught:
+        RayRunner(**kwargs)
+    assert names in str(caught.value)
+
+
+def test_no_ray_installed_is_a_config_error_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` does when Ray is not installed
+    with pytest.raises(ConfigError) as caught:
+        RayRunner(num_workers=2).run(_train)
+    assert 'pip install "stratkit[ray]"' in str(caught.value)
+    assert "RayRunner needs Ray" in str(caught.value)
+
+
+@pytest.mark.parametrize("version", ["2.40.0", "1.13.1", "2.51.2"])
+def test_a_ray_older_than_the_floor_is_a_config_error(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(__version__=version))
+    with pytest.raises(ConfigError) as caught:
+        RayRunner(num_workers=2).run(_train)
+    assert f"Ray {version} is installed" in str(caught.value) and "2.52.0" in str(caught.value)
+    assert 'pip install "stratkit[ray]"' in str(caught.value)
+
+
+def test_a_ray_newer_than_tested_runs_with_one_warning(caplog):
+    newest = max(versions.TESTED_RAY_VERSIONS, key=versions.parse)
+    major, minor, _ = versions.parse(newest)
+    newer = f"{major}.{minor + 1}.0"
+    with caplog.at_level("WARNING"):
+        versions.check_version(newer, "RayRunner")
+        versions.check_version(newer, "RayRunner")
+    assert sum(newer in r.getMessage() for r in caplog.records) == 1
+    versions.check_version(newest, "RayRunner")  # a tested release: no error
+
+
+def test_train_fn_must_be_callable():
+    with pytest.raises(ConfigError, match="train_fn must be a function"):
+        RayRunner(num_workers=2).run("train.py")
