@@ -24,6 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = rest[:at] + group + rest[at:]
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the kept session after the last test of the modules sharing it (its executors hold memory)."""
+    sharers = set(SHARING) | set(SHARING.values())
+    if item.path.name in sharers and (nextitem is None or nextitem.path.name not in sharers):
+        stop_shared_session()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_the_shared_spark_session():
     yield
