@@ -10,6 +10,7 @@ process logged a refusal (even one a library swallowed).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import hosts
+from procs import REPO_ROOT, describe, run_process
 
 GUARD_DIR = Path(__file__).resolve().parent / "netguard"
 
@@ -89,3 +91,17 @@ def make_test_hosts():
 def two_hosts(make_test_hosts) -> list[hosts.Host]:
     """Test hosts h1 (198.18.0.1) and h2 (198.18.0.2), each resolving the other's name."""
     return make_test_hosts(2)
+
+
+@pytest.fixture(scope="session")
+def one_process_uneven() -> dict:
+    """What one process trains for parity case `trainer_uneven` (tests/strategy/parity_cases.py): its RESULT.
+
+    Several modules compare a multi-node run (launch --nnodes, Slurm, Spark, test hosts) with this same
+    one-process reference; it is deterministic, so the session trains it once instead of once per test.
+    """
+    one = run_process(str(REPO_ROOT / "tests" / "strategy" / "parity_cases.py"), args=["one", "trainer_uneven"],
+                      timeout=240)
+    assert one.ok, describe([one])
+    line = next(line for line in one.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])["trainer_uneven"]

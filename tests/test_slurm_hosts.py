@@ -17,7 +17,7 @@ import pytest
 
 import hosts
 import slurm_cluster
-from procs import REPO_ROOT, child_env, run_process
+from procs import REPO_ROOT, child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts]
 
@@ -48,16 +48,13 @@ def _results(out: str) -> list[dict]:
     return [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
 
 
-def test_srun_trains_like_one_process_and_quietly(slurm):
+def test_srun_trains_like_one_process_and_quietly(slurm, one_process_uneven):
     step = slurm.run([*SRUN, sys.executable, str(PARITY), "mwms", "trainer_uneven"], timeout=180, env=_env())
     assert step.returncode == 0, step.stdout[-6000:] + slurm.logs()
     workers = _results(step.stdout)
     assert len(workers) == 2, step.stdout[-6000:]
-    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=180)
-    assert one.ok, one.stderr[-3000:]
-    reference = _results(one.stdout)[0]
     for worker in workers:
-        got, want = worker["trainer_uneven"]["w"], reference["trainer_uneven"]["w"]
+        got, want = worker["trainer_uneven"]["w"], one_process_uneven["w"]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)
     # issue 24 item 4: a user's srun output at the default log level has no TensorFlow start-up noise
     noisy = [line for line in step.stdout.splitlines() if any(n in line for n in NOISE)]

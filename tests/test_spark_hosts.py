@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 import hosts
-from procs import REPO_ROOT, child_env, describe, run_process
+from procs import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.spark]
 
 PORT = 7077
-PARITY = REPO_ROOT / "tests" / "strategy" / "parity_cases.py"
 
 #: The drivers' Spark session (this module's and tests/test_spark_elastic_hosts.py's), one text so both run the
 #: same cluster set-up: the script defines MASTER, ADDRESS and APP; it waits for both executors to register.
@@ -249,11 +248,8 @@ def _nothing_left(cluster: Cluster, host: hosts.Host, timeout: float = 20) -> li
     return left
 
 
-def test_two_hosts_train_an_uneven_batch_as_one_process_and_stream_their_logs(cluster):
-    reference = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=180)
-    assert reference.ok, describe([reference])
-    want = next(json.loads(line[7:]) for line in reference.stdout.splitlines()
-                if line.startswith("RESULT "))["trainer_uneven"]
+def test_two_hosts_train_an_uneven_batch_as_one_process_and_stream_their_logs(cluster, one_process_uneven):
+    want = one_process_uneven
     driver = cluster.driver("parity")
     out = driver.finish(timeout=150)
     log = driver.output

@@ -209,10 +209,8 @@ def _assert_gone(pids: list[int], within: float = 10.0) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_two_nodes_train_as_one_process():
-    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=240)
-    assert one.ok, one.stderr[-3000:]
-    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])["trainer_uneven"]
+def test_two_nodes_train_as_one_process(one_process_uneven):
+    want = one_process_uneven
     nodes = _two_nodes([sys.executable, str(PARITY), "mwms", "trainer_uneven"])
     for code, stdout, stderr in nodes:
         assert code == 0, stderr[-4000:]
@@ -383,12 +381,10 @@ def _left(*test_hosts) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.hosts
 @pytest.mark.multiworker
-def test_two_hosts_train_as_one_cluster_with_the_second_starting_late():
+def test_two_hosts_train_as_one_cluster_with_the_second_starting_late(one_process_uneven):
     import hosts
 
-    one = run_process(str(PARITY), args=["one", "trainer_uneven"], timeout=240)
-    assert one.ok, one.stderr[-3000:]
-    want = json.loads(one.stdout.split("RESULT ", 1)[1].splitlines()[0])["trainer_uneven"]
+    want = one_process_uneven
     script = [sys.executable, str(PARITY), "mwms", "trainer_uneven"]
     port = 29400
     with hosts.make_hosts(2) as (h1, h2):

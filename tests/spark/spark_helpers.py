@@ -32,6 +32,7 @@ BASE_CONFS: dict[str, str] = {
 def start_session(master: str, confs: Mapping[str, str] = ()) -> Iterator:
     """Yield a SparkSession for `master`; stop it (and restore the environment) afterwards."""
     pytest.importorskip("pyspark")
+    stop_shared_session()  # one SparkContext per driver: a kept session must go before another starts
     saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON")}
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["PYSPARK_PYTHON"] = sys.executable  # pyspark reads it when the context starts
@@ -51,6 +52,30 @@ def start_session(master: str, confs: Mapping[str, str] = ()) -> Iterator:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_SHARED: dict = {}
+
+
+def shared_session(master: str, confs: Mapping[str, str] = ()):
+    """The SparkSession for `master` and `confs`, kept after its module for the next module asking for the same
+    ones (tests/spark/conftest.py puts those modules next to each other), so their executors and Python workers
+    start once (measured: 25-50 s a session on a loaded 2-core machine). Any other session stops it first;
+    tests/spark/conftest.py stops it at the end of the test session."""
+    key = (master, tuple(sorted(dict(confs).items())))
+    if _SHARED.get("key") != key:
+        stop_shared_session()
+        sessions = start_session(master, confs)
+        _SHARED.update(key=key, sessions=sessions, session=next(sessions))
+    return _SHARED["session"]
+
+
+def stop_shared_session() -> None:
+    """Stop the kept session, if any (its start_session's cleanup: spark.stop() and the environment back)."""
+    sessions = _SHARED.get("sessions")
+    _SHARED.clear()
+    if sessions is not None:
+        sessions.close()
 
 
 def processes_of_run(run_id: str) -> list[int]:

@@ -17,7 +17,7 @@ import time
 
 import cloudpickle
 import pytest
-from spark_helpers import processes_of_run, start_session
+from spark_helpers import processes_of_run, shared_session
 from test_logserver import PeakRss, send_long_line, wait_for
 
 from stratkit.spark import SparkRunner, SparkTrainingError
@@ -40,11 +40,12 @@ BAD_HELLOS = [
 
 @pytest.fixture(scope="module")
 def spark():
-    for session in start_session("local-cluster[2,1,1024]", {"spark.stratkit.stage": "arrow"}):
-        # The first run of a session starts the executors' Python workers (measured: 50 s on a loaded
-        # 2-core machine, 6 s after): pay that here, so the tests time what they test.
-        SparkRunner(num_workers=2).run(print_steps, 1, 0)
-        yield session
+    # The same session as tests/spark/test_spark_runner.py (shared_session: the executors start once).
+    session = shared_session("local-cluster[2,1,1024]", {"spark.stratkit.stage": "arrow"})
+    # The first run of a session starts the executors' Python workers (measured: 50 s on a loaded
+    # 2-core machine, 6 s after): pay that here, so the tests time what they test.
+    SparkRunner(num_workers=2).run(print_steps, 1, 0)
+    return session
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import time
 
 import cloudpickle
 import pytest
-from spark_helpers import processes_of_run
+from spark_helpers import processes_of_run, stop_shared_session
 
 from stratkit.spark import MirroredStrategyRunner, SparkRunner, SparkTrainingError
 
@@ -40,6 +40,7 @@ def spark():
     from pyspark.sql import SparkSession
 
     # Startup confs (BASE_CONFS) cannot be set from a Connect client; SPARK_LOCAL_IP keeps it on loopback.
+    stop_shared_session()  # its local server would find a classic session's SparkContext
     session = SparkSession.builder.remote("local[2]").getOrCreate()
     try:
         yield session

@@ -1,7 +1,7 @@
 """SparkRunner on a real 2-executor Spark (local-cluster[2,1,1024]): training, logs, failures, retries, data.
 
-One SparkSession for the module. The training functions are defined in this
-module and shipped by value (as from a notebook or a driver script), so the
+One SparkSession for the module, shared with tests/spark/test_logserver_spark.py (same confs). The training
+functions are defined in this module and shipped by value (as from a notebook or a driver script), so the
 executors need no copy of the tests.
 """
 
@@ -16,7 +16,7 @@ import time
 
 import cloudpickle
 import pytest
-from spark_helpers import processes_of_run, start_session
+from spark_helpers import processes_of_run, shared_session
 
 from stratkit.errors import ConfigError
 from stratkit.process.pump import TAIL_LINES
@@ -31,7 +31,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def spark():
     # The DataFrame barrier stage (mapInArrow), which pyspark offers only with pandas and pyarrow installed;
     # tests/spark/test_spark_gpu.py runs the RDD one.
-    yield from start_session("local-cluster[2,1,1024]", {"spark.stratkit.stage": "arrow"})
+    # The same session as tests/spark/test_logserver_spark.py (shared_session: the executors start once).
+    return shared_session("local-cluster[2,1,1024]", {"spark.stratkit.stage": "arrow"})
 
 
 def _digits():

@@ -259,16 +259,8 @@ def test_the_next_run_is_forked_from_the_warm_standby_and_the_conf_turns_it_off(
         spark.conf.unset("spark.stratkit.standby")
 
 
-def test_an_uneven_last_batch_on_two_spark_workers_trains_as_one_process(spark):
-    from pathlib import Path
-
-    from procs import describe, run_process
-
-    one = run_process(str(Path(__file__).parents[1] / "strategy" / "parity_cases.py"),
-                      args=["one", "trainer_uneven"], timeout=180)
-    assert one.ok, describe([one])
-    expected = next(json.loads(line[7:]) for line in one.stdout.splitlines() if line.startswith("RESULT "))
-    expected = expected["trainer_uneven"]
+def test_an_uneven_last_batch_on_two_spark_workers_trains_as_one_process(spark, one_process_uneven):
+    expected = one_process_uneven
     got = SparkRunner(num_workers=2).run(uneven_training)
     assert got["replicas"] == 2
     assert got["w"] == pytest.approx(expected["w"], abs=1e-6)

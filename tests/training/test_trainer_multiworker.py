@@ -83,21 +83,27 @@ def test_sigkilled_worker_resumes_from_backup_at_the_epoch_reached(tmp_path):
     assert not backup.exists() or not any(backup.iterdir())  # the chief cleaned up after success
 
 
-def _single_process_weights(tmp_path, batch: int, epochs: int) -> list[np.ndarray]:
-    single = run_process(SCRIPT, env={"MODE": "equivalence", "OUT": str(tmp_path / "single"),
-                                      "EPOCHS": str(epochs), "BATCH": str(batch)})
+B, EPOCHS = 16, 3   # 256 examples: 8 steps per epoch of global batch 32 -> 24 SGD steps
+
+
+@pytest.fixture(scope="module")
+def single_process_weights(tmp_path_factory) -> list[np.ndarray]:
+    """One process at the global batch 2 * B: the reference of the 2-worker and the 2-CPU Mirrored runs (one
+    deterministic run, trained once for both)."""
+    out = tmp_path_factory.mktemp("single")
+    single = run_process(SCRIPT, env={"MODE": "equivalence", "OUT": str(out), "EPOCHS": str(EPOCHS),
+                                      "BATCH": str(2 * B)})
     assert single.ok, describe([single])
-    return [np.array(w) for w in _reports(tmp_path / "single", ranks=(0,))[0]["weights"]]
+    return [np.array(w) for w in _reports(out, ranks=(0,))[0]["weights"]]
 
 
-def test_two_worker_sgd_equals_single_process_with_double_batch(tmp_path):
-    b, epochs = 16, 3   # 256 examples: 8 steps per epoch of global batch 32 -> 24 SGD steps
-    results = _two_workers({"MODE": "equivalence", "OUT": str(tmp_path / "mw"), "EPOCHS": str(epochs),
-                            "BATCH": str(b)})
+def test_two_worker_sgd_equals_single_process_with_double_batch(tmp_path, single_process_weights):
+    results = _two_workers({"MODE": "equivalence", "OUT": str(tmp_path / "mw"), "EPOCHS": str(EPOCHS),
+                            "BATCH": str(B)})
     assert all(r.ok for r in results), describe(results)
     chief, worker = _reports(tmp_path / "mw")
     assert chief["num_replicas"] == 2
-    reference = _single_process_weights(tmp_path, 2 * b, epochs)
+    reference = single_process_weights
     for got in (chief, worker):
         for w, ref in zip(got["weights"], reference):
             np.testing.assert_allclose(np.array(w), ref, rtol=1e-4, atol=1e-5)
@@ -109,16 +115,14 @@ def test_two_worker_sgd_equals_single_process_with_double_batch(tmp_path):
     assert max(np.abs(m - r).max() for m, r in zip(moved, reference)) > 1e-3
 
 
-def test_mirrored_over_two_logical_cpus_equals_single_device(tmp_path):
-    b, epochs = 16, 3
+def test_mirrored_over_two_logical_cpus_equals_single_device(tmp_path, single_process_weights):
     mirrored = run_process(SCRIPT, env={"MODE": "equivalence", "OUT": str(tmp_path / "mirrored"),
-                                        "EPOCHS": str(epochs), "BATCH": str(b), "STRATEGY": "mirrored",
+                                        "EPOCHS": str(EPOCHS), "BATCH": str(B), "STRATEGY": "mirrored",
                                         "LOGICAL_CPUS": "2"})
     assert mirrored.ok, describe([mirrored])
     report = _reports(tmp_path / "mirrored", ranks=(0,))[0]
     assert report["num_replicas"] == 2
-    reference = _single_process_weights(tmp_path, 2 * b, epochs)
-    for w, ref in zip(report["weights"], reference):
+    for w, ref in zip(report["weights"], single_process_weights):
         np.testing.assert_allclose(np.array(w), ref, rtol=1e-4, atol=1e-5)
 
 
