@@ -1,4 +1,4 @@
-"""`RayRunner`'s refusals that need no Ray cluster: bad arguments, Ray missing or too old (fast, no Ray started)."""
+"""`RayRunner`'s refusals that need no Ray cluster: bad arguments, Ray missing, too old or untested (fast, no Ray started)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,42 @@ def test_a_ray_older_than_the_floor_is_a_config_error(monkeypatch, version):
     assert 'pip install "stratkit[ray]"' in str(caught.value)
 
 
-def test_a_ray_newer_than_tested_runs_with_one_warning(caplog):
-    newest = max(versions.TESTED_RAY_VERSIONS, key=versions.parse)
-    major, minor, _ = versions.parse(newest)
-    newer = f"{major}.{minor + 1}.0"
+def _newer_than_tested() -> str:
+    major, minor, _ = versions.parse(max(versions.TESTED_RAY_VERSIONS, key=versions.parse))
+    return f"{major}.{minor + 1}.0"
+
+
+def test_a_ray_newer_than_tested_is_a_config_error_naming_the_range_and_the_fixes(monkeypatch):
+    monkeypatch.delenv("STRATKIT_RAY_UNTESTED", raising=False)
+    newer = _newer_than_tested()
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(__version__=newer))
+    with pytest.raises(ConfigError) as caught:
+        RayRunner(num_workers=2).run(_train)
+    message = str(caught.value)
+    assert f"Ray {newer} is installed" in message
+    assert "Ray >= 2.52.0, <= 2.60.x (tested: 2.52.1, 2.60.0)" in message
+    assert 'pip install "stratkit[ray]"' in message and "STRATKIT_RAY_UNTESTED=1" in message
+
+
+def test_untested_ray_runs_with_one_warning_when_opted_in(monkeypatch, caplog):
+    monkeypatch.setenv(versions.ENV_VAR, "1")
+    newer = _newer_than_tested()
     with caplog.at_level("WARNING"):
         versions.check_version(newer, "RayRunner")
         versions.check_version(newer, "RayRunner")
     assert sum(newer in r.getMessage() for r in caplog.records) == 1
-    versions.check_version(newest, "RayRunner")  # a tested release: no error
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.52.1", "2.55.3", "2.60.0", "2.60.2"])
+def test_releases_from_the_floor_to_the_newest_tested_minor_need_no_opt_in(monkeypatch, version):
+    monkeypatch.delenv(versions.ENV_VAR, raising=False)
+    versions.check_version(version, "RayRunner")
+
+
+def test_a_bad_opt_in_value_is_a_config_error(monkeypatch):
+    monkeypatch.setenv(versions.ENV_VAR, "yes")
+    with pytest.raises(ConfigError, match="STRATKIT_RAY_UNTESTED='yes' is not understood"):
+        versions.check_version(_newer_than_tested(), "RayReportCallback")
 
 
 def test_train_fn_must_be_callable():
