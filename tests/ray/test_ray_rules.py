@@ -9,7 +9,7 @@ import pytest
 
 from stratkit.errors import ConfigError
 from stratkit.ray import versions
-from stratkit.ray.runner import RayRunner
+from stratkit.ray.runner import RayRunner, _plan, task_devices
 
 
 def _train():
@@ -92,3 +92,23 @@ def test_a_bad_opt_in_value_is_a_config_error(monkeypatch):
 def test_train_fn_must_be_callable():
     with pytest.raises(ConfigError, match="train_fn must be a function"):
         RayRunner(num_workers=2).run("train.py")
+
+
+def test_ray_tasks_reporting_different_gpu_counts_are_refused_naming_every_task():
+    # What the actors' where() reports: the CUDA_VISIBLE_DEVICES Ray set for each (one per task, rank order).
+    workers = _plan(3, 0)
+    with pytest.raises(ConfigError) as caught:
+        task_devices(workers, ["0", "1,2", "3"], gpus_per_worker=1)
+    message = str(caught.value)
+    assert "the Ray tasks see different numbers of GPUs (worker:0: 1 GPU(s), worker:1: 2 GPU(s), worker:2: 1 GPU(s))" \
+        in message and "workers with different GPU counts" in message and "Fix:" in message
+    with pytest.raises(ConfigError, match=r"worker:1: 0 GPU\(s\).*mixing GPU and CPU-only workers"):
+        task_devices(_plan(2, 0), ["0", None], gpus_per_worker=1)  # Ray set no CUDA_VISIBLE_DEVICES on worker 1
+
+
+def test_ray_gpu_assignment_per_task_ps_tasks_get_none_and_no_gpu_hides_them():
+    tasks = _plan(2, 1)  # chief, worker:0, worker:1, ps:0
+    assert task_devices(tasks, ["0,1", "2,3", "4,5", None], gpus_per_worker=2) == ["0,1", "2,3", "4,5", ""]
+    assert task_devices(_plan(2, 0), [None, "0"], gpus_per_worker=0) == ["", ""]  # use_gpu=False: hidden
+    with pytest.raises(ConfigError, match="given CUDA_VISIBLE_DEVICES='0,1' by Ray, not 1 GPU"):
+        task_devices(_plan(2, 0), ["0,1", "2,3"], gpus_per_worker=1)  # the same count, but not the one asked for
