@@ -71,6 +71,28 @@ def translate(indices: Sequence[int | str], preset: str | None, *, what: str, fi
     return out
 
 
+def check_counts(counts: Sequence[tuple[str, int]], *, tasks: str, fix: str) -> None:
+    """Refuse a cluster whose training tasks see different numbers of GPUs, naming every task's count.
+
+    The one rule for the clusters a runner forms from per-task reports (Spark's barrier tasks, Ray's
+    actors; the launcher's rendezvous words it per node): MultiWorkerMirrored needs as many devices on
+    every worker, and NCCL refuses a mix of GPU and CPU-only workers deep inside TensorFlow
+    (tensorflow/tensorflow#60847), so the cluster is refused before TensorFlow starts.
+
+    Args:
+        counts: (task label, GPUs its training process sees) for every training task (not ps tasks).
+        tasks: what the tasks are, for the message ("Spark tasks", "Ray tasks").
+        fix: what to change, for the message.
+    """
+    if len({count for _, count in counts}) <= 1:
+        return
+    shown = ", ".join(f"{label}: {count} GPU(s)" for label, count in counts)
+    mixed = any(count == 0 for _, count in counts)
+    raise ConfigError(f"the {tasks} see different numbers of GPUs ({shown}); "
+                      + ("a cluster mixing GPU and CPU-only workers" if mixed else "workers with different GPU counts")
+                      + f" cannot train in one MultiWorkerMirrored cluster. Fix: {fix}")
+
+
 def split_evenly(total: int, parts: int, index: int) -> int:
     """How many of `total` items part `index` of `parts` gets: sizes differ by at most one, larger first."""
     return total // parts + (1 if index < total % parts else 0)

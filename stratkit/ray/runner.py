@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratkit import status
+from stratkit.cluster import gpus
 from stratkit.cluster import layout as cluster_layout
+from stratkit.cluster.devices import count_gpus
 from stratkit.cluster.layout import Task
 from stratkit.errors import ConfigError
 from stratkit.process import arguments
@@ -240,9 +242,10 @@ class RayRunner:
             for rank, task in enumerate(tasks):
                 report.nodes[task.name] = hosts[rank]
                 report.actor_pids[task.name] = where[rank]["pid"]
+            visible = task_devices(tasks, [w["gpus"] for w in where], self.gpus_per_worker)
             replies = self._get(ray, [a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
-                                                     t == chief, self._visible(t, w["gpus"]))
-                                      for a, t, w in zip(actors, tasks, where)], deadline, attempt)
+                                                     t == chief, devices)
+                                      for a, t, devices in zip(actors, tasks, visible)], deadline, attempt)
             for state, reply in zip(states, replies):
                 state.pid = reply.get("pid")
                 report.pids[state.label] = state.pid
@@ -274,17 +277,6 @@ class RayRunner:
                                    f"{attempt} of {self.max_retries + 1}); every task was stopped. Fix: raise "
                                    "timeout, or check that the Ray nodes can start workers (ray status)",
                                    attempt=attempt, timed_out=True) from None
-
-    def _visible(self, task: Task, assigned: str | None) -> str:
-        """The training process's CUDA_VISIBLE_DEVICES: Ray's assignment for a GPU task, none otherwise."""
-        if not self.gpus_per_worker or task.role == "ps":
-            return ""
-        devices = [d for d in (assigned or "").split(",") if d.strip()]
-        if len(devices) != self.gpus_per_worker:
-            raise ConfigError(f"task {task.name} was given CUDA_VISIBLE_DEVICES={assigned!r} by Ray, not "
-                              f"{self.gpus_per_worker} GPU(s). Fix: do not set RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_"
-                              "DEVICES on the nodes, and start them with their GPUs (ray start --num-gpus)")
-        return ",".join(devices)
 
     def _watch(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState], attempt: int, attempts: int,
                deadline: float | None) -> None:
@@ -340,6 +332,35 @@ class RayRunner:
                 states[i].lost = f"its actor did not answer within {PROBE_SECONDS:g} s"
             lost.append(states[i])
         return lost
+
+
+def task_devices(tasks: Sequence[Task], assigned: Sequence[str | None], gpus_per_worker: int) -> list[str]:
+    """Each task's training-process CUDA_VISIBLE_DEVICES, from the GPUs Ray assigned its actor; checked.
+
+    A training task gets Ray's assignment (the actor's CUDA_VISIBLE_DEVICES); a ps task, and every task
+    without `use_gpu`, gets none (""). Before any training process starts, the counts go through the
+    rule every runner shares (`cluster.gpus.check_counts`: a mix of GPU and CPU-only workers, or
+    different counts, is refused naming every task), then each must be the `gpus_per_worker` asked for.
+
+    Args:
+        tasks: the attempt's tasks, in rank order.
+        assigned: per task, the CUDA_VISIBLE_DEVICES its actor reported (None: Ray set none).
+        gpus_per_worker: GPUs asked per training task (0: use_gpu=False).
+    """
+    visible = ["" if not gpus_per_worker or task.role == "ps" else
+               ",".join(d.strip() for d in (ids or "").split(",") if d.strip())
+               for task, ids in zip(tasks, assigned)]
+    training = [(task.name, count_gpus({"CUDA_VISIBLE_DEVICES": devices}))
+                for task, devices in zip(tasks, visible) if task.role != "ps"]
+    gpus.check_counts(training, tasks="Ray tasks",
+                      fix="start every Ray node with its GPUs (ray start --num-gpus), do not set "
+                      "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES on the nodes, or pass use_gpu=False")
+    for (label, count), ids in zip(training, [a for t, a in zip(tasks, assigned) if t.role != "ps"]):
+        if gpus_per_worker and count != gpus_per_worker:
+            raise ConfigError(f"task {label} was given CUDA_VISIBLE_DEVICES={ids!r} by Ray, not "
+                              f"{gpus_per_worker} GPU(s). Fix: do not set RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_"
+                              "DEVICES on the nodes, and start them with their GPUs (ray start --num-gpus)")
+    return visible
 
 
 def _plan(num_workers: int, num_ps: int) -> list[Task]:

@@ -174,17 +174,9 @@ def gpu_count(visible: str) -> int:
 def check_gpu_counts(roles: Sequence[TaskRole], counts: Sequence[int]) -> None:
     """Refuse a cluster whose training tasks see different numbers of GPUs (every task runs this on the same list).
 
-    Each barrier task reports its count with its address; MultiWorkerMirrored needs as many devices on every
-    worker, and NCCL refuses a mix of GPU and CPU-only workers deep inside TensorFlow
-    (tensorflow/tensorflow#60847), so the cluster is refused here, naming the tasks, before TensorFlow starts.
+    Each barrier task reports its count with its address; the rule is `cluster.gpus.check_counts`, shared
+    with the Ray runner.
     """
-    training = [(r.label, counts[r.rank]) for r in roles if r.task_type != "ps"]
-    if len({count for _, count in training}) <= 1:
-        return
-    shown = ", ".join(f"{label}: {count} GPU(s)" for label, count in training)
-    mixed = any(count == 0 for _, count in training)
-    raise ConfigError(f"the Spark tasks see different numbers of GPUs ({shown}); "
-                      + ("a cluster mixing GPU and CPU-only workers" if mixed else "workers with different GPU counts")
-                      + " cannot train in one MultiWorkerMirrored cluster. Fix: give every executor the same GPU "
-                      "resources (spark.executor.resource.gpu.amount and spark.task.resource.gpu.amount), set "
-                      "gpus_per_worker, or pass use_gpu=False to train on CPU")
+    gpus.check_counts([(r.label, counts[r.rank]) for r in roles if r.task_type != "ps"], tasks="Spark tasks",
+                      fix="give every executor the same GPU resources (spark.executor.resource.gpu.amount and "
+                      "spark.task.resource.gpu.amount), set gpus_per_worker, or pass use_gpu=False to train on CPU")

@@ -68,12 +68,18 @@ def children_of(pid: int) -> list[int]:
 
 
 @contextmanager
-def local_ray(num_cpus: int = 4) -> Iterator[object]:
+def local_ray(num_cpus: int = 4, num_gpus: int = 0) -> Iterator[object]:
+    """A local Ray; with `num_gpus`, that many logical GPUs (none exist here): Ray checks them against
+    CUDA_VISIBLE_DEVICES, set to "0,...", and assigns their ids to actors that ask for GPUs as their
+    CUDA_VISIBLE_DEVICES, which is what the runner reads (TensorFlow sees no GPU). A task or actor that
+    asks for none sees the node's "0,..." (Ray leaves it): only for tests that start no TensorFlow."""
     global _imported
     assert _imported or "ray" not in sys.modules, \
         "Ray was imported before its environment was set (it reads RAY_AUTH_MODE then)"
     saved = {key: os.environ.get(key) for key in (*RAY_ENV, "RAY_AUTH_TOKEN", "PYTHONPATH")}
     os.environ.update(RAY_ENV)
+    if num_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(num_gpus)))
     os.environ["RAY_AUTH_TOKEN"] = TOKEN
     # Ray's workers must import this checkout's stratkit (and the network guard, first on PYTHONPATH).
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -83,7 +89,7 @@ def local_ray(num_cpus: int = 4) -> Iterator[object]:
 
     _imported = True
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=True, configure_logging=False)
         yield ray
     finally:

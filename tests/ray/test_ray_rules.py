@@ -1,4 +1,4 @@
-"""`RayRunner`'s refusals that need no Ray cluster: bad arguments, Ray missing or too old (fast, no Ray started)."""
+"""`RayRunner`'s refusals that need no Ray cluster: bad arguments, Ray missing, too old or untested (fast, no Ray started)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from stratkit.errors import ConfigError
 from stratkit.ray import versions
-from stratkit.ray.runner import RayRunner
+from stratkit.ray.runner import RayRunner, _plan, task_devices
 
 
 def _train():
@@ -51,17 +51,64 @@ def test_a_ray_older_than_the_floor_is_a_config_error(monkeypatch, version):
     assert 'pip install "stratkit[ray]"' in str(caught.value)
 
 
-def test_a_ray_newer_than_tested_runs_with_one_warning(caplog):
-    newest = max(versions.TESTED_RAY_VERSIONS, key=versions.parse)
-    major, minor, _ = versions.parse(newest)
-    newer = f"{major}.{minor + 1}.0"
+def _newer_than_tested() -> str:
+    major, minor, _ = versions.parse(max(versions.TESTED_RAY_VERSIONS, key=versions.parse))
+    return f"{major}.{minor + 1}.0"
+
+
+def test_a_ray_newer_than_tested_is_a_config_error_naming_the_range_and_the_fixes(monkeypatch):
+    monkeypatch.delenv("STRATKIT_RAY_UNTESTED", raising=False)
+    newer = _newer_than_tested()
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(__version__=newer))
+    with pytest.raises(ConfigError) as caught:
+        RayRunner(num_workers=2).run(_train)
+    message = str(caught.value)
+    assert f"Ray {newer} is installed" in message
+    assert "Ray >= 2.52.0, <= 2.60.x (tested: 2.52.1, 2.60.0)" in message
+    assert 'pip install "stratkit[ray]"' in message and "STRATKIT_RAY_UNTESTED=1" in message
+
+
+def test_untested_ray_runs_with_one_warning_when_opted_in(monkeypatch, caplog):
+    monkeypatch.setenv(versions.ENV_VAR, "1")
+    newer = _newer_than_tested()
     with caplog.at_level("WARNING"):
         versions.check_version(newer, "RayRunner")
         versions.check_version(newer, "RayRunner")
     assert sum(newer in r.getMessage() for r in caplog.records) == 1
-    versions.check_version(newest, "RayRunner")  # a tested release: no error
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.52.1", "2.55.3", "2.60.0", "2.60.2"])
+def test_releases_from_the_floor_to_the_newest_tested_minor_need_no_opt_in(monkeypatch, version):
+    monkeypatch.delenv(versions.ENV_VAR, raising=False)
+    versions.check_version(version, "RayRunner")
+
+
+def test_a_bad_opt_in_value_is_a_config_error(monkeypatch):
+    monkeypatch.setenv(versions.ENV_VAR, "yes")
+    with pytest.raises(ConfigError, match="STRATKIT_RAY_UNTESTED='yes' is not understood"):
+        versions.check_version(_newer_than_tested(), "RayReportCallback")
 
 
 def test_train_fn_must_be_callable():
     with pytest.raises(ConfigError, match="train_fn must be a function"):
         RayRunner(num_workers=2).run("train.py")
+
+
+def test_ray_tasks_reporting_different_gpu_counts_are_refused_naming_every_task():
+    # What the actors' where() reports: the CUDA_VISIBLE_DEVICES Ray set for each (one per task, rank order).
+    workers = _plan(3, 0)
+    with pytest.raises(ConfigError) as caught:
+        task_devices(workers, ["0", "1,2", "3"], gpus_per_worker=1)
+    message = str(caught.value)
+    assert "the Ray tasks see different numbers of GPUs (worker:0: 1 GPU(s), worker:1: 2 GPU(s), worker:2: 1 GPU(s))" \
+        in message and "workers with different GPU counts" in message and "Fix:" in message
+    with pytest.raises(ConfigError, match=r"worker:1: 0 GPU\(s\).*mixing GPU and CPU-only workers"):
+        task_devices(_plan(2, 0), ["0", None], gpus_per_worker=1)  # Ray set no CUDA_VISIBLE_DEVICES on worker 1
+
+
+def test_ray_gpu_assignment_per_task_ps_tasks_get_none_and_no_gpu_hides_them():
+    tasks = _plan(2, 1)  # chief, worker:0, worker:1, ps:0
+    assert task_devices(tasks, ["0,1", "2,3", "4,5", None], gpus_per_worker=2) == ["0,1", "2,3", "4,5", ""]
+    assert task_devices(_plan(2, 0), [None, "0"], gpus_per_worker=0) == ["", ""]  # use_gpu=False: hidden
+    with pytest.raises(ConfigError, match="given CUDA_VISIBLE_DEVICES='0,1' by Ray, not 1 GPU"):
+        task_devices(_plan(2, 0), ["0,1", "2,3"], gpus_per_worker=1)  # the same count, but not the one asked for

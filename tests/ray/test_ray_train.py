@@ -6,6 +6,8 @@ worker's TF_CONFIG itself (and sets TF_USE_LEGACY_KERAS=1); the tests check:
 * the plain Keras 3 loop a Ray user writes (`tf.distribute.MultiWorkerMirroredStrategy()`
   + `model.fit`) fails in Ray Train with Keras's "Attempt to convert a value (PerReplica..."
   (ray-project/ray#47464);
+* Ray Data: a dataset Ray Train splits, read through `stratkit.ray.dataset_shard_to_tf`, trains as one
+  process on the same global batches (<= 1e-5), and shards of different sizes are refused on every worker;
 * the same model through `stratkit.Trainer(seed=0)` + `trainer.fit(..., global_batch_size=64)`
   on 2 Ray Train workers ends with the weights of one process (<= 1e-5), the workers identical,
   while `RayReportCallback` reports every epoch with the chief's checkpoint, and a worker that
@@ -163,3 +165,85 @@ def test_stratkit_trainer_in_ray_train_trains_as_one_process_and_resumes_from_ra
             assert json.load(handle)["epoch"] == EPOCHS
     if result.metrics is not None:
         assert result.metrics["epoch"] == EPOCHS
+
+
+class RecordingShard:
+    """This worker's real Ray Data shard, passed through; records the ids of the rows it gave, in order."""
+
+    def __init__(self, shard, drop_last=False):
+        self.shard, self.drop_last, self.ids = shard, drop_last, []
+
+    def iter_batches(self, **kwargs):
+        batches = list(self.shard.iter_batches(**kwargs))
+        if self.drop_last:  # a shard one row short: what a dataset split by hand can give
+            batches[-1] = {k: v[:-1] for k, v in batches[-1].items()}
+        for batch in batches:
+            self.ids.extend(int(i) for i in batch["id"])
+            yield batch
+
+
+def ray_data_loop(config):
+    import os
+
+    import ray.train
+
+    import stratkit
+    from stratkit.errors import ConfigError
+    from stratkit.ray import dataset_shard_to_tf
+
+    rank = ray.train.get_context().get_world_rank()
+    trainer = stratkit.Trainer(seed=0)
+    model = trainer.build(build_model)
+    refused = ""
+    try:  # shards of different sizes are refused on every worker (none hangs in the agreement)
+        dataset_shard_to_tf(RecordingShard(ray.train.get_dataset_shard("train"), drop_last=rank == 1), trainer,
+                            64, features="x", label="y")
+    except ConfigError as exc:
+        refused = str(exc)
+    shard = RecordingShard(ray.train.get_dataset_shard("train"))
+    data, steps = dataset_shard_to_tf(shard, trainer, 64, features="x", label="y")
+    history = trainer.fit(model, data, epochs=2, steps_per_epoch=steps)
+    with open(os.path.join(config["out"], f"data-rank{rank}.json"), "w") as handle:
+        json.dump({"ids": shard.ids, "steps": steps, "refused": refused, "loss": history.history["loss"],
+                   "weights": [w.ravel().tolist() for w in model.get_weights()]}, handle)
+
+
+def one_process_on(order):
+    import stratkit
+
+    trainer = stratkit.Trainer(seed=0)
+    model = trainer.build(build_model)
+    x, y = make_data()
+    history = trainer.fit(model, (x[order], y[order]), epochs=2, global_batch_size=64, shuffle=False)
+    return {"weights": [w.ravel().tolist() for w in model.get_weights()], "loss": history.history["loss"]}
+
+
+def test_ray_data_shards_feed_trainer_fit_with_one_process_global_batches(ray_session, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    ray = ray_session
+    out = tmp_path / "out"
+    out.mkdir()
+    x, y = make_data()
+    dataset = ray.data.from_items([{"id": i, "x": x[i], "y": y[i]} for i in range(len(y))])
+    result = TensorflowTrainer(ray_data_loop, train_loop_config={"out": str(out)}, datasets={"train": dataset},
+                               scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                               run_config=RunConfig(name="ray-data", storage_path=str(tmp_path / "ray-results"))
+                               ).fit()
+    assert result.error is None, result.error
+    ranks = [json.loads((out / f"data-rank{rank}.json").read_text()) for rank in (0, 1)]
+    for got in ranks:
+        assert "differ in size (127 to 128 rows" in got["refused"] and "Fix:" in got["refused"], got["refused"]
+    # Ray split the rows: each worker read its own half once, 4 steps of 32 rows per epoch.
+    assert [r["steps"] for r in ranks] == [4, 4]
+    assert sorted(ranks[0]["ids"] + ranks[1]["ids"]) == list(range(256))
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"]):
+        assert a == b, "the two workers' weights differ"
+    # One process on the same global batches: step k = rows 32k..32k+31 of worker 0's shard, then of worker 1's.
+    order = [i for k in range(4) for r in (0, 1) for i in ranks[r]["ids"][32 * k:32 * k + 32]]
+    single = ray.get(ray.remote(num_cpus=1, max_calls=1)(one_process_on).remote(order))
+    worst = max(abs(a - b) for got, want in zip(ranks[0]["weights"], single["weights"]) for a, b in zip(got, want))
+    print(f"Ray Data, 2 workers vs one process: max |diff| of weights {worst}")
+    assert worst <= 1e-5, f"2 Ray Train workers on Ray Data vs one process: max |diff| of weights {worst}"
+    assert abs(ranks[0]["loss"][-1] - single["loss"][-1]) <= 1e-5
