@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
                "job": {**job, "workers": WORKERS, "model": "MLP 64-128-128-10", "global_batch": 32 * WORKERS},
                "spark_master": master, "ray_init": {"num_cpus": 4, "include_dashboard": False,
                                                      "_node_ip_address": "127.0.0.1"},
+               "ray": next((d.get("ray") for e in ("raytrain", "rayrunner") for d in drivers[e] if d.get("ray")), None),
+               "spark": next((d.get("spark") for d in drivers["spark"] if d.get("spark")), None),
                "loadavg_before": machine_load_before, "loadavg_after": os.getloadavg(), "load_average": loads,
                "rows": rows, "raw": drivers, "wall_seconds": time.monotonic() - started}
     name = args.output or ("ray-quick" if args.quick else "ray")
