@@ -387,8 +387,36 @@ def plot_elastic(data: dict, path: Path) -> Path:
     return _finish(plt, fig, data, f"Elastic launch on two test hosts ({' '.join(data['flags'][:4])})", path)
 
 
+# -- ray (written by bench_ray.py) --------------------------------------------------------------
+def plot_ray(data: dict, path: Path) -> Path:
+    """Wall of the call cold and warm, and steady-state steps/s, per engine: mean bars, min-max whiskers."""
+    plt = _pyplot()
+    rows = [r for r in data["rows"] if r.get("cold wall s mean") is not None]
+    fig, (walls, rates) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [_wrap(r["engine"], 24) for r in rows]
+    for offset, key, color in ((-0.2, "cold", BLUE), (0.2, "warm", ORANGE)):
+        means = [r[f"{key} wall s mean"] or 0 for r in rows]
+        errors = [[m - (r[f"{key} wall s min"] or m) for m, r in zip(means, rows)],
+                  [(r[f"{key} wall s max"] or m) - m for m, r in zip(means, rows)]]
+        walls.bar([i + offset for i in range(len(rows))], means, 0.4, yerr=errors, color=color, alpha=0.8,
+                  capsize=3, label=key)
+    walls.set_xticks(range(len(rows)), labels, fontsize=7)
+    walls.set_ylabel("seconds, call to return")
+    walls.legend(fontsize=7, frameon=False)
+    means = [r["steps/s mean"] or 0 for r in rows]
+    errors = [[m - (r["steps/s min"] or m) for m, r in zip(means, rows)],
+              [(r["steps/s max"] or m) - m for m, r in zip(means, rows)]]
+    rates.bar(range(len(rows)), means, 0.5, yerr=errors, color=GREEN, alpha=0.8, capsize=3)
+    rates.set_xticks(range(len(rows)), labels, fontsize=7)
+    rates.set_ylabel("steady-state steps / second")
+    loads = [v for e in data.get("load_average", []) for v in (e["load_before"][0], e["load_after"][0])]
+    load = f", load {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    return _finish(plt, fig, data, f"Same 2-worker job on Ray Train, RayRunner, SparkRunner "
+                   f"({data['job']['rounds']} rounds, mean, min-max{load})", path)
+
+
 PLOTS = {"scaling": plot_scaling, "overhead": plot_overhead, "allreduce": plot_allreduce, "spark": plot_spark,
-         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic}
+         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic, "ray": plot_ray}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """Run every benchmark (benchmarks/bench_*.py) in turn, then the plots.
 
 `make bench` runs this. `--quick` passes tiny sizes to each (the smoke test
-uses it). Each benchmark writes its own JSON to benchmarks/results/.
+uses it). Each benchmark writes its own JSON to benchmarks/results/. bench_ray.py
+(Ray Train, RayRunner and SparkRunner side by side) needs `stratkit[ray]` and
+`stratkit[spark]`; without one, its rows say "not available".
 """
 
 from __future__ import annotations

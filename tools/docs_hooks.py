@@ -116,6 +116,15 @@ def _rows() -> list[tuple[str, str, str, str, str]]:
                          f"{peer['cold wall s']:.1f} / {peer['warm wall s']:.1f} s); call to first step "
                          f"{ours['to first step s']:.1f} s vs {peer['to first step s']:.1f} s",
                          "<= 1.0 (aim 0.8)", _date(data), "`spark.json`"))
+    if data := _load("ray"):
+        measured = [r for r in data["rows"] if r.get("cold wall s mean") is not None]
+        loads = [v for e in data.get("load_average", []) for v in (e["load_before"][0], e["load_after"][0])]
+        if measured and loads:
+            cells = "; ".join(f"{r['engine']} **{r['cold wall s mean']:.1f} / {r['warm wall s mean']:.1f} s**, "
+                              f"{r['steps/s mean']:.0f} steps/s" for r in measured)
+            rows.append((f"Ray, same 2-worker job: wall of the call cold / warm, steady-state steps/s, mean of "
+                         f"{data['job']['rounds']} rounds (load {min(loads):.1f}-{max(loads):.1f})", cells, "",
+                         _date(data), "`ray.json`"))
     if data := _load("input"):
         cells = ", ".join(f"{r['model']} **{r['ratio']:.1f}x**" for r in data["rows"]
                           if r["reader"].startswith("ParquetShard"))

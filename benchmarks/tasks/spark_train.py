@@ -1,12 +1,14 @@
-"""The one training job bench_spark.py runs three ways (SparkRunner, the peer's runner, stratkit launch).
+"""The one training job bench_spark.py runs three ways (SparkRunner, the peer's runner, stratkit launch),
+and bench_ray.py runs through Ray Train, RayRunner and SparkRunner.
 
 A 2-layer MLP on synthetic digits-like data (64 features, 10 classes), global
 batch = 32 per worker x workers, `epochs` x `steps` steps. Every variant
 returns the same timestamps (time.time(), comparable across processes on one
 host): process start, strategy ready, first step begun (batch 0 begin), first
 step done (batch 1 begin; it includes tracing and the first collective),
-training end. Only `on_train_batch_begin` is hooked: a batch-END hook would
-make Keras synchronise after every step.
+training end, and each epoch's end (steady-state steps/s: the epochs after the
+first). Only `on_train_batch_begin` and `on_epoch_end` are hooked: a batch-END
+hook would make Keras synchronise after every step.
 
 Run as a script (`stratkit launch --workers 2 -- python spark_train.py`), the
 chief writes the result as JSON to the path in STRATKIT_BENCH_SPARK_RESULT.
@@ -34,6 +36,10 @@ def _clock(keras):
             super().__init__()
             self.first_begin = None
             self.first_done = None
+            self.epoch_ends = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_ends.append(time.time())  # bench_ray's steady-state steps/s: epochs after the first
 
         def on_train_batch_begin(self, batch, logs=None):
             if self.first_begin is None:
@@ -68,7 +74,7 @@ def train_stratkit(epochs: int, steps: int) -> dict:
     history = trainer.fit(model, (x, y), epochs=epochs, global_batch_size=global_batch, callbacks=[clock],
                           verbose=0)
     return {"process_start": started, "strategy_ready": ready, "first_step_begin": clock.first_begin,
-            "first_step_done": clock.first_done, "train_end": time.time(),
+            "first_step_done": clock.first_done, "train_end": time.time(), "epoch_ends": clock.epoch_ends,
             "loss": [round(float(v), 4) for v in history.history["loss"]], "replicas": trainer.num_replicas,
             "strategy": trainer.spec.strategy, "keras": keras.__version__}
 
