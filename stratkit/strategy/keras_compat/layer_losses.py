@@ -60,14 +60,26 @@ def _replica_losses(layer: Any) -> list[Any] | None:
     return vars(local).setdefault("losses", [])     # this thread's view of the threading.local
 
 
+_first = threading.local()      # per replica thread: (its replica context, whether it is the first)
+
+
 def _first_local_replica() -> bool:
-    """True in this process's first replica thread: the one whose losses Keras's own list keeps."""
+    """True in this process's first replica thread: the one whose losses Keras's own list keeps.
+
+    Read once per replica context (once per replica per trace): in a graph, every read of
+    ``replica_id_in_sync_group`` adds a node, and this is asked for every layer.
+    """
     import tensorflow as tf
 
     context = tf.distribute.get_replica_context()
+    known = getattr(_first, "entry", None)
+    if known is not None and known[0] is context:
+        return known[1]
     replica = tf.get_static_value(context.replica_id_in_sync_group)
     devices = len(tf.distribute.get_strategy().extended.worker_devices) or 1
-    return replica is not None and int(replica) % devices == 0
+    first = replica is not None and int(replica) % devices == 0
+    _first.entry = (context, first)
+    return first
 
 
 def add_loss(self: Any, loss: Any) -> None:
