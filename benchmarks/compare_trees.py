@@ -16,7 +16,12 @@ Jobs (the launcher and the task scripts come from this checkout; only the
   launch`), steady-state examples/s and CPU time per step (both workers);
 * ``mirrored``: the same net through `model.fit` on a local MirroredStrategy over
   2 logical CPUs (one process), steady-state steps/s and CPU time per step (the
-  process's, which the other load on a shared machine moves far less).
+  process's, which the other load on a shared machine moves far less). Its thread
+  pools are set (``--mirrored-threads``, default 1 intra-op, 2 inter-op): with
+  TensorFlow's defaults the two replica threads and the pools' spinning threads
+  share 2 cores in one of two ways, and both trees flip between ~4.5 and ~6.5
+  steps/s from run to run (6 rounds on an idle machine: ratios 0.69-1.81), which
+  hides any 2% difference; with the pools set, 6 runs stayed within 6.3-7.1.
 
 The base tree is a temporary `git worktree` of REF, removed afterwards.
 Results: benchmarks/results/compare-trees.json (one entry per run, kept).
@@ -97,10 +102,14 @@ def run_scaling(tree: Path, model: dict, timeout: float) -> dict:
         return {"value": statistics.median(rates), "unit": "examples/s", "load": load, "cpu_ms_per_step": 1000 * cpu}
 
 
+MIRRORED_THREADS: tuple[int | None, int | None] = (1, 2)     # intra-op, inter-op (None: TensorFlow's default)
+
+
 def run_mirrored(tree: Path, model: dict, timeout: float) -> dict:
     load = os.getloadavg()[0]
     done = subprocess.run([python(), "-c", MIRRORED_CHILD, json.dumps(model), str(REPO / "examples")],
-                          env=_env(tree), capture_output=True, text=True, timeout=timeout)
+                          env=_env(tree, **thread_vars(*MIRRORED_THREADS)), capture_output=True, text=True,
+                          timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"mirrored job on {tree} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -113,6 +122,19 @@ def run_mirrored(tree: Path, model: dict, timeout: float) -> dict:
 JOBS = {"scaling": run_scaling, "mirrored": run_mirrored}
 
 
+def _threads(text: str) -> tuple[int | None, int | None]:
+    if text == "default":
+        return (None, None)
+    try:
+        intra, inter = (int(part) for part in text.split(","))
+        if intra < 1 or inter < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--mirrored-threads={text!r}: expected two positive integers INTRA,INTER (e.g. 1,2) "
+                         "or 'default'") from None
+    return (intra, inter)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="git ref of the tree to compare against")
@@ -120,7 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jobs", default="scaling,mirrored")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--mirrored-threads", default="1,2", metavar="INTRA,INTER",
+                        help="the mirrored job's TensorFlow thread pools ('default': TensorFlow's own)")
     args = parser.parse_args(argv)
+    global MIRRORED_THREADS
+    MIRRORED_THREADS = _threads(args.mirrored_threads)
     model = QUICK if args.quick else FULL
     jobs = args.jobs.split(",")
     base_commit = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True,
@@ -159,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     entry = {"when": _dt.datetime.now().isoformat(timespec="seconds"), "base": base_commit, "this": head,
              "dirty": bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                           capture_output=True, text=True).stdout.strip()),
-             "model": model, "summary": summary, "rounds": rounds}
+             "model": model, "mirrored_threads": list(MIRRORED_THREADS), "summary": summary, "rounds": rounds}
     if not args.quick:
         path = HERE / "results" / "compare-trees.json"
         history = json.loads(path.read_text()) if path.exists() else []
