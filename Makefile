@@ -30,8 +30,10 @@ $(COMPAT_OVERLAYS): | $(STAMP)
 
 # The Ray engine's tests (marker `ray`: real local Ray and a Ray cluster on test hosts, ~5 min) run in their own
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
+# Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP) $(COMPAT_OVERLAYS)
-	$(PY) -m pytest -q --durations=25 -m "not ray"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray"
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q --durations=10 -m ray

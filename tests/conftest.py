@@ -105,3 +105,41 @@ def one_process_uneven() -> dict:
     assert one.ok, describe([one])
     line = next(line for line in one.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])["trainer_uneven"]
+
+
+# ---------------------------------------------------------------------------------------------
+# `make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadfile`): a module runs whole in
+# one worker, so its module fixtures (a parity run, a Spark session) are made once. A worker takes the
+# next module when it is nearly done with its own; the longest modules go first so that neither worker
+# is left with a long one at the end while the other idles (longest-first scheduling).
+
+#: The longest modules, longest first (module totals of a full run, tests/ timings in the CI log).
+LONGEST_FIRST = (
+    "tests/training/test_trainer_multiworker.py",
+    "tests/strategy/test_global_gradient.py",
+    "tests/strategy/test_model_fit_path.py",
+    "tests/launch/test_nnodes.py",
+    "tests/test_spark_hosts.py",
+    "tests/benchmarks/test_benchmarks_smoke.py",
+    "tests/examples/test_tutorials.py",
+    "tests/spark/test_spark_runner.py",
+    "tests/training/test_parameter_server.py",
+    "tests/test_spark_elastic_hosts.py",
+    "tests/spark/test_spark_runs.py",
+    "tests/training/test_compression_multiworker.py",
+    "tests/launch/test_elastic.py",
+    "tests/launch/test_launch.py",
+    "tests/spark/test_spark_gpu.py",
+    "tests/training/test_trainer_fit_args.py",
+    "tests/strategy/test_compression.py",
+    "tests/examples/test_examples.py",
+    "tests/strategy/test_custom_loop.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)     # before tests/spark/conftest.py moves its session sharers together
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return                      # a serial run keeps the collection order
+    rank = {module: n for n, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
