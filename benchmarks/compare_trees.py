@@ -1,6 +1,6 @@
 """Side by side: the same training jobs on two stratkit trees (a git ref vs this checkout), alternating rounds.
 
-    python benchmarks/compare_trees.py --base REF [--rounds 4] [--jobs scaling,mirrored]
+    python benchmarks/compare_trees.py --base REF [--rounds 4] [--jobs scaling,mirrored,graph]
 
 For a change that must cost nothing measurable ("within 2% of today"): one
 figure per tree from one run cannot tell 2% from the noise of 2 shared cores,
@@ -22,6 +22,10 @@ Jobs (the launcher and the task scripts come from this checkout; only the
   share 2 cores in one of two ways, and both trees flip between ~4.5 and ~6.5
   steps/s from run to run (6 rounds on an idle machine: ratios 0.69-1.81), which
   hides any 2% difference; with the pools set, 6 runs stayed within 6.3-7.1.
+* ``graph``: what the clock cannot settle: the ops in the mirrored job's traced
+  train step (every op type counted, nested functions included) and how many
+  times it was traced. The same count on both trees means the same work per
+  step; a retrace or an added collective shows here whatever the load.
 
 The base tree is a temporary `git worktree` of REF, removed afterwards.
 Results: benchmarks/results/compare-trees.json (one entry per run, kept).
@@ -74,6 +78,41 @@ print(json.dumps({"steps_per_sec": statistics.median([config["steps"] / t for t 
 """
 
 
+GRAPH_CHILD = r"""
+import collections, json, sys
+import stratkit
+strategy = stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
+import keras, numpy as np
+sys.path.insert(0, sys.argv[2])
+from resnet_synthetic import resnet
+config = json.loads(sys.argv[1])
+with strategy.scope():
+    model = resnet(config["image"], config["classes"], config["width"], config["blocks"])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+batch = 2 * config["per_replica_batch"]
+x = np.random.default_rng(0).normal(size=(batch * 4, config["image"], config["image"], 3)).astype("float32")
+model.fit(x, np.arange(len(x)) % config["classes"], batch_size=batch, epochs=2, shuffle=False, verbose=0)
+
+def traced(function, seen):  # the tf.function under whatever wraps Keras's train_function
+    if id(function) in seen:
+        return None
+    seen.add(id(function))
+    if hasattr(function, "experimental_get_tracing_count"):
+        return function
+    inner = [getattr(function, "__wrapped__", None)]
+    inner += [cell.cell_contents for cell in getattr(function, "__closure__", None) or ()]
+    return next((found for f in inner if callable(f) for found in [traced(f, seen)] if found is not None), None)
+
+function = traced(model.train_function, set())
+ops = collections.Counter()
+for concrete in function._list_all_concrete_functions():   # a benchmark's look inside TF, not stratkit code
+    graph = concrete.graph.as_graph_def()
+    ops.update(node.op for node in graph.node)
+    ops.update(node.op for library in graph.library.function for node in library.node_def)
+print(json.dumps({"traces": function.experimental_get_tracing_count(), "ops": dict(sorted(ops.items()))}))
+"""
+
+
 def _env(tree: Path, **extra: str) -> dict[str, str]:
     env = clean_env(**extra)
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -119,7 +158,17 @@ def run_mirrored(tree: Path, model: dict, timeout: float) -> dict:
             "cpu_ms_per_step": result["cpu_ms_per_step"]}
 
 
-JOBS = {"scaling": run_scaling, "mirrored": run_mirrored}
+def run_graph(tree: Path, model: dict, timeout: float) -> dict:
+    done = subprocess.run([python(), "-c", GRAPH_CHILD, json.dumps(model), str(REPO / "examples")],
+                          env=_env(tree), capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"graph job on {tree} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"value": sum(result["ops"].values()), "unit": "ops in the traced step", "traces": result["traces"],
+            "ops": result["ops"]}
+
+
+JOBS = {"scaling": run_scaling, "mirrored": run_mirrored, "graph": run_graph}
 
 
 def _threads(text: str) -> tuple[int | None, int | None]:
@@ -139,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="git ref of the tree to compare against")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--jobs", default="scaling,mirrored")
+    parser.add_argument("--jobs", default="scaling,mirrored,graph")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--mirrored-threads", default="1,2", metavar="INTRA,INTER",
@@ -179,6 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
                                 cpu_ratios=cpu)
             print(f"[compare_trees] {job}: CPU time per step, base/this = {statistics.mean(cpu):.3f} "
                   f"(min {min(cpu):.3f}, max {max(cpu):.3f})", flush=True)
+        if job == "graph":   # deterministic: one round says it; name every op type whose count differs
+            this, base = rounds[-1][job]["this"], rounds[-1][job]["base"]
+            summary[job]["differences"] = {op: [base["ops"].get(op, 0), this["ops"].get(op, 0)]
+                                           for op in sorted(set(base["ops"]) | set(this["ops"]))
+                                           if base["ops"].get(op, 0) != this["ops"].get(op, 0)}
+            summary[job]["traces"] = [base["traces"], this["traces"]]
+            print(f"[compare_trees] graph: {base['value']} ops (base) vs {this['value']} (this), traced "
+                  f"{base['traces']} vs {this['traces']} time(s); differing op types [base, this]: "
+                  f"{summary[job]['differences']}", flush=True)
         print(f"[compare_trees] {job}: this/base = {summary[job]['ratio_mean']:.3f} "
               f"(min {summary[job]['ratio_min']:.3f}, max {summary[job]['ratio_max']:.3f}, "
               f"{len(ratios)} rounds)", flush=True)
