@@ -26,6 +26,11 @@ GUARD_DIR = Path(__file__).resolve().parent / "netguard"
 
 
 def _load_guard():
+    loaded = sys.modules.get("sitecustomize")
+    if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == GUARD_DIR / "sitecustomize.py":
+        # this pytest started with the guard on PYTHONPATH (an xdist worker): its hook is that module's
+        sys.modules["stratkit_tests_netguard"] = loaded
+        return loaded
     spec = importlib.util.spec_from_file_location("stratkit_tests_netguard", GUARD_DIR / "sitecustomize.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module             # tests import it by this name (its classes must be the hook's)
