@@ -274,7 +274,10 @@ def on_batch():
     out = {"train": [model.train_on_batch(x, ONES(7), return_dict=True) for _ in range(2)],
            "test": model.test_on_batch(x, 2 * ONES(7), return_dict=True),
            "predict": [float(v) for v in np.ravel(model.predict_on_batch(np.arange(37 * 7, dtype="float32").reshape(37, 7) / 100))]}
-    out["rows"] = float(counter.rows.numpy())      # 7 + 7 + 7 + 37 when every row is computed once
+    # 3 rows: fewer than 4 replicas (one gets none), split 2 + 1 on 2
+    out["train_few"] = model.train_on_batch(x[4:], 3 * ONES(3), return_dict=True)
+    out["predict_few"] = [float(v) for v in np.ravel(model.predict_on_batch(x[:3] / 7))]
+    out["rows"] = float(counter.rows.numpy())      # 7 + 7 + 7 + 37 + 3 + 3 when every row is computed once
     out["w"] = [float(v) for w in model.get_weights()[1:] for v in np.ravel(w)]
     return out
 
@@ -396,8 +399,12 @@ def case(name):
         # what model.losses lists between steps and after fit: one process's count (add_loss, the regularizers)
         listed = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: counts.append(len(model.losses)))
         counts = []
-        out = fit(model, EYE(6), ONES(6), 4, epochs=2, callbacks=[listed])   # 6 rows, batch 4: the last splits 1 + 1
-        out["evaluate"] = float(model.evaluate(EYE(6), ONES(6), batch_size=4, verbose=0))
+        # 12 rows, batch 8: the last batch splits 2 + 2 (1 each on 4 replicas). Even splits only: a replica's
+        # added loss is its own batch mean, exact on an even split only (documented); with fewer rows than
+        # replicas AddedLoss's mean over no rows is NaN on the empty replicas, and so is the logged loss
+        x = np.tile(EYE(6), (2, 1))
+        out = fit(model, x, ONES(12), 8, epochs=2, callbacks=[listed])
+        out["evaluate"] = float(model.evaluate(x, ONES(12), batch_size=8, verbose=0))
         out["losses_listed"] = counts + [len(model.losses)]
         return out
     if name == "regularized_empty_shard":   # a weight regularizer, and one replica without rows
@@ -527,7 +534,7 @@ def case(name):
         out["evaluate"] = float(model.evaluate(EYE(7), np.arange(1, 8, dtype="float32").reshape(7, 1),
                                                batch_size=4, verbose=0))
         return out
-    if name == "on_batch":          # the *_on_batch methods: 7 rows split 4 + 3, predict 37 rows
+    if name == "on_batch":          # the *_on_batch methods: 7 rows split 4 + 3 (2+2+2+1 on 4), predict 37 and 3 rows
         return on_batch()
     if name == "custom_loop":       # TensorFlow's custom-training-loop tutorial: the optimizer built by its first apply
         return custom_loop()
