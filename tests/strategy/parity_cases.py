@@ -399,12 +399,12 @@ def case(name):
         # what model.losses lists between steps and after fit: one process's count (add_loss, the regularizers)
         listed = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: counts.append(len(model.losses)))
         counts = []
-        # 12 rows, batch 8: the last batch splits 2 + 2 (1 each on 4 replicas). Even splits only: a replica's
-        # added loss is its own batch mean, exact on an even split only (documented); with fewer rows than
-        # replicas AddedLoss's mean over no rows is NaN on the empty replicas, and so is the logged loss
-        x = np.tile(EYE(6), (2, 1))
-        out = fit(model, x, ONES(12), 8, epochs=2, callbacks=[listed])
-        out["evaluate"] = float(model.evaluate(x, ONES(12), batch_size=8, verbose=0))
+        # 7 rows, batch 4: the last batch splits 2 + 1 on 2 replicas and 1 + 1 + 1 + 0 on 4, where AddedLoss's
+        # mean over no rows is NaN on the empty replica. A replica's added losses weigh its share of the rows
+        # (before: 1/N each, 1.7e-2 off one process on 2 replicas, NaN logs on 4)
+        x = np.concatenate([EYE(6), 0.5 * EYE(6)[:1]])
+        out = fit(model, x, ONES(7), 4, epochs=2, callbacks=[listed])
+        out["evaluate"] = float(model.evaluate(x, ONES(7), batch_size=4, verbose=0))
         out["losses_listed"] = counts + [len(model.losses)]
         return out
     if name == "regularized_empty_shard":   # a weight regularizer, and one replica without rows

@@ -23,8 +23,10 @@ hangs. Here, in a replica context of such a strategy:
    ``_backend_update_step`` is skipped.
 3. **Inside ``fit``/``evaluate``** (see :func:`fit_mode`) a loss reads as one
    process's: each replica's loss is N x its share (exactly one process's loss
-   when the split is even; their mean is one process's loss always), Keras's
-   1/N scaling of added losses is off, and the optimizer *averages* the
+   when the split is even; their mean is one process's loss always), the losses
+   Keras adds to the compiled one (``add_loss``, regularizers) weigh N x the
+   replica's share of the step's rows instead of Keras's 1/N (a replica
+   without rows adds none), and the optimizer *averages* the
    all-reduced gradients. So code written for one process is exact as it is: a
    custom ``train_step`` that logs its loss, a ``compute_loss`` override that
    returns ``ops.mean(...)``, a loss function returning its batch mean. Keras's
@@ -189,10 +191,26 @@ def reduce_weighted_values(values: Any, sample_weight: Any = None, mask: Any = N
 
 
 def scale_loss_for_distribution(value: Any) -> Any:
-    """Replacement for Keras's: in fit the value stays whole (gradients are averaged over the replicas)."""
-    if _fit_depth and sync_replicas():
+    """Replacement for Keras's, which in fit weighs only the losses Keras adds to the compiled one
+    (``_aggregate_additional_loss``: ``add_loss``, activity and weight regularizers).
+
+    In fit each is weighed by this replica's share of the step's rows, N x rows / global rows (gradients are
+    averaged over the replicas): over the replicas that is the row-weighted mean of their values, which is one
+    process's value both for a batch mean (a replica's own mean over its rows) and for a loss that does not
+    depend on the rows (a weight regularizer: the shares sum to 1). A replica without rows adds nothing (its
+    mean over no rows is NaN). Without the step's rows (no compiled loss counted them) the value stays whole:
+    exact when the batch splits evenly."""
+    replicas = sync_replicas()
+    if not (_fit_depth and replicas):
+        return _originals["scale_loss_for_distribution"](value)
+    stash = getattr(_local, "rows", None)
+    if stash is None or stash[0] is not _graph():
         return value
-    return _originals["scale_loss_for_distribution"](value)
+    from keras.src import ops
+
+    _, global_rows, rows = stash
+    weight = ops.cast(ops.divide_no_nan(rows * replicas, global_rows), value.dtype)
+    return ops.where(ops.greater(rows, 0), value * weight, ops.zeros_like(value))
 
 
 def unscale_loss_for_distribution(value: Any) -> Any:
