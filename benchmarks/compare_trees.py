@@ -51,8 +51,9 @@ sys.path.insert(0, str(HERE))
 from bench_scaling import FULL, QUICK, TASK, _rates  # noqa: E402
 from jobs import clean_env, python, thread_vars  # noqa: E402
 
-MIRRORED_CHILD = r"""
-import json, statistics, sys, time
+#: What both one-process children start with: the Mirrored strategy over 2 logical CPUs and the compiled net.
+MODEL_PROLOGUE = r"""
+import collections, json, statistics, sys, time
 import stratkit
 strategy = stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
 import keras, numpy as np
@@ -63,6 +64,9 @@ with strategy.scope():
     model = resnet(config["image"], config["classes"], config["width"], config["blocks"])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 batch = 2 * config["per_replica_batch"]
+"""
+
+MIRRORED_CHILD = MODEL_PROLOGUE + r"""
 rng = np.random.default_rng(0)
 x = rng.normal(size=(batch * config["steps"], config["image"], config["image"], 3)).astype("float32")
 y = rng.integers(0, config["classes"], size=len(x))
@@ -78,18 +82,7 @@ print(json.dumps({"steps_per_sec": statistics.median([config["steps"] / t for t 
 """
 
 
-GRAPH_CHILD = r"""
-import collections, json, sys
-import stratkit
-strategy = stratkit.make_strategy(strategy="mirrored", logical_cpus=2)
-import keras, numpy as np
-sys.path.insert(0, sys.argv[2])
-from resnet_synthetic import resnet
-config = json.loads(sys.argv[1])
-with strategy.scope():
-    model = resnet(config["image"], config["classes"], config["width"], config["blocks"])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-batch = 2 * config["per_replica_batch"]
+GRAPH_CHILD = MODEL_PROLOGUE + r"""
 x = np.random.default_rng(0).normal(size=(batch * 4, config["image"], config["image"], 3)).astype("float32")
 model.fit(x, np.arange(len(x)) % config["classes"], batch_size=batch, epochs=2, shuffle=False, verbose=0)
 
