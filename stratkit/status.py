@@ -29,6 +29,11 @@ import sys
 
 _ROOT = "stratkit"
 
+#: The exit status of a process that stopped on a preemption notice after writing its backup (EX_TEMPFAIL of
+#: sysexits.h: "try again later"). The one place it is defined: `stratkit.training.checkpoint` exits with it,
+#: `stratkit launch` restarts on it without counting a failure, `stratkit.process.report` words it.
+EXIT_PREEMPTED = 75
+
 
 class _Console(logging.Handler):
     """Today's console output, unless a console handler of the user's already shows the record."""

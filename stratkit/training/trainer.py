@@ -93,7 +93,8 @@ class Trainer:
             verbose: Any = None, validation_steps: int | None = None, shuffle: bool = True, *,
             validation_split: float = 0.0, class_weight: dict | None = None, sample_weight: Any = None,
             y: Any = None, batch_size: int | None = None, initial_epoch: int = 0, validation_freq: Any = 1,
-            validation_batch_size: int | None = None, **others: Any) -> Any:
+            validation_batch_size: int | None = None, backup_every: int | str | None = None,
+            **others: Any) -> Any:
         """Train `model` on `data` with the global batch split over every replica.
 
         Args:
@@ -113,7 +114,9 @@ class Trainer:
                 per_replica x num_replicas); neither for a batched dataset (its
                 batch is the global batch).
             per_replica_batch_size: examples per step on each replica.
-            backup_dir: back up every epoch and resume there after a failure.
+            backup_dir: back up every epoch (or as `backup_every` says) and resume there after a failure; a
+                preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL) then makes every worker stop at the
+                same step, back up and exit with status 75 (see `stratkit.training.checkpoint`).
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
             scale_learning_rate: multiply the compiled learning rate by
@@ -130,6 +133,9 @@ class Trainer:
             initial_epoch: as in `model.fit`.
             validation_freq: as in `model.fit`.
             validation_batch_size: as in `model.fit`.
+            backup_every: with `backup_dir`: back up every K global steps (an int) or at the first step after
+                a duration ("30s", "10min", "1h", the chief's clock) instead of after every epoch; a resume
+                then continues at that step, reading the batches an uninterrupted run reads.
             **others: any other keyword is a `ConfigError`. How each of
                 `model.fit`'s arguments is honoured: `stratkit.training.fit_args`.
 
@@ -142,8 +148,14 @@ class Trainer:
         from stratkit.training import fit_args
         from stratkit.training.inputs import is_dataset_fn, is_py_dataset, prepare, resolve_global_batch_size
 
+        from stratkit.training.checkpoint import parse_every
+
         fit_args.refuse_unknown(others)
         fit_args.check_epochs(epochs)
+        every = parse_every(backup_every)
+        if every.per_step and backup_dir is None:
+            raise ConfigError(f"backup_every={backup_every!r} needs backup_dir=<a directory> to write the backups "
+                              "to. Fix: pass backup_dir, or drop backup_every")
         if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
@@ -162,6 +174,9 @@ class Trainer:
         if self._ps:
             from stratkit.training.ps import fit_parameter_server
 
+            if every.per_step:
+                raise ConfigError(f"backup_every={backup_every!r}: parameter-server training backs up after every "
+                                  "epoch (its steps run asynchronously on the workers). Fix: drop backup_every")
             fit_args.refuse_on_parameter_servers(class_weight=class_weight, initial_epoch=initial_epoch,
                                                  validation_freq=validation_freq,
                                                  validation_batch_size=validation_batch_size)
@@ -175,17 +190,24 @@ class Trainer:
                                         backup_dir=backup_dir, callbacks=callbacks, verbose=verbose,
                                         validation_steps=validation_steps)
         tpu = self.spec.strategy == "tpu"
-        backup = None
+        backup, position = None, None
         if backup_dir is not None:
-            from stratkit.training.backup import Backup
+            from stratkit.training.checkpoint import Backup, Position, resumable_input_for
 
-            backup = Backup(os.fspath(backup_dir), is_chief=self.is_chief, rank=max(self.spec.worker_rank, 0),
-                            agree_on_epoch=self._min_over_workers)
-        # The epoch training starts at fixes the data order of every epoch after it (numpy arrays).
-        first_epoch = max(backup.decide() if backup is not None else 0, initial_epoch or 0)
+            backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
+                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers,
+                            agree_flags=self._sum_over_workers if self._multi_worker else None)
+            position = backup.decide_position()
+            if position.epoch < (initial_epoch or 0):
+                position = Position(initial_epoch)
+            data = resumable_input_for(data, position)
+        # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
+        # first one starts at (a step backup).
+        first_epoch = position.epoch if position is not None else initial_epoch or 0
         train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                         global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
-                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=first_epoch)
+                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=first_epoch,
+                        first_step=position.step if position is not None else 0)
         val = None
         if validation_data is not None:
             val_batch = None if is_py_dataset(validation_data) else global_batch
@@ -195,8 +217,18 @@ class Trainer:
             val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
                           global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
-        if backup is not None and shuffle and train.kind == "dataset" and not train.endless:
-            backup.resume_note = _RESHUFFLED
+        if backup is not None:
+            from stratkit.training.checkpoint import RunFacts, data_position
+
+            facts = RunFacts(global_batch_size=train.global_batch_size, steps_per_epoch=train.steps_per_epoch,
+                             dataset_rows=train.num_examples, world_size=max(self.spec.num_workers, 1),
+                             replicas=self.num_replicas, data_kind=train.kind)
+            backup.check_run(facts)  # a ConfigError before anything is loaded or trained
+            saved = backup.saved_facts
+            backup.data = data_position(data, train.kind, train.replay, position,
+                                        world_changed=saved is not None and saved.world_size != facts.world_size)
+            if shuffle and train.kind == "dataset" and not train.endless:
+                backup.resume_note = _RESHUFFLED
 
         callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
         if scale_learning_rate:
@@ -228,6 +260,16 @@ class Trainer:
             raise refused from None
         finally:
             side_effects.remove_dirs(temps)
+
+    @property
+    def _multi_worker(self) -> bool:
+        return self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1
+
+    def _sum_over_workers(self, values: list[int]) -> list[int]:
+        """SUM of a few ints over all workers (one small collective; the backup's per-step agreement)."""
+        from stratkit.strategy.collectives import sum_over_workers
+
+        return sum_over_workers(self.strategy, values)
 
     def _min_over_workers(self, value: int) -> int:
         """MIN of an int over all workers (a collective); identity on one worker."""

@@ -1,0 +1,169 @@
+"""Preemption notices: the signal, the step every worker stops at, and the exit that says "preempted".
+
+A platform that takes a machine away warns first: SIGTERM (Kubernetes,
+spot VMs, `stratkit launch` forwarding its own), or a signal the job asked
+for (Slurm's `--signal=B:USR1@120`; name it with STRATKIT_PREEMPTION_SIGNAL=USR1
+or `stratkit launch --preemption-signal USR1`). While a backup is configured,
+`Notice` catches those signals (in the main thread; the handler only records
+the time), and at every step boundary `Agreement` folds every worker's "I saw
+a notice" and the chief's "a timed backup is due" into one all-reduce of two
+int32s (nothing on one process or a local Mirrored strategy): every worker
+sees the same answer at the same step, writes its backup there and exits
+with `stratkit.status.EXIT_PREEMPTED` (75). Further signals during the save
+are counted and ignored: the save finishes (or a SIGKILL leaves the previous
+backup standing: every file is renamed into place only when complete).
+
+TensorFlow's own notifier: in a MultiWorkerMirrored worker, TensorFlow's
+coordination agent installs a C++ SIGTERM handler when the strategy starts
+(tsl's `SigtermNotifier`, "SIGTERM caught at ..."), which records the notice
+for its PreemptionCheckpointHandler and otherwise lets training go on. Python's
+`signal.signal` replaces the process's handler, so `Notice.install` runs after
+the strategy exists (at `on_train_begin`) and stratkit's handler is the one
+that acts; `uninstall` puts back whatever was there (TensorFlow's included).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from stratkit import status
+from stratkit.errors import ConfigError
+
+log = status.logger(__name__)
+
+#: Names an extra signal that means "preempted" (e.g. USR1), as a name or a number; SIGTERM always does.
+SIGNAL_VAR = "STRATKIT_PREEMPTION_SIGNAL"
+#: After a preempted process raised `Preempted`, the longest its interpreter may take to exit before it is ended.
+EXIT_DEADLINE = 2.0
+
+
+class Preempted(SystemExit):
+    """Raised out of `fit` after the preemption backup was written: the process exits with status 75."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(status.EXIT_PREEMPTED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def parse_signal(text: str, name: str = SIGNAL_VAR) -> int:
+    """`USR1`, `SIGUSR1` or `10` as a signal number.
+
+    Raises:
+        ConfigError: naming `name`, the value and what it takes.
+    """
+    value = text.strip().upper()
+    if value.isdigit():
+        number = int(value)
+    else:
+        number = getattr(signal, value if value.startswith("SIG") else f"SIG{value}", None)
+    valid = {int(s) for s in signal.valid_signals()} if hasattr(signal, "valid_signals") else set()
+    if not isinstance(number, int) or (valid and number not in valid) or number in (signal.SIGKILL,
+                                                                                    signal.SIGSTOP):
+        raise ConfigError(f"{name}={text!r} is not a signal a process can catch. Fix: a name such as USR1 or "
+                          "SIGUSR2 (Slurm: --signal=B:USR1@120 goes with USR1), or unset it (SIGTERM is always "
+                          "a preemption notice)")
+    return int(number)
+
+
+def preemption_signals(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """SIGTERM, and the signal STRATKIT_PREEMPTION_SIGNAL names (if any)."""
+    text = (os.environ if environ is None else environ).get(SIGNAL_VAR, "").strip()
+    extra = parse_signal(text) if text else None
+    return (signal.SIGTERM,) if extra in (None, signal.SIGTERM) else (signal.SIGTERM, extra)
+
+
+class Notice:
+    """This process's preemption notice: the handlers while training runs, and when the first signal came."""
+
+    def __init__(self, signals: tuple[int, ...]) -> None:
+        self.signals = signals
+        self.signum: int | None = None
+        self.wall: float = 0.0       # time.time() of the first notice (for the log)
+        self.at: float = 0.0         # time.monotonic() of the first notice
+        self.repeats = 0
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def noticed(self) -> bool:
+        return self.signum is not None
+
+    def install(self) -> bool:
+        """Catch the signals (main thread only: Python runs handlers there); False where it cannot."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("fit runs outside the main thread: preemption notices (%s) are not caught here, so a "
+                        "preempted run resumes from its last backup", ", ".join(map(_name, self.signals)))
+            return False
+        for sig in self.signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return True
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            try:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            except (TypeError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum, self.wall, self.at = signum, time.time(), time.monotonic()
+        else:
+            self.repeats += 1  # e.g. a second SIGTERM during the save: the save goes on
+
+    def describe(self) -> str:
+        if self.signum is None:
+            return "a preemption notice reached another worker"
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.wall)) + f".{int(self.wall % 1 * 1000):03d}"
+        return f"preemption notice: {_name(self.signum)} at {stamp}"
+
+
+def _name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class Agreement:
+    """At each step boundary: did any worker see a notice, and did the chief's clock make a backup due?
+
+    `reduce(values) -> values` sums a few ints over the workers (one collective; every worker calls it
+    at every boundary); None on one process or a local Mirrored strategy.
+    """
+
+    def __init__(self, reduce: Callable[[list[int]], list[int]] | None) -> None:
+        self.reduce = reduce
+
+    def decide(self, noticed: bool, due: bool) -> tuple[bool, bool]:
+        local = [int(noticed), int(due)]
+        agreed = local if self.reduce is None else self.reduce(local)
+        return agreed[0] > 0, agreed[1] > 0
+
+
+def exit_soon(code: int = status.EXIT_PREEMPTED, deadline: float = EXIT_DEADLINE) -> None:
+    """End the process with `code` after `deadline` s if it has not exited by then (a daemon thread).
+
+    `Preempted` unwinds `fit` and the script normally; a runtime that waits at
+    exit (TensorFlow's coordination service for its peers) must not eat the
+    platform's grace period.
+    """
+    def end() -> None:
+        time.sleep(deadline)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    threading.Thread(target=end, name="stratkit-preempted-exit", daemon=True).start()
