@@ -47,7 +47,7 @@ _SUM_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionar
 
 
 def sum_over_workers(strategy: Any, values: "list[int] | tuple[int, ...]") -> list[int]:
-    """Element-wise SUM of a few ints over every worker (one all-reduce of len(values) int32s; every worker calls it).
+    """Element-wise SUM of a few ints over every worker (one all-gather of len(values) int64s; every worker calls it).
 
     The per-step agreement of `stratkit.training.checkpoint` (a preemption
     notice seen by any worker, a backup the chief's clock made due) rides on
@@ -61,9 +61,10 @@ def sum_over_workers(strategy: Any, values: "list[int] | tuple[int, ...]") -> li
     if function is None:
         @tf.function
         def function(local: Any) -> Any:
-            summed = strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, local))
-            return strategy.experimental_local_results(summed)[0]
+            # An all-gather, as `min_over_workers`: a replica-context all_reduce of a captured tensor is refused
+            # under MultiWorkerMirrored ("destinations can not be empty").
+            per_replica = strategy.run(lambda: tf.reshape(local, [1, -1]))
+            return tf.reduce_sum(strategy.gather(per_replica, axis=0), axis=0)
 
         _SUM_FUNCTIONS[strategy] = function
-    return [int(v) for v in function(tf.constant(list(values), tf.int32)).numpy()]
+    return [int(v) for v in function(tf.constant(list(values), tf.int64)).numpy()]

@@ -217,16 +217,8 @@ class Trainer:
             val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
                           global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
-        if backup is not None:
-            from stratkit.training.checkpoint import RunFacts, data_position
-
-            facts = RunFacts(global_batch_size=train.global_batch_size, steps_per_epoch=train.steps_per_epoch,
-                             dataset_rows=train.num_examples, world_size=max(self.spec.num_workers, 1),
-                             replicas=self.num_replicas, data_kind=train.kind)
-            backup.check_run(facts)  # a ConfigError before anything is loaded or trained
-            saved = backup.saved_facts
-            backup.data = data_position(data, train.kind, train.replay, position,
-                                        world_changed=saved is not None and saved.world_size != facts.world_size)
+        if backup is not None:  # a resume that cannot continue the backup's run is refused here, before training
+            backup.bind_input(data, train, world_size=max(self.spec.num_workers, 1), replicas=self.num_replicas)
             if shuffle and train.kind == "dataset" and not train.endless:
                 backup.resume_note = _RESHUFFLED
 

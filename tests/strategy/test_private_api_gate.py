@@ -434,6 +434,19 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.backend.tensorflow.core",
         "patch setattr(cls, name)",  # Variable.__float__ / __int__ for distributed values
     },
+    "stratkit/strategy/keras_compat/resume_step.py": {
+        # EpochIterator._enumerate_iterator wrapped: a resumed fit's first epoch starts at the backup's step
+        # (its first tuples dropped); the iterator's kind (an endless stream or finite passes) read for the replay
+        "import keras.src.trainers.epoch_iterator", "patch cls._enumerate_iterator", "private _enumerate_iterator",
+        "private _num_batches",
+    },
+    "stratkit/strategy/keras_compat/callback_state.py": {
+        # the counters of Keras's EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, TensorBoard and History,
+        # read and written back for a backup
+        "patch callback.best_weights", "patch callback.epoch", "patch callback.history",
+        "patch setattr(callback, name)", "private _batches_seen_since_last_saving", "private _current_epoch",
+        "private _global_train_batch", "private _last_batch_seen",
+    },
     "stratkit/strategy/keras_compat/trainer_patches.py": {
         "import keras.src.tree",
         "module path keras.src.backend.tensorflow.trainer",

@@ -66,6 +66,12 @@ class EpochPlan:
     before: Callable[[], None] | None = None
     done: bool = False
 
+    def take(self) -> None:
+        """Mark the plan used (by the epoch enumeration it was armed for) and run its `before`."""
+        self.done = True
+        if self.before is not None:
+            self.before()
+
 
 def _epoch_iterator_class() -> type:
     from keras.src.trainers import epoch_iterator
@@ -99,9 +105,7 @@ def _enumerate_iterator(self: Any) -> Iterator[Any]:
         yield from _original[0](self)
         return
     _armed.plan = None
-    plan.done = True
-    if plan.before is not None:
-        plan.before()
+    plan.take()
     skip = _derived_skip(self, plan) if plan.skip is None else plan.skip
     positioned = False
     for begin, end, iterator in _original[0](self):

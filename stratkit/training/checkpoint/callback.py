@@ -36,7 +36,7 @@ from stratkit.strategy import keras_compat
 from stratkit.strategy.keras_compat import callback_state as keras_state
 from stratkit.strategy.keras_compat import resume_step
 from stratkit.training.checkpoint import callbacks_state, preemption, state as state_lib, store
-from stratkit.training.checkpoint.data import DataPosition, model_fit_position
+from stratkit.training.checkpoint.data import DataPosition, data_position, model_fit_position
 from stratkit.training.checkpoint.layout import WHAT, Position, worker_backup_dir
 from stratkit.training.checkpoint.schedule import Clock, parse_every
 from stratkit.training.checkpoint.state import RunFacts
@@ -77,7 +77,7 @@ class Backup(keras.callbacks.Callback):
         self.resume_note = resume_note
         self.facts = facts
         self.data = data
-        self.notice = preemption.Notice(preemption.preemption_signals())  # checks the variable up front
+        self.notice = preemption.Notice(status.preemption_signals())  # checks the variable up front
         self.resumed_epoch = 0
         self.resumed = Position()
         self._decided: tuple[Position, Any, Any] | None = None
@@ -193,10 +193,24 @@ class Backup(keras.callbacks.Callback):
                                                  position.step, self.backup_dir)
         return self._change
 
+    def bind_input(self, data: Any, prepared: Any, *, world_size: int, replicas: int) -> None:
+        """`Trainer.fit`'s input for this run (`inputs.PreparedData`): check the run facts, plan the data's start.
+
+        Raises:
+            ConfigError: the run cannot continue the backup's (a different global batch mid-epoch, ...).
+        """
+        facts = RunFacts(global_batch_size=prepared.global_batch_size, steps_per_epoch=prepared.steps_per_epoch,
+                         dataset_rows=prepared.num_examples, world_size=world_size, replicas=replicas,
+                         data_kind=prepared.kind)
+        self.check_run(facts)
+        saved = self.saved_facts
+        self.data = data_position(data, prepared.kind, prepared.replay, self.decide_position(),
+                                  world_changed=saved is not None and saved.world_size != world_size)
+
     # -- Keras hooks ----------------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         position = self.decide_position()
-        self.notice = preemption.Notice(preemption.preemption_signals())
+        self.notice = preemption.Notice(status.preemption_signals())
         _, point, local = self._decided
         if position != Position():
             if local.note and point is local:

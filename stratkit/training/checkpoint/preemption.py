@@ -29,15 +29,15 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from stratkit import status
-from stratkit.errors import ConfigError
+from stratkit.status import parse_signal, preemption_signals  # noqa: F401 - this module's API too
 
 log = status.logger(__name__)
 
-#: Names an extra signal that means "preempted" (e.g. USR1), as a name or a number; SIGTERM always does.
-SIGNAL_VAR = "STRATKIT_PREEMPTION_SIGNAL"
+#: Names an extra signal that means "preempted" (`stratkit.status`, where the launcher reads it too).
+SIGNAL_VAR = status.PREEMPTION_SIGNAL_VAR
 #: After a preempted process raised `Preempted`, the longest its interpreter may take to exit before it is ended.
 EXIT_DEADLINE = 2.0
 
@@ -51,33 +51,6 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-def parse_signal(text: str, name: str = SIGNAL_VAR) -> int:
-    """`USR1`, `SIGUSR1` or `10` as a signal number.
-
-    Raises:
-        ConfigError: naming `name`, the value and what it takes.
-    """
-    value = text.strip().upper()
-    if value.isdigit():
-        number = int(value)
-    else:
-        number = getattr(signal, value if value.startswith("SIG") else f"SIG{value}", None)
-    valid = {int(s) for s in signal.valid_signals()} if hasattr(signal, "valid_signals") else set()
-    if not isinstance(number, int) or (valid and number not in valid) or number in (signal.SIGKILL,
-                                                                                    signal.SIGSTOP):
-        raise ConfigError(f"{name}={text!r} is not a signal a process can catch. Fix: a name such as USR1 or "
-                          "SIGUSR2 (Slurm: --signal=B:USR1@120 goes with USR1), or unset it (SIGTERM is always "
-                          "a preemption notice)")
-    return int(number)
-
-
-def preemption_signals(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """SIGTERM, and the signal STRATKIT_PREEMPTION_SIGNAL names (if any)."""
-    text = (os.environ if environ is None else environ).get(SIGNAL_VAR, "").strip()
-    extra = parse_signal(text) if text else None
-    return (signal.SIGTERM,) if extra in (None, signal.SIGTERM) else (signal.SIGTERM, extra)
 
 
 class Notice:

@@ -22,6 +22,7 @@ weights file does not hold:
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -93,8 +94,16 @@ def _value(variable: Any) -> list:
 
 
 def manifest(model: Any) -> list[list]:
-    """[name, shape] of every weight, in order (the name without its model prefix: auto-numbering differs)."""
+    """[name, shape] of every weight, in order (the path without its model's name)."""
     return [[str(v.path).split("/", 1)[-1], list(v.shape)] for v in model.weights]
+
+
+def _same_name(old: str, new: str) -> bool:
+    """Names equal but for Keras's auto-numbering (`dense_4/kernel` in a process that built other models first)."""
+    def plain(name: str) -> list[str]:
+        return [re.sub(r"_\d+$", "", part) for part in name.split("/")]
+
+    return plain(old) == plain(new)
 
 
 def check_manifest(saved: list | None, model: Any, path: str) -> None:
@@ -107,7 +116,7 @@ def check_manifest(saved: list | None, model: Any, path: str) -> None:
         return
     now = manifest(model)
     for index, (old, new) in enumerate(zip(saved, now)):
-        if [old[0], list(old[1])] != new:
+        if list(old[1]) != new[1] or not _same_name(old[0], new[0]):
             raise ConfigError(f"cannot resume from {path}: it was written by another model. Variable {index}: the "
                               f"backup has {old[0]} {tuple(old[1])}, this model has {new[0]} {tuple(new[1])}. Nothing "
                               "was loaded or deleted. Fix: build the same model as the run that wrote the backup, "
