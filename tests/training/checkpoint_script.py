@@ -65,7 +65,9 @@ class Evidence(keras.callbacks.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             with open(os.path.join(OUT, f"signal-{RANK}.json"), "w") as handle:
                 json.dump({"time": time.time(), "step": step}, handle)
-            threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL)).start()  # the platform's deadline
+            deadline = threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL))  # the platform's deadline
+            deadline.daemon = True
+            deadline.start()
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_end(self, batch, logs=None):

@@ -350,8 +350,7 @@ class Backup(keras.callbacks.Callback):
         if self.notice.repeats:
             message += f" ({self.notice.repeats} more notice(s) came during the save)"
         log.warning("%s", message)
-        self.notice.uninstall()
-        resume_step.disarm()
+        resume_step.disarm()  # (the signal handlers stay: a further SIGTERM must not end the exit with -15)
         preemption.exit_soon()
         raise preemption.Preempted(message)
 

@@ -11,7 +11,9 @@ int32s (nothing on one process or a local Mirrored strategy): every worker
 sees the same answer at the same step, writes its backup there and exits
 with `stratkit.status.EXIT_PREEMPTED` (75). Further signals during the save
 are counted and ignored: the save finishes (or a SIGKILL leaves the previous
-backup standing: every file is renamed into place only when complete).
+backup standing: every file is renamed into place only when complete). The
+handlers stay until the process is gone, so a launcher's SIGTERM to a task
+that is already leaving does not turn its 75 into a death by signal.
 
 TensorFlow's own notifier: in a MultiWorkerMirrored worker, TensorFlow's
 coordination agent installs a C++ SIGTERM handler when the strategy starts
@@ -24,6 +26,8 @@ that acts; `uninstall` puts back whatever was there (TensorFlow's included).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import signal
 import sys
@@ -38,8 +42,10 @@ log = status.logger(__name__)
 
 #: Names an extra signal that means "preempted" (`stratkit.status`, where the launcher reads it too).
 SIGNAL_VAR = status.PREEMPTION_SIGNAL_VAR
-#: After a preempted process raised `Preempted`, the longest its interpreter may take to exit before it is ended.
-EXIT_DEADLINE = 2.0
+#: After a preempted process raised `Preempted`, the longest its interpreter may take to exit before it is ended
+#: (measured: a MultiWorkerMirrored worker's interpreter does not finish exiting by itself within 2 s, its
+#: runtime waiting on its peers at shutdown).
+EXIT_DEADLINE = 1.0
 
 
 class Preempted(SystemExit):
@@ -124,19 +130,31 @@ class Agreement:
 
 
 def exit_soon(code: int = status.EXIT_PREEMPTED, deadline: float = EXIT_DEADLINE) -> None:
-    """End the process with `code` after `deadline` s if it has not exited by then (a daemon thread).
+    """Make sure the process ends with `code` promptly once `Preempted` has unwound the script.
 
-    `Preempted` unwinds `fit` and the script normally; a runtime that waits at
-    exit (TensorFlow's coordination service for its peers) must not eat the
-    platform's grace period.
+    `Preempted` unwinds `fit` and the script (their `finally` blocks run), then
+    two things bound the rest: an exit handler, registered last so it runs
+    first, ends the process with `code` as soon as the interpreter starts
+    exiting (measured: a MultiWorkerMirrored worker's interpreter otherwise
+    waits seconds in TensorFlow's teardown for its peers, after Python has put
+    SIGTERM back to its default, so a launcher's SIGTERM then turned its 75 into
+    a death by signal); and a daemon thread ends it after `deadline` s if the
+    script is still running or waiting for its own threads.
     """
+    atexit.register(_leave, code)
+
     def end() -> None:
         time.sleep(deadline)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        _leave(code)
 
     threading.Thread(target=end, name="stratkit-preempted-exit", daemon=True).start()
+
+
+def _leave(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
