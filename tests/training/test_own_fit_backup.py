@@ -41,8 +41,8 @@ x = rng.normal(size=(96, 8)).astype("float32")
 y = (x @ rng.normal(size=(8, 1)) + 0.1).astype("float32")
 
 def callbacks(*extra):
-    return [keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=0.3),
-            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=1.0), *extra]
+    return [keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.3),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=2.0), *extra]
 
 def fit(model, extra):
     return model.fit(x, y, batch_size=12, epochs=8, shuffle=False, verbose=0, callbacks=callbacks(*extra))
@@ -61,7 +61,7 @@ print(json.dumps({
     "weights": max(float(np.abs(a - b).max()) for a, b in zip(resumed.get_weights(), reference.get_weights())),
     "epochs": [got.epoch, want.epoch],
     "history": max(float(np.abs(np.array(got.history[k]) - np.array(want.history[k])).max()) for k in want.history),
-    "lr": want.history["learning_rate"], "backup_left": os.path.exists(backup)}))
+    "lr": want.history["learning_rate"], "loss": want.history["loss"], "backup_left": os.path.exists(backup)}))
 """
 
 

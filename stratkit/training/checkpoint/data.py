@@ -8,9 +8,9 @@ global batches). Each input kind continues from it its own way:
 |---|---|
 | numpy arrays (`Trainer.fit`) | each epoch's order is a function of (seed, epoch): the index stream starts at batch s of epoch e; nothing is read twice (`inputs.arrays`) |
 | `keras.utils.PyDataset` | by index: the resumed epoch's pass starts at batch s (`ResumedPyDataset`); the batches before it are not read |
-| `tf.data.Dataset` with `steps_per_epoch` (one stream for the run) | the stream skips the e x steps + s batches read before (`Dataset.skip`: exact for a pipeline that gives the same batches in a new process; read, not trained) |
+| `tf.data.Dataset` with `steps_per_epoch` (one stream for the run) | the iterator `fit` trains from reads and drops the e x steps + s batches read before (a replay, said once) |
 | `tf.data.Dataset`, one pass per epoch | the resumed epoch's pass reads and drops its first s batches (a replay, said once) |
-| `dataset_fn(input_context)` | each worker's stream skips its e x steps + s batches (exact at the same world size; said when it changed) |
+| `dataset_fn(input_context)` | each worker's iterator reads and drops its e x steps + s batches (exact at the same world size; said when it changed) |
 | your own `model.fit` (`stratkit.callbacks.Backup`) | Keras's iterator reads and drops what it read before the backup (a replay, said once) |
 
 TensorFlow's own iterator checkpointing (`tf.train.Checkpoint(iterator=...)`)
@@ -18,9 +18,14 @@ would carry a pipeline's buffers instead, but the iterator Keras's `fit`
 reads under a strategy (`tf.distribute`'s `DistributedIterator`) is not
 trackable in TensorFlow 2.16-2.21 (measured: `Checkpoint was expecting iterator
 to be a trackable object ... DistributedIterator`), so a tf.data position is
-reached by skipping. A pipeline that reshuffles each pass without a fixed
-seed draws other orders in a new process: no skip makes that exact (the
-resume says so).
+reached by a replay through the very iterator `fit` trains from: the same
+iterators are made as in the uninterrupted run, so a pipeline that gives the
+same batches in a new process, a reshuffle with a fixed seed included, is
+continued exactly (a `Dataset.skip` in the pipeline was measured not to be: the
+reshuffle seeds are drawn by every iterator of a dataset, and Keras's peek at
+the first batch then read through the skip). A pipeline that reshuffles without
+a fixed seed draws other orders in a new process: nothing makes that exact
+(the resume says so).
 """
 
 from __future__ import annotations
@@ -118,19 +123,15 @@ def data_position(data: Any, kind: str, replay: int, position: Position, *, worl
         step = position.step
         return DataPosition(before=lambda: data.start_at(step))
     note = None
-    if replay:
-        note = (f"the input is a tf.data.Dataset read one pass per epoch: the resumed epoch {position.epoch + 1} reads "
-                f"and drops its first {replay} batches to continue at step {position.step} (TensorFlow cannot save "
-                "the position of the iterator fit reads). Exact when the pipeline gives the same batches in a new "
-                "process (no reshuffle without a fixed seed)")
-    elif kind == "dataset_fn" and world_changed:
-        note = ("the input is a dataset_fn and the world size changed since the backup: each worker's stream was "
-                f"skipped to step {position.epoch} x steps + {position.step}, but its shard is not the one it read "
-                "before, so the examples after the resume are not the uninterrupted run's")
-    elif kind in ("dataset", "batched_dataset", "dataset_fn"):
-        note = (f"the input is a tf.data pipeline: the resume skipped the batches read before epoch "
-                f"{position.epoch + 1} step {position.step} (read again, not trained). Exact when the pipeline gives "
-                "the same batches in a new process (no reshuffle without a fixed seed)")
+    if kind == "dataset_fn" and world_changed:
+        note = (f"the input is a dataset_fn and the world size changed since the backup: each worker read and "
+                f"dropped {replay} batches to reach epoch {position.epoch + 1} step {position.step}, but its shard is "
+                "not the one it read before, so the examples after the resume are not the uninterrupted run's")
+    elif replay:
+        note = (f"the input is a tf.data pipeline: to continue at epoch {position.epoch + 1} step {position.step} the "
+                f"resumed run read and dropped {replay} batches (TensorFlow cannot save the position of the iterator "
+                "fit reads). Exact when the pipeline gives the same batches in a new process (no reshuffle without "
+                "a fixed seed)")
     return DataPosition(skip=replay, note=note)
 
 

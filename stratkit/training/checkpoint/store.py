@@ -161,6 +161,11 @@ def _no_room(exc: BaseException) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
+    """`No space left on device` (not h5py's whole message, which carries it)."""
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        text = os.strerror(code)
+        if text in str(exc) or (isinstance(exc, OSError) and exc.errno == code):
+            return text
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
 
 

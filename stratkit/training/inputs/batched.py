@@ -26,7 +26,7 @@ class BatchedDatasetAdapter(InputAdapter):
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
                    drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
-        """Repeated if asked, sharded, never re-batched; a resumed stream skips the batches read before."""
+        """Repeated if asked, sharded, never re-batched; a mid-epoch resume replays what was read before."""
         if global_batch_size is None and self.batch_size > 0:
             global_batch_size = self.batch_size
         if global_batch_size is None:
@@ -38,12 +38,10 @@ class BatchedDatasetAdapter(InputAdapter):
         cardinality = int(self.data.cardinality())
         stream = training and steps_per_epoch is not None
         dataset = self.data.repeat() if stream else self.data
-        if stream and (first_epoch or first_step):
-            dataset = dataset.skip(first_epoch * steps_per_epoch + first_step)  # global batches: any world size
         dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
         steps = steps_per_epoch if steps_per_epoch is not None else (cardinality if cardinality >= 0 else None)
         return PreparedData(dataset, global_batch_size, steps, None, self.kind,
-                            replay=0 if stream else first_step)
+                            replay=rules.replayed(first_epoch, first_step, steps_per_epoch if stream else None))
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:

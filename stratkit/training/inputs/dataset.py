@@ -73,14 +73,12 @@ class DatasetAdapter(InputAdapter):
             if training and steps_per_epoch is not None:  # the steps rule: every step asked for runs
                 dataset = dataset.repeat()  # before batching: batches run on across passes, all full
             dataset = dataset.batch(global_batch_size, drop_remainder=drop)
-            if training and steps_per_epoch is not None and (first_epoch or first_step):
-                dataset = dataset.skip(first_epoch * steps_per_epoch + first_step)  # a resume: read before
         dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
         steps = steps_per_epoch
         if steps is None and num_examples is not None:
             steps = num_examples // global_batch_size if drop else math.ceil(num_examples / global_batch_size)
-        replay = first_step if stream is None and training and steps_per_epoch is None else 0
+        replay = 0 if stream is not None or not training else rules.replayed(first_epoch, first_step, steps_per_epoch)
         return PreparedData(dataset, global_batch_size, steps, num_examples, self.kind, endless=stream is not None,
                             replay=replay)
 

@@ -9,16 +9,15 @@ from stratkit.training.inputs import rules
 from stratkit.training.inputs.base import InputAdapter, PreparedData, WorkerContext
 
 
-def repeating(dataset_fn: rules.DatasetFn, skip: int = 0) -> rules.DatasetFn:
-    """`dataset_fn` whose dataset repeats forever (the steps rule), checked to be a dataset; `skip` batches dropped."""
+def repeating(dataset_fn: rules.DatasetFn) -> rules.DatasetFn:
+    """`dataset_fn` whose dataset repeats forever (the steps rule), checked to be a dataset."""
     def repeated(input_context: Any) -> Any:
         dataset = dataset_fn(input_context)
         if not rules.is_dataset(dataset):
             raise ConfigError(f"the dataset_fn passed as data returned {type(dataset).__name__}, not a "
                               "tf.data.Dataset. Fix: return a dataset batched with "
                               "input_context.get_per_replica_batch_size(global_batch_size)")
-        dataset = dataset.repeat()  # an infinite dataset stays as it was
-        return dataset.skip(skip) if skip else dataset  # a resume: this pipeline's batches read before
+        return dataset.repeat()  # an infinite dataset stays as it was
 
     return repeated
 
@@ -34,9 +33,9 @@ class DatasetFnAdapter(InputAdapter):
             raise ConfigError("steps_per_epoch is required with a dataset_fn(input_context) (its length is not "
                               "known). Fix: pass steps_per_epoch=N, e.g. examples // global_batch_size")
         repeat = training and steps_per_epoch is not None
-        skip = first_epoch * steps_per_epoch + first_step if repeat else 0
-        dataset = strategy.distribute_datasets_from_function(repeating(self.data, skip) if repeat else self.data)
-        return PreparedData(dataset, global_batch_size, steps_per_epoch, None, self.kind)
+        dataset = strategy.distribute_datasets_from_function(repeating(self.data) if repeat else self.data)
+        return PreparedData(dataset, global_batch_size, steps_per_epoch, None, self.kind,
+                            replay=rules.replayed(first_epoch, first_step, steps_per_epoch if repeat else None))
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:
