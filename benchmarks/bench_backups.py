@@ -25,7 +25,7 @@ from common import print_table, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-MODELS = {"small": [256, 512, 512], "large": [1024, 2048, 2048, 2048]}
+MODELS = {"small": [256, 512, 512], "large": [1024, 2048, 2048]}
 
 ONE_PROCESS = r"""
 import json, os, sys, tempfile, time
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     rounds = 2 if args.quick else max(args.rounds, 3)
-    steps, every = (12, 4) if args.quick else (60, 20)
+    steps, every = (12, 4) if args.quick else (40, 10)
     models = {"small": [16, 32]} if args.quick else MODELS
     rows = []
     for name, widths in models.items():
