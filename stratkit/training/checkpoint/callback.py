@@ -51,7 +51,8 @@ class Backup(keras.callbacks.Callback):
         backup_dir: the backup directory (the chief's files; other workers' in `workers/worker-N`).
         every: None (after every epoch), a positive int (every that many global steps) or a duration
             ("30s", "10min", "1h": at the first step boundary after that much time, the chief's clock).
-        is_chief, rank: this worker's place (default: `stratkit.detect()`).
+        is_chief: this worker saves to backup_dir itself (default: `stratkit.detect()`).
+        rank: this worker's rank, which names its subdirectory (default: `stratkit.detect()`).
         agree_on_epoch: callable(int) -> int, the MIN over all workers (a collective); identity on one worker
             (default: from the model's strategy).
         agree_flags: callable(list[int]) -> list[int], the SUM over all workers (one collective per step);
