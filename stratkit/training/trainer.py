@@ -252,6 +252,8 @@ class Trainer:
             raise refused from None
         finally:
             side_effects.remove_dirs(temps)
+            if backup is not None:
+                backup.release()  # (after an exception Keras skips on_train_end)
 
     @property
     def _multi_worker(self) -> bool:

@@ -168,3 +168,17 @@ def test_sigterm_to_the_launcher_saves_every_worker_and_exits_75(tmp_path, refer
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert len(_retrained(tmp_path)) <= 1
     _assert_equals_reference(tmp_path, reference, ranks=(0, 1))
+
+
+@pytest.mark.multiworker
+def test_a_two_worker_step_backup_resumes_on_one_process_at_the_same_global_batch(tmp_path, reference):
+    """Elastic: the position is global (epoch, step of the global batch), so another world size continues it."""
+    launch = subprocess.run(_launch_argv("--workers", "2", "--max-restarts", "0"),
+                            env=_launch_env(tmp_path, {"KILL_AT": "23", "KILL_RANK": "1", "KILL_SIGNAL": "KILL"}),
+                            capture_output=True, text=True, timeout=600)
+    assert launch.returncode != 0 and "worker:1 killed by SIGKILL" in launch.stderr
+    alone = _run(tmp_path, {}, attempt=1)  # the chief's backup in backup_dir, one process now
+    assert alone.ok, describe([alone])
+    assert "world size 2 -> 1" in alone.stderr and "the global batch is kept" in alone.stderr
+    assert _retrained(tmp_path) == [21, 22]
+    _assert_equals_reference(tmp_path, reference)

@@ -311,3 +311,44 @@ def test_a_second_signal_during_the_save_finishes_it_or_leaves_the_previous_back
         assert result.returncode == -signal.SIGKILL, describe([result])
         assert point.position.epoch == 1 and point.position.step == 2
         assert json.loads((backup / "checkpoint.json").read_text())["step"] == 2
+
+
+def test_callbacks_counters_go_on_at_the_backups_step(trainer, tmp_path):
+    """ModelCheckpoint(save_freq=3) saves at the same steps, LearningRateScheduler's multiplicative schedule is
+    applied once per epoch, TensorBoard's step axis and CSVLogger's rows go on, across a mid-epoch resume."""
+    x, y = _data()
+
+    def callbacks(out):
+        return [keras.callbacks.ModelCheckpoint(str(out / "ckpt-{epoch}-{batch}.weights.h5"), save_freq=3,
+                                                save_weights_only=True),
+                keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.8),
+                keras.callbacks.TensorBoard(str(out / "tb"), update_freq=2),
+                keras.callbacks.CSVLogger(str(out / "log.csv"))]
+
+    def run(out, backup=None, crash=None):
+        out.mkdir(exist_ok=True)
+        extra = [Steps(crash)] if crash else []
+        model = trainer.build(_model())
+        given = callbacks(out)
+        options = {"backup_dir": str(backup), "backup_every": EVERY} if backup else {}
+        history = trainer.fit(model, (x, y), epochs=4, global_batch_size=BATCH, verbose=0,
+                              callbacks=[*extra, *given], **options)
+        return model, history, given
+
+    model, history, given = run(tmp_path / "reference")
+    backup = tmp_path / "backup"
+    with pytest.raises(Crash):
+        run(tmp_path / "resumed", backup, crash=CRASH_AT)
+    again_model, again, again_given = run(tmp_path / "resumed", backup)
+    np.testing.assert_allclose(again.history["learning_rate"], history.history["learning_rate"], rtol=1e-7)
+    assert len(set(history.history["learning_rate"])) == 4  # 0.8x at every epoch's start, once
+    for a, b in zip(again_model.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    saved = sorted(p.name for p in (tmp_path / "reference").glob("ckpt-*"))
+    assert saved and sorted(p.name for p in (tmp_path / "resumed").glob("ckpt-*")) == saved
+    assert again_given[2]._global_train_batch == given[2]._global_train_batch == 32  # TensorBoard's step axis
+    import csv
+
+    rows = [list(csv.DictReader((tmp_path / name / "log.csv").open())) for name in ("reference", "resumed")]
+    assert [r["epoch"] for r in rows[1]] == [r["epoch"] for r in rows[0]] == ["0", "1", "2", "3"]  # none repeated
+    np.testing.assert_allclose([float(r["loss"]) for r in rows[1]], [float(r["loss"]) for r in rows[0]], atol=1e-6)

@@ -82,6 +82,7 @@ class Backup(keras.callbacks.Callback):
         self.resumed_epoch = 0
         self.resumed = Position()
         self._decided: tuple[Position, Any, Any] | None = None
+        self._preempting = False
         self._checked = False
         self._change: str | None = None
         self._reset_run()
@@ -303,11 +304,23 @@ class Backup(keras.callbacks.Callback):
         self._write(position, self._epoch_start, reason="epoch", state=False)
         self._pending = (position, self._epoch_start)
 
-    def on_train_end(self, logs: dict | None = None) -> None:
-        keras_compat.set_resume_epoch(self.model, None)
+    def release(self) -> None:
+        """Give back what a `fit` took (the signal handlers, the model's resume epoch, CSVLoggers' mode).
+
+        `on_train_end` does it; after a `fit` that raised (Keras then skips
+        `on_train_end`) the caller does (`Trainer.fit` does). A preempted process
+        keeps its handlers until it is gone.
+        """
+        if self.model is not None:
+            keras_compat.set_resume_epoch(self.model, None)
         resume_step.disarm()
-        self.notice.uninstall()
+        if not self._preempting:
+            self.notice.uninstall()
         callbacks_state.restore_csv_append(self._csv)
+        self._csv = []
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.release()
         self._decided = None  # a later fit with this callback decides again
         self._checked = False
         past_end = self._past_end
@@ -345,6 +358,7 @@ class Backup(keras.callbacks.Callback):
         waited = time.monotonic() - self.notice.at if self.notice.noticed else 0.0
         where = f"{position} (global step {global_step})"
         saved = (f"backup written in {seconds:.2f} s" if seconds else "the newest backup is already at this step")
+        self._preempting = True
         message = (f"preempted: {noticed}" + (f", {waited:.2f} s ago" if self.notice.noticed else "") +
                    f"; stopped at {where}; {saved} ({self.directory}); exiting with status "
                    f"{status.EXIT_PREEMPTED} (preempted): a restart resumes here")
