@@ -282,7 +282,9 @@ class Trainer:
         """Save `model` (a `.keras` file, or `.weights.h5`) from the chief; atomic; creates parent dirs.
 
         Every worker must call it (reading synchronised variables can need all
-        of them); non-chief workers write to a temp dir and remove it.
+        of them); non-chief workers write to a temp dir and remove it. First
+        the replica check (`stratkit.check_replicas`): replicas whose copies of
+        the model differ raise `ReplicaDivergenceError` and nothing is written.
 
         Returns:
             The path written on the chief, None on other workers.
@@ -292,6 +294,11 @@ class Trainer:
             raise ConfigError(f"save path {path!r} must end in .keras (whole model) or .weights.h5 (weights). "
                               "Fix: e.g. trainer.save(model, 'out/model.keras')")
         suffix = ".weights.h5" if path.endswith(".weights.h5") else ".keras"
+        if not self._ps:
+            from stratkit.strategy import replica_check
+
+            # every worker is here (see above): the same copies everywhere, or no file at all
+            replica_check.check(model, self.strategy, when=f"before trainer.save({path!r})")
         if self.is_chief:
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)
