@@ -148,14 +148,11 @@ class Trainer:
         from stratkit.training import fit_args
         from stratkit.training.inputs import is_dataset_fn, is_py_dataset, prepare, resolve_global_batch_size
 
-        from stratkit.training.checkpoint import parse_every
+        from stratkit.training.checkpoint import Backup, Position, check_every, resumable_input_for
 
         fit_args.refuse_unknown(others)
         fit_args.check_epochs(epochs)
-        every = parse_every(backup_every)
-        if every.per_step and backup_dir is None:
-            raise ConfigError(f"backup_every={backup_every!r} needs backup_dir=<a directory> to write the backups "
-                              "to. Fix: pass backup_dir, or drop backup_every")
+        every = check_every(backup_every, backup_dir)
         if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
@@ -190,24 +187,19 @@ class Trainer:
                                         backup_dir=backup_dir, callbacks=callbacks, verbose=verbose,
                                         validation_steps=validation_steps)
         tpu = self.spec.strategy == "tpu"
-        backup, position = None, None
+        backup, position = None, Position(initial_epoch or 0)
         if backup_dir is not None:
-            from stratkit.training.checkpoint import Backup, Position, resumable_input_for
-
             backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
                             rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers,
                             agree_flags=self._sum_over_workers if self._multi_worker else None)
-            position = backup.decide_position()
-            if position.epoch < (initial_epoch or 0):
-                position = Position(initial_epoch)
+            position = max(backup.decide_position(), position)
             data = resumable_input_for(data, position)
         # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
         # first one starts at (a step backup).
-        first_epoch = position.epoch if position is not None else initial_epoch or 0
         train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                         global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
-                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=first_epoch,
-                        first_step=position.step if position is not None else 0)
+                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=position.epoch,
+                        first_step=position.step)
         val = None
         if validation_data is not None:
             val_batch = None if is_py_dataset(validation_data) else global_batch
@@ -318,7 +310,9 @@ class Trainer:
         """Save `model` (a `.keras` file, or `.weights.h5`) from the chief; atomic; creates parent dirs.
 
         Every worker must call it (reading synchronised variables can need all
-        of them); non-chief workers write to a temp dir and remove it.
+        of them); non-chief workers write to a temp dir and remove it. First
+        the replica check (`stratkit.check_replicas`): replicas whose copies of
+        the model differ raise `ReplicaDivergenceError` and nothing is written.
 
         Returns:
             The path written on the chief, None on other workers.
@@ -328,6 +322,11 @@ class Trainer:
             raise ConfigError(f"save path {path!r} must end in .keras (whole model) or .weights.h5 (weights). "
                               "Fix: e.g. trainer.save(model, 'out/model.keras')")
         suffix = ".weights.h5" if path.endswith(".weights.h5") else ".keras"
+        if not self._ps:
+            from stratkit.strategy import replica_check
+
+            # every worker is here (see above): the same copies everywhere, or no file at all
+            replica_check.check(model, self.strategy, when=f"before trainer.save({path!r})")
         if self.is_chief:
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)

@@ -383,6 +383,8 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _batch_size", "private _batch_sizes", "private _context_handle", "private _initial_epoch",
         "private _input_dataset", "private _learning_rate",
         "patch model._initial_epoch",
+        # a custom loop's gradient accumulators: per replica by design, skipped by the replica check
+        "private _accumulated_gradients",
     },
     "stratkit/strategy/keras_compat/metric_guard.py": {
         "import keras.src.backend.tensorflow.core", "import keras.src.metrics.metric",
@@ -425,6 +427,14 @@ GATE_INVENTORY: dict[str, set[str]] = {
     "stratkit/strategy/keras_compat/replica_seeds.py": {
         # keras.random.SeedGenerator.next wrapped: the seed it hands out folded with the replica id (N > 1 replicas)
         "patch cls.next",
+    },
+    "stratkit/strategy/keras_compat/replica_state.py": {
+        # the TF backend Variable's _direct_assign wrapped: a layer's state assigned in a replica step gets the
+        # replicas' row-weighted mean; the self-check reads the common Variable.assign that calls it
+        "module path keras.src.backend.common.variables", "module path keras.src.backend.tensorflow.core",
+        "module path keras.src.layers.normalization.batch_normalization",
+        "patch cls._direct_assign", "private _direct_assign", "private _flatten_layers",
+        "private _non_trainable_variables",
     },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back

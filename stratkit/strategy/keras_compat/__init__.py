@@ -23,6 +23,8 @@ The modules, one responsibility each:
   scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
   (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
+* :mod:`.replica_state`: state a layer assigns in a replica step (``aggregation="none"``) set to the replicas'
+  row-weighted mean, one value everywhere;
 * :mod:`.optimizer_build`: a custom loop's optimizer, built by its first ``apply`` in ``strategy.run``,
   is built in the cross-replica context; :mod:`.on_batch`: ``*_on_batch`` split over the replicas;
 * :mod:`.array_shuffle`: the arrays ``fit`` shuffles take one order on every worker;
@@ -64,6 +66,7 @@ from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
 from stratkit.strategy.keras_compat import layer_losses as _layer_losses
 from stratkit.strategy.keras_compat import replica_seeds as _replica_seeds
+from stratkit.strategy.keras_compat import replica_state as _replica_state
 from stratkit.strategy.keras_compat import resume_step as _resume_step
 from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
@@ -300,6 +303,7 @@ def revert() -> None:
         _synced_logs.uninstall()
         _batchnorm.uninstall()
         _replica_seeds.uninstall()
+        _replica_state.uninstall()
         _resume_step.uninstall()
         _status = None
 
@@ -312,6 +316,7 @@ def _install_all() -> None:
     _synced_logs.install()
     _batchnorm.install()
     _replica_seeds.install()  # Dropout, augmentation, keras.random: each replica its own draws
+    _replica_state.install()  # a layer's assigned state: the replicas' row-weighted mean, the same everywhere
 
 
 def install_fit_guards() -> bool:

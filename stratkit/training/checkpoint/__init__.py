@@ -30,13 +30,13 @@ from stratkit.training.checkpoint.data import DataPosition, ResumedPyDataset, da
 from stratkit.training.checkpoint.data import resumable_input as resumable_input_for
 from stratkit.training.checkpoint.layout import METADATA, Metadata, Position, read_metadata, worker_backup_dir
 from stratkit.training.checkpoint.preemption import SIGNAL_VAR, Preempted, parse_signal, preemption_signals
-from stratkit.training.checkpoint.schedule import Every, parse_every
+from stratkit.training.checkpoint.schedule import Every, check_every, parse_every
 from stratkit.training.checkpoint.state import RunFacts
 from stratkit.training.checkpoint.store import (BackupWriteError, ResumePoint, copy_backup, find_resume_point,
                                                 load, past_end, prepare_dir, readable_position, remove_backup,
                                                 write_backup)
 
 __all__ = ["METADATA", "SIGNAL_VAR", "Backup", "BackupWriteError", "DataPosition", "Every", "Metadata", "Position",
-           "Preempted", "ResumePoint", "ResumedPyDataset", "RunFacts", "copy_backup", "data_position", "find_resume_point", "load",
+           "Preempted", "ResumePoint", "ResumedPyDataset", "RunFacts", "check_every", "copy_backup", "data_position", "find_resume_point", "load",
            "parse_every", "parse_signal", "past_end", "preemption_signals", "prepare_dir", "read_metadata",
            "readable_position", "remove_backup", "resumable_input_for", "worker_backup_dir", "write_backup"]

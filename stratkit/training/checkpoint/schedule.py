@@ -62,6 +62,15 @@ def parse_every(value: Any, name: str = "backup_every") -> Every:
     raise ConfigError(f"{name}={value!r} is a {type(value).__name__}, not a number of steps or a duration. {fix}")
 
 
+def check_every(value: Any, backup_dir: Any) -> Every:
+    """`backup_every` parsed, refused without a `backup_dir` to write to (`Trainer.fit`'s check)."""
+    every = parse_every(value)
+    if every.per_step and backup_dir is None:
+        raise ConfigError(f"backup_every={value!r} needs backup_dir=<a directory> to write the backups to. Fix: "
+                          "pass backup_dir, or drop backup_every")
+    return every
+
+
 class Clock:
     """The local side of a schedule: is a backup due at this step boundary (before the agreement)?"""
 
