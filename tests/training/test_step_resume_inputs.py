@@ -352,3 +352,23 @@ def test_callbacks_counters_go_on_at_the_backups_step(trainer, tmp_path):
     rows = [list(csv.DictReader((tmp_path / name / "log.csv").open())) for name in ("reference", "resumed")]
     assert [r["epoch"] for r in rows[1]] == [r["epoch"] for r in rows[0]] == ["0", "1", "2", "3"]  # none repeated
     np.testing.assert_allclose([float(r["loss"]) for r in rows[1]], [float(r["loss"]) for r in rows[0]], atol=1e-6)
+
+
+def test_a_duration_backs_up_at_the_first_step_boundary_after_it(trainer, tmp_path):
+    x, y = _data()
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            import time
+
+            time.sleep(0.25)
+
+    backup = tmp_path / "backup"
+    with pytest.raises(Crash):
+        trainer.fit(trainer.build(_model()), (x, y), epochs=4, global_batch_size=BATCH, backup_dir=str(backup),
+                    backup_every="1s", callbacks=[Slow(), Steps(CRASH_AT)], verbose=0)
+    point = find_resume_point(str(backup))
+    state = point.state()
+    assert state["reason"] == "every 1s (the chief's clock)" and state["phase"] == "batch"
+    # steps of >= 0.25 s: a backup every 4-5 steps, the newest one at most 5 steps before the crash at step 13
+    assert 8 <= state["position"]["global_step"] < CRASH_AT
