@@ -2,8 +2,9 @@
 
 It does three things, nothing else:
 
-* registers the markers Keras's own ``conftest.py`` registers (that file is not in the wheel), so a Keras
-  test file runs here as it runs in Keras's CI on the TensorFlow backend (the marks change nothing there);
+* stands in for Keras's own ``conftest.py``, which is not in the wheel: registers its markers and offers
+  its ``skip_if_backend`` (a few test files import it), so a Keras test file runs here as in Keras's CI on
+  the TensorFlow backend;
 * with ``--stratkit-patches``, installs stratkit's Keras patches at configure time, before any test module
   is imported, exactly as ``stratkit.make_strategy()`` does in a user's process
   (``stratkit.strategy.keras_compat.apply()``), and stops the run if they are not really in place;
@@ -84,7 +85,8 @@ class _Recorder:
                     "message": state.get("message", "")})
 
     def pytest_sessionfinish(self, exitstatus: int) -> None:
-        end: dict[str, Any] = {"event": "end", "exitstatus": int(exitstatus), "cpu_seconds": round(_cpu_seconds(), 1)}
+        end: dict[str, Any] = {"event": "end", "exitstatus": int(exitstatus),
+                               "cpu_seconds": round(_cpu_seconds(), 1)}
         if self._patched:
             end["patches_at_end"] = _patch_status()   # a test that reverted them would have run the rest plain
         self.write(end)
