@@ -9,7 +9,7 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-ray test-fast bench compat docs clean
+.PHONY: install demo test test-ray test-keras test-fast bench compat docs clean
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ test: $(STAMP) $(COMPAT_OVERLAYS)
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q --durations=10 -m ray
+
+# Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
+# once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched
+# (tools/keras_tests.py; logs and result.json in out/keras-tests). The two passes run side by side.
+KERAS_TEST_JOBS ?= 2
+test-keras: $(STAMP)
+	$(PY) tools/keras_tests.py --jobs $(KERAS_TEST_JOBS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
