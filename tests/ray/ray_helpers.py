@@ -168,11 +168,12 @@ class Lines:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.seen: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        self.arrived: list[float] = []  # time.time() at which each line of `seen` was read
+        self._queue: queue.Queue[tuple[str, float] | None] = queue.Queue()
 
         def pump() -> None:
             for line in proc.stdout:
-                self._queue.put(line.rstrip("\n"))
+                self._queue.put((line.rstrip("\n"), time.time()))
             self._queue.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
@@ -180,14 +181,19 @@ class Lines:
     def next(self, deadline: float) -> str:
         """The next line; AssertionError (with the last lines) when the process ended or the deadline passed."""
         try:
-            line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+            item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.1))
         except queue.Empty:
             raise AssertionError("no line before the deadline:\n" + self.tail()) from None
-        if line is None:
+        if item is None:
             self._queue.put(None)  # it stays ended for the next call
             raise AssertionError("the driver ended early:\n" + self.tail())
-        self.seen.append(line)
-        return line
+        self.seen.append(item[0])
+        self.arrived.append(item[1])
+        return item[0]
+
+    def when(self, text: str) -> float | None:
+        """When the first line containing `text` was read (time.time()), or None."""
+        return next((t for line, t in zip(self.seen, self.arrived) if text in line), None)
 
     def until(self, wanted: Callable[[str], bool], deadline: float) -> str:
         """The first line from now on for which `wanted(line)` is true."""
