@@ -55,14 +55,20 @@ def judge_nodes(ray: Any, node_ids: Iterable[str], deadline: float | None) -> di
     def send(node_id: str) -> Any:
         return probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
 
-    pending = {send(node_id): node_id for node_id in set(node_ids)}
-    verdicts: dict[str, str] = {}
+    def alive() -> set[str]:
+        return {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+
+    # No probe to a node Ray has already judged: its error would only be logged as unhandled.
+    listed = alive()
+    verdicts = {node_id: "dead" for node_id in set(node_ids) if node_id not in listed}
+    pending = {send(node_id): node_id for node_id in set(node_ids) if node_id in listed}
     while pending:
-        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        listed = alive()
         for ref, node_id in list(pending.items()):
-            if node_id not in alive:
+            if node_id not in listed:
                 verdicts[node_id] = "dead"
                 del pending[ref]
+                _cancel(ray, ref)
         if not pending or time.monotonic() >= end:
             break
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(min(1.0, end - time.monotonic()), 0.01))
@@ -76,11 +82,16 @@ def judge_nodes(ray: Any, node_ids: Iterable[str], deadline: float | None) -> di
                 pending[send(node_id)] = node_id
     for ref, node_id in pending.items():
         verdicts[node_id] = "unjudged"
-        try:
-            ray.cancel(ref, force=True)
-        except Exception:  # noqa: BLE001 - a probe on a node that is going away may not be cancellable
-            pass
+        _cancel(ray, ref)
     return verdicts
+
+
+def _cancel(ray: Any, ref: Any) -> None:
+    """Drop a probe that is no longer waited for."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # noqa: BLE001 - a probe on a node that is going away may not be cancellable
+        pass
 
 
 def room_for_workers(nodes: Iterable[dict[str, Any]], cpus_per_worker: float, gpus_per_worker: int,
