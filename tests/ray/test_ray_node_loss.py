@@ -61,8 +61,9 @@ def test_a_node_lost_mid_epoch_the_run_goes_on_with_one_worker_from_the_last_bac
     work.mkdir()
     started = time.monotonic()
     with ray_on_hosts(h1, h2, env) as address:
-        driver = h1.popen([sys.executable, str(DRIVER), address, str(work), str(LOSE_AT_STEP)], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        driver = h1.popen([sys.executable, str(DRIVER), address, str(work), str(LOSE_AT_STEP)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                          start_new_session=True)
         lines = Lines(driver)
         deadline = time.monotonic() + 600
         lines.until(lambda line: line.startswith(f"[worker:0] STEP {LOSE_AT_STEP} "), deadline)
