@@ -28,7 +28,8 @@ COMPAT_OVERLAYS := $(HOME)/.cache/stratkit-compat/keras-3.3.3/keras/__init__.py 
 $(COMPAT_OVERLAYS): | $(STAMP)
 	$(PY) tools/compat.py overlay 3.3.3 3.10.0
 
-# The Ray engine's tests (marker `ray`: real local Ray and a Ray cluster on test hosts, ~5 min) run in their own
+# The Ray engine's tests (marker `ray`: real local Ray and Ray clusters on test hosts, ~5 min, plus 3-4.5 min for
+# tests/ray/test_ray_node_loss.py) run in their own
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
