@@ -466,6 +466,20 @@ def planted_divergence():
             logging.getLogger("stratkit").removeHandler(handler)
             del os.environ["STRATKIT_REPLICA_CHECK"]
         out["per_mode"]["warned"] = [n for n in notices if "no longer hold the same model" in n]
+        # Trainer.fit with step backups: the check before the first backup stops the run, nothing is written
+        with scope():
+            layer = RunningMean(name="running")
+            model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        backup = tempfile.mkdtemp(prefix="planted-backup-")
+        try:
+            trainer.fit(model, (x, np.ones((8, 1), "float32")), epochs=1, global_batch_size=4, shuffle=False,
+                        backup_dir=backup, backup_every=1, verbose=0)
+            out["per_mode"]["backup_raised"] = None
+        except stratkit.ReplicaDivergenceError as exc:
+            out["per_mode"]["backup_raised"] = str(exc).split(": ")[0]
+        out["per_mode"]["backup_files"] = sorted(n for n in os.listdir(backup) if n.endswith(".h5")) \
+            if os.path.isdir(backup) else []
         return out
     finally:
         del os.environ["STRATKIT_REPLICA_STATE"]

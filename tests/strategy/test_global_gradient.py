@@ -231,9 +231,11 @@ def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_w
     """STRATKIT_REPLICA_STATE=keep leaves each replica its own running mean: fit stops at the first epoch's end,
     before ModelCheckpoint writes, on Mirrored and on both workers alike, naming the variable and its layer;
     a custom loop's stratkit.check_replicas() says the same; STRATKIT_REPLICA_CHECK=warn warns at the epoch's end
-    and at the end of fit and goes on. One replica has nothing to compare."""
+    and at the end of fit and goes on; Trainer.fit(backup_every=1) stops before its first backup, writing none.
+    One replica has nothing to compare."""
     one = one_process["planted_divergence"]["per_mode"]
     assert one["raised"] is None and one["saved"] is True and one["check_replicas"] is None and one["warned"] == []
+    assert one["backup_raised"] is None
     for run in (mirrored, *two_workers):
         got = run["planted_divergence"]["per_mode"]
         assert got["raised"] is not None and got["saved"] is False, got
@@ -242,6 +244,9 @@ def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_w
             assert re.search(r"'(sequential\w*)/running/mean' \(layer '\1/running'", message), message
             assert "largest difference" in message and "aggregation='none'" in message, message
         assert "at the end of epoch 1" in got["raised"]
+        assert got["backup_raised"] == "the 2 replicas no longer hold the same model before the backup at epoch 0 + 1 " \
+                                       "steps", got         # Trainer.fit(backup_every=1): before the first backup
+        assert got["backup_files"] == [], got
         assert [m.split(":")[0] for m in got["warned"]] == [
             "the 2 replicas no longer hold the same model at the end of epoch 1",
             "the 2 replicas no longer hold the same model at the end of fit"], got["warned"]

@@ -33,6 +33,7 @@ from typing import Any
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
+from stratkit.strategy import replica_check
 from stratkit.strategy.keras_compat import save_guards
 from stratkit.training.checkpoint.layout import (ARRAYS, METADATA, STATE, WEIGHTS, WHAT, Position, file_name,
                                                  on_disk, read_metadata, write_metadata)
@@ -82,7 +83,9 @@ def write_backup(model: Any, directory: str, position: Position, state: dict | N
 
     The one function every backup is written through (epoch and step backups
     of `Trainer.fit` and `stratkit.callbacks.Backup`, the parameter-server
-    chief's epochs). Returns the weights file's path.
+    chief's epochs). Returns the weights file's path. The replica check runs
+    first (`stratkit.check_replicas`): replicas whose copies differ raise
+    `ReplicaDivergenceError` and nothing is written.
 
     `weights=False` keeps the weights file the backup at `position` already has
     and replaces its state (an epoch backup completed with the callbacks' state
@@ -99,6 +102,9 @@ def write_backup(model: Any, directory: str, position: Position, state: dict | N
     kept_weights = previous.backups.get(position, {}).get(file_name(position, WEIGHTS)) if not weights else None
     if not weights and not kept_weights:
         return path  # the backup was superseded (or never completed): nothing to add its state to
+    if weights:
+        # every worker writes this backup at this position: the same copies everywhere, or no backup
+        replica_check.check(model, when=f"before the backup at {position}")
     try:
         if weights:
             with save_guards.own_path():     # this worker's own backup file, not a shared path
