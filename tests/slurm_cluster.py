@@ -4,7 +4,7 @@
 munged on h1 with a key made for the test and its own socket (every host reaches the
 socket through the shared filesystem; Slurm is pointed at it with ``AuthInfo=socket=``),
 slurmctld on h1 and one slurmd per host. Spool, state, logs, each daemon's own
-stdout/stderr (``<daemon>.out``) and the key live in `workdir`. Leaving the block
+stdout/stderr (``<name>.out``: munged logs there) and the key live in `workdir`. Leaving the block
 SIGKILLs the daemons (the hosts' own teardown kills anything left in their namespaces
 too). Needs Debian's ``slurm-wlm`` and ``munge`` (:func:`unavailable_reason`).
 
@@ -165,7 +165,7 @@ class Daemon:
     name: str                 # munged, slurmctld, slurmd
     host: Host
     proc: subprocess.Popen
-    log: Path                 # its own log file
+    log: Path | None          # its own log file (munged in the foreground logs to its output)
     output: Path              # its stdout and stderr: what it says when it dies before it can log
     port: int | None = None   # the TCP port it listens on (munged: a unix socket)
 
@@ -195,7 +195,8 @@ class Daemon:
             more = len(rows) - len(shown)
             lines += [f"  {row}" for row in shown] + ([f"  (+{more} more connections)"] if more > 0 else [])
             lines += [] if rows else ["  (no socket on this port)"]
-        lines.append(f"its log {self.log.name} (tail):\n{_tail(self.log)}")
+        if self.log is not None:
+            lines.append(f"its log {self.log.name} (tail):\n{_tail(self.log)}")
         # with -D the Slurm daemons also log to stderr: the output repeats the log, up to a last word it missed
         lines.append(f"its output {self.output.name} (tail):\n{_tail(self.output, 5)}")
         return "\n".join(lines)
@@ -259,10 +260,10 @@ class SlurmCluster:
             parts.append(f"--- {path.name} (tail)\n{path.read_text(errors='replace')[-3000:]}")
         return "\n".join(parts)
 
-    def why(self, *names: str) -> str:
-        """Reports on the daemons named (all if none), plus every host's interfaces."""
-        chosen = [d for d in self.members if not names or d.name in names]
-        return "\n".join([d.report() for d in chosen] + [_interfaces(self.hosts)])
+    def why(self, *daemons: Daemon | str) -> str:
+        """Every host's interfaces, then a report on each daemon given (a Daemon, or all of a name; all if none)."""
+        chosen = [d for d in self.members if not daemons or d in daemons or d.name in daemons]
+        return "\n".join([_interfaces(self.hosts)] + [d.report() for d in chosen])
 
     def check(self, full: bool = False, timeout: float = 30.0) -> None:
         """Every daemon runs and listens (read from /proc: no command runs, so it costs nothing before each
@@ -287,7 +288,7 @@ def _fail_if_dead(cluster: SlurmCluster) -> None:
     for daemon in cluster.members:
         if daemon.proc.poll() is not None:
             raise SlurmNotReady(f"{daemon.label} is not running: {_process_state(daemon.proc)}\n"
-                                + cluster.why(daemon.name))
+                                + cluster.why(daemon))
 
 
 def _until(cluster: SlurmCluster, ready, deadline: float, waited: float, what: str, culprit: Daemon) -> None:
@@ -301,7 +302,7 @@ def _until(cluster: SlurmCluster, ready, deadline: float, waited: float, what: s
         if time.monotonic() > deadline:
             said = f"\nit said: {_last_lines(result, 6)}" if isinstance(result, str) and result else ""
             raise SlurmNotReady(f"{culprit.label} is not answering after {waited:.0f} s: {what}{said}\n"
-                                + cluster.why(culprit.name))
+                                + cluster.why(culprit))
         time.sleep(POLL)
 
 
@@ -336,7 +337,7 @@ def _wait_ready(cluster: SlurmCluster, deadline: float, waited: float) -> None:
         slurmd = cluster.daemon("slurmd", late[0])
         raise SlurmNotReady(f"{slurmd.label} is not answering after {waited:.0f} s: node {late[0].name} is "
                             f"{states.get(late[0].name, 'not listed')!r} in sinfo ({states})\n"
-                            + cluster.why("slurmctld", "slurmd")) from None
+                            + cluster.why(slurmd, "slurmctld")) from None
 
 
 def _munge_answers(cluster: SlurmCluster, socket: Path) -> bool | str:
@@ -362,8 +363,8 @@ def slurm_cluster(hosts: Sequence[Host], workdir: Path, start_timeout: float = 6
     head = hosts[0]
     deadline = time.monotonic() + start_timeout
 
-    def start(name: str, host: Host, argv: list[str], log: Path, port: int | None, env=None) -> Daemon:
-        output = workdir / f"{log.stem}.out"
+    def start(name: str, host: Host, argv: list[str], log: Path | None, port: int | None, env=None) -> Daemon:
+        output = workdir / f"{log.stem if log else name}.out"
         with open(output, "wb") as sink:
             proc = host.popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
                               start_new_session=True)
@@ -374,8 +375,7 @@ def slurm_cluster(hosts: Sequence[Host], workdir: Path, start_timeout: float = 6
     try:
         munged = start("munged", head, [
             "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={socket}",
-            f"--pid-file={workdir}/munged.pid", f"--seed-file={workdir}/munge.seed",
-            f"--log-file={workdir}/munged.log"], workdir / "munged.log", None)
+            f"--pid-file={workdir}/munged.pid", f"--seed-file={workdir}/munge.seed"], None, None)
         # slurmd's registration needs a credential: munged first
         _until(cluster, lambda: _munge_answers(cluster, socket), deadline, start_timeout,
                f"no credential from its socket {socket}", munged)
