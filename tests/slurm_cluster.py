@@ -255,7 +255,8 @@ class SlurmCluster:
         return record
 
     def logs(self) -> str:
-        parts = []
+        """Each daemon's process state (a daemon that died mid-test says how), then the tails of its files."""
+        parts = [f"--- {d.label}: {_process_state(d.proc)}" for d in self.members]
         for path in sorted([*self.workdir.glob("*.log"), *self.workdir.glob("*.out")]):
             parts.append(f"--- {path.name} (tail)\n{path.read_text(errors='replace')[-3000:]}")
         return "\n".join(parts)
