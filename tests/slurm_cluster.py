@@ -26,7 +26,7 @@ How a test uses it::
         state = cluster.job(job_id)["JobState"]                            # PENDING, RUNNING, ...
         cluster.wait_job(job_id, {"COMPLETED"}, timeout=120)
 
-A finished job's record is kept MinJobAge=6 s, then :meth:`SlurmCluster.job` returns
+A finished job's record is kept MinJobAge=4 s or more, then :meth:`SlurmCluster.job` returns
 None for it: wait for a final state soon after the job ends (``sbatch --wait`` and ``srun``
 return only when the job is over).
 """
@@ -90,7 +90,10 @@ def slurm_conf(hosts: Sequence[Host], workdir: Path, socket: Path) -> str:
         "SlurmdTimeout=30",
         "SlurmctldTimeout=30",
         "KillWait=5",
-        "MinJobAge=6",   # sbatch --wait sleeps 2, 8, 32 s between polls while below MinJobAge / 3: keep it at 2 s
+        # sbatch --wait polls 2 s after the submit, then every 2 s while 2 >= MinJobAge / 2, else every 8 s (22.05
+        # src/sbatch/sbatch.c _job_wait): at 6, a 16 s job was seen done at 26 s; at 4 the record is still
+        # kept 4 s, longer than one poll
+        "MinJobAge=4",
         "MessageTimeout=20",
         f"StateSaveLocation={workdir}/state",
         f"SlurmdSpoolDir={workdir}/spool-%n",
