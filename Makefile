@@ -9,7 +9,7 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-ray test-fast bench compat docs clean
+.PHONY: install demo test test-ray test-keras test-fast bench compat docs clean
 
 install: $(STAMP)
 
@@ -28,7 +28,8 @@ COMPAT_OVERLAYS := $(HOME)/.cache/stratkit-compat/keras-3.3.3/keras/__init__.py 
 $(COMPAT_OVERLAYS): | $(STAMP)
 	$(PY) tools/compat.py overlay 3.3.3 3.10.0
 
-# The Ray engine's tests (marker `ray`: real local Ray and a Ray cluster on test hosts, ~5 min) run in their own
+# The Ray engine's tests (marker `ray`: real local Ray and Ray clusters on test hosts, ~5 min, plus 3-4.5 min for
+# tests/ray/test_ray_node_loss.py) run in their own
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
@@ -37,6 +38,13 @@ test: $(STAMP) $(COMPAT_OVERLAYS)
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q --durations=10 -m ray
+
+# Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
+# once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched
+# (tools/keras_tests.py; logs and result.json in out/keras-tests). The two passes run side by side.
+KERAS_TEST_JOBS ?= 2
+test-keras: $(STAMP)
+	$(PY) tools/keras_tests.py --jobs $(KERAS_TEST_JOBS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

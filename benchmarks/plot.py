@@ -415,8 +415,34 @@ def plot_ray(data: dict, path: Path) -> Path:
                    f"({data['job']['rounds']} rounds, mean, min-max{load})", path)
 
 
+# -- step backups (written by bench_backups.py) -------------------------------------------------
+def plot_backups(data: dict, path: Path) -> Path:
+    plt = _pyplot()
+    rows = data["rows"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [f"{_wrap(r['model'].split(' (')[0], 12)}\n{r['variant']}" for r in rows]
+    x = range(len(rows))
+    means = [r["step ms"] for r in rows]
+    low = [m - r["step min ms"] for m, r in zip(means, rows)]
+    high = [r["step max ms"] - m for m, r in zip(means, rows)]
+    left.bar(list(x), means, 0.6, yerr=[low, high], capsize=3,
+             color=[GREY if r["variant"] == "none" else BLUE for r in rows])
+    left.set_xticks(list(x), labels, fontsize=7)
+    left.set_ylabel("ms per step (mean, min-max)")
+    left.set_title("Time per step")
+    written = [r for r in rows if r["write ms"] is not None]
+    right.bar(range(len(written)), [r["write ms"] for r in written], 0.6, color=BLUE,
+              yerr=[[r["write ms"] - r["write min ms"] for r in written],
+                    [r["write max ms"] - r["write ms"] for r in written]], capsize=3)
+    right.set_xticks(range(len(written)), [labels[rows.index(r)] for r in written], fontsize=7)
+    right.set_ylabel("ms per backup write (mean, min-max)")
+    right.set_title("Write time")
+    return _finish(plt, fig, data, f"Step backups: cost per step and per write ({data['rounds']} alternating rounds)",
+                   path)
+
+
 PLOTS = {"scaling": plot_scaling, "overhead": plot_overhead, "allreduce": plot_allreduce, "spark": plot_spark,
-         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic, "ray": plot_ray}
+         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic, "ray": plot_ray, "backups": plot_backups}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stratkit import tf_logging
 from stratkit.cluster import STRATEGIES, ClusterSpec, detect
-from stratkit.errors import ConfigError, KerasCompatError, StratkitError
+from stratkit.errors import ConfigError, KerasCompatError, ReplicaDivergenceError, StratkitError
 
 __version__ = "0.1.0"
 
@@ -23,14 +23,16 @@ _LAZY = {
     "make_strategy": "stratkit.strategy.factory",
     "Trainer": "stratkit.training.trainer",
     "callbacks": "stratkit.callbacks",
+    "check_replicas": "stratkit.strategy.replica_check",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from stratkit.strategy.factory import make_strategy
+    from stratkit.strategy.replica_check import check_replicas
     from stratkit.training.trainer import Trainer
 
-__all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "STRATEGIES", "StratkitError",
-           "Trainer", "detect", "make_strategy", "__version__"]
+__all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "ReplicaDivergenceError", "STRATEGIES", "StratkitError",
+           "Trainer", "check_replicas", "detect", "make_strategy", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

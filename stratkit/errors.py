@@ -19,6 +19,10 @@ class KerasCompatError(StratkitError, RuntimeError):
     """The installed Keras version is not one stratkit's compatibility layer was tested on."""
 
 
+class ReplicaDivergenceError(StratkitError, RuntimeError):
+    """The replicas' copies of the model differ: saving now would save the model of whichever worker is chief."""
+
+
 class ChiefGoneError(StratkitError, RuntimeError):
     """A task waiting on the chief (the parameter-server evaluator) lost it before training ended."""
 

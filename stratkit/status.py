@@ -20,14 +20,32 @@ watchdog does, on every parameter-server chief). That default handler (stderr,
 
 `logging.getLogger("stratkit").setLevel(logging.WARNING)` silences the status
 lines and keeps the warnings. Imports no TensorFlow.
+
+It also holds the one status a stratkit process ends with on purpose:
+`EXIT_PREEMPTED` (75), and which signals mean "preempted" (`preemption_signals`),
+read alike by the training processes and by `stratkit launch`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+from typing import Mapping
+
+from stratkit.errors import ConfigError
 
 _ROOT = "stratkit"
+
+#: The exit status of a process that stopped on a preemption notice after writing its backup (EX_TEMPFAIL of
+#: sysexits.h: "try again later"). The one place it is defined: `stratkit.training.checkpoint` exits with it,
+#: `stratkit launch` restarts on it without counting a failure (and exits with it when it was preempted
+#: itself), `stratkit.process.report` words it.
+EXIT_PREEMPTED = 75
+#: Names an extra signal that means "preempted" (e.g. USR1 for Slurm's --signal=B:USR1@120), as a name or a
+#: number; SIGTERM always does. `stratkit launch --preemption-signal` sets it for its tasks.
+PREEMPTION_SIGNAL_VAR = "STRATKIT_PREEMPTION_SIGNAL"
 
 
 class _Console(logging.Handler):
@@ -78,3 +96,27 @@ def logger(name: str) -> logging.Logger:
         if root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def parse_signal(text: str, name: str = PREEMPTION_SIGNAL_VAR) -> int:
+    """`USR1`, `SIGUSR1` or `10` as a signal number a process can catch.
+
+    Raises:
+        ConfigError: naming `name`, the value and what it takes.
+    """
+    value = text.strip().upper()
+    number = int(value) if value.isdigit() else getattr(signal, value if value.startswith("SIG") else f"SIG{value}",
+                                                          None)
+    if not isinstance(number, int) or number not in {int(s) for s in signal.valid_signals()} \
+            or number in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError(f"{name}={text!r} is not a signal a process can catch. Fix: a name such as USR1 or SIGUSR2 "
+                          "(Slurm's --signal=B:USR1@120 goes with USR1), or unset it (SIGTERM is always a preemption "
+                          "notice)")
+    return int(number)
+
+
+def preemption_signals(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The signals that mean "preempted": SIGTERM, and the one STRATKIT_PREEMPTION_SIGNAL names (if any)."""
+    text = (os.environ if environ is None else environ).get(PREEMPTION_SIGNAL_VAR, "").strip()
+    extra = parse_signal(text) if text else None
+    return (int(signal.SIGTERM),) if extra in (None, signal.SIGTERM) else (int(signal.SIGTERM), extra)

@@ -68,6 +68,7 @@ class Host:
     address: str
     netns: str
     holder: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    switch: str = ""  # the namespace of the bridge this host's cable plugs into
     started: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def argv(self, argv: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
@@ -121,6 +122,11 @@ class Host:
         """The host dies: SIGKILL every process on it but its name holder (which stays, as an empty machine
         would), again up to `rounds` times while any is left (one may fork meanwhile)."""
         _kill_until_gone(lambda: [p for p in self.pids() if self.holder is None or p != self.holder.pid], rounds)
+
+    def unplug(self) -> None:
+        """Pull the host's cable: its port on the switch goes down, and from then on every packet to or from
+        it is dropped without a reply (no reset, no ICMP), as when a machine loses power."""
+        _ip("-n", self.switch, "link", "set", self.name, "down")
 
 
 def _kill_group(pid: int) -> None:
@@ -256,7 +262,7 @@ def make_hosts(n: int, names: bool = True) -> Iterator[list[Host]]:
     sweep_stale()
     tag = f"{PREFIX}{os.getpid()}-{next(_SEQUENCE)}"
     switch = f"{tag}-sw"
-    hosts = [Host(name=f"h{i}", address=f"{NETWORK}.{i}", netns=f"{tag}-h{i}") for i in range(1, n + 1)]
+    hosts = [Host(name=f"h{i}", address=f"{NETWORK}.{i}", netns=f"{tag}-h{i}", switch=switch) for i in range(1, n + 1)]
     made: list[str] = []
     tmp = tempfile.TemporaryDirectory(prefix="stratkit-hosts-")
     try:

@@ -286,6 +286,7 @@ def test_the_supported_versions_table_is_on_its_page():
 RUN_SAMPLES = {
     "examples/quickstart.py": "tests/examples/test_examples.py",
     "examples/spark_train.py": "tests/examples/test_examples.py",
+    "examples/callback_state.py": "tests/examples/test_examples.py",
 }
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

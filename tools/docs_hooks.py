@@ -2,6 +2,7 @@
 
     <!-- generated: cli -->          every `stratkit ... --help`, from the argparse parsers themselves
     <!-- generated: performance -->  the headline numbers of benchmarks/results/*.json
+    <!-- generated: replica-check --> the replica check's cost, from benchmarks/results/replica_check.json
 
 and the benchmark plots (benchmarks/results/*.png) served as assets/results/*.png,
 so the docs show the files `make bench` wrote, not copies of them.
@@ -139,11 +140,30 @@ def performance_table() -> str:
     return "\n".join(lines)
 
 
+def replica_check_table() -> str:
+    """bench_replica_check's rows: the epoch with the check / without, and one check's own time."""
+    data = _load("replica_check")
+    if not data:
+        return "*(no `benchmarks/results/replica_check.json` yet: run `benchmarks/bench_replica_check.py`)*"
+    lines = [f"Run {_date(data)}, {data['steps_per_epoch']} steps per epoch, global batch 32.", "",
+             "| strategy | model | variables | epoch without the check | one check | its share of the epoch | "
+             "epoch with / without (mean, min-max) | rounds | load before-after |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        share = r.get("check_share", r["check_ms"] / 1000 / r["epoch_s_off"])
+        lines.append(f"| {r['strategy'].replace('_', ' ')} | {r['model']} | {r['variables']} | "
+                     f"{r['epoch_s_off']:.2f} s | {r['check_ms']:.1f} ms | **{100 * share:.2f}%** | "
+                     f"{r['ratio_mean']:.3f} "
+                     f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {r['rounds']} | "
+                     f"{r['load_before']}-{r['load_after']} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # MkDocs hooks
 # ----------------------------------------------------------------------------------------------
 
-GENERATORS = {"<!-- generated: cli -->": cli_reference, "<!-- generated: performance -->": performance_table}
+GENERATORS = {"<!-- generated: cli -->": cli_reference, "<!-- generated: performance -->": performance_table,
+              "<!-- generated: replica-check -->": replica_check_table}
 
 
 def on_files(files: Any, config: Any) -> Any:

@@ -38,7 +38,7 @@ from stratkit.process.children import kill_group, start_child, stop_groups
 from stratkit.process.ports import is_listening, listening_ports
 from stratkit.process.pump import OutputPump
 from stratkit.process.reaper import Reaper
-from stratkit.process.report import TaskFailure
+from stratkit.process.report import TaskFailure, is_preempted
 
 _POLL = 0.1
 #: After the first failure, how long other tasks' own failures are still weighed for the root cause.
@@ -130,7 +130,8 @@ class AttemptRunner:
             outcome, culprit, after_success = self._watch(children, _Watch(started))
         finally:
             # Nothing still runs after "succeeded"; on an exception (e.g. a task that cannot start) stop the rest.
-            self._stop(children, {"timed_out": "timeout", "interrupted": "interrupt"}.get(outcome, "failure"))
+            self._stop(children, {"timed_out": "timeout", "interrupted": "interrupt",
+                                  "preempted": "preempted"}.get(outcome, "failure"))
             self._finish(children)
         seconds = time.monotonic() - started
         failure = None
@@ -233,7 +234,9 @@ class AttemptRunner:
                 return None
             culprit = min(self.failed, key=self.root_cause_rank)
             culprit.join_output()  # its last lines belong in the report
-            return "failed", culprit, chief_done
+            # A task that saved its backup on a preemption notice and exited 75: the cluster's tasks stop at the
+            # same step, so every other one is saving and exiting too (a crash among them ranks first).
+            return ("preempted" if is_preempted(culprit.returncode) else "failed"), culprit, chief_done
         if not running:  # 2. every task exited 0
             return "succeeded", None, True
         if watch.primary_done is not None and now - watch.primary_done > self.plan.exit_grace:  # 3. --exit-grace over

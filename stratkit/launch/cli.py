@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from stratkit.cluster.layout import build_cluster, format_address
+from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
 from stratkit.launch.multinode import DEFAULT_LAST_CALL, DEFAULT_RDZV_TIMEOUT, launch_node
@@ -43,7 +44,8 @@ examples:
   STRATKIT_RDZV_TOKEN=<secret> stratkit launch --nnodes 2 --rdzv-endpoint h1:29400 -- python train.py  # on h1 and h2
 
 exit code: 0 when every task succeeded; else the failed task's code, 128+N when it died of signal N,
-124 after --timeout, 130 after Ctrl-C, 2 for a usage error.
+124 after --timeout, 130 after Ctrl-C, 75 when the launcher was preempted (SIGTERM or --preemption-signal)
+and every task saved its backup, 2 for a usage error.
 """
 
 
@@ -85,6 +87,11 @@ def _str_value(text: str, name: str) -> str:
     return text.strip()
 
 
+def _signal_value(text: str, name: str) -> str:
+    status.parse_signal(text, name)  # refused here, naming the variable
+    return text.strip()
+
+
 def _workers_value(text: str, name: str) -> int | str:
     """A whole number, or `gpu` (one per visible GPU)."""
     if text.strip().lower() == GPU_WORKERS:
@@ -118,6 +125,7 @@ _FLAGS = (
     _Flag("gpus_per_worker", "STRATKIT_GPUS_PER_WORKER", _int_value),
     _Flag("gpus_per_ps", "STRATKIT_GPUS_PER_PS", _int_value),
     _Flag("share_gpus", "STRATKIT_SHARE_GPUS", _bool_value),
+    _Flag("preemption_signal", status.PREEMPTION_SIGNAL_VAR, _signal_value),
 )
 
 
@@ -176,6 +184,12 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
     run.add_argument("--stop-grace", type=seconds, default=None, metavar="S",
                      help=f"seconds between SIGTERM and SIGKILL when stopping tasks (default "
                           f"{DEFAULT_STOP_GRACE:g}) [STRATKIT_STOP_GRACE]")
+    run.add_argument("--preemption-signal", type=_arg_type(lambda text: _signal_value(text, "--preemption-signal"),
+                                                           "a signal name such as USR1"), default=None, metavar="SIG",
+                     help="a signal besides SIGTERM that means the job is preempted (e.g. USR1 for Slurm's "
+                          "--signal=B:USR1@120): the launcher stops the tasks with SIGTERM, they back up and exit "
+                          "75, and so does the launcher; the tasks treat it as a notice too "
+                          f"[{status.PREEMPTION_SIGNAL_VAR}]"),
     net = parser.add_argument_group("addresses")
     net.add_argument("--host", default=None, metavar="ADDR",
                      help=f"address the tasks bind and reach each other at (default {DEFAULT_HOST}) "
@@ -259,7 +273,8 @@ def run_launch(args: argparse.Namespace) -> int:
         timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
-        private_network=options["private_network"], **_gpu_options(options))
+        private_network=options["private_network"], preemption_signal=options["preemption_signal"],
+        **_gpu_options(options))
     return result.returncode
 
 
@@ -295,7 +310,7 @@ def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: 
         max_restarts=options["max_restarts"] or 0, log_dir=options["log_dir"] or None, timeout=options["timeout"],
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
-        **_gpu_options(options))
+        preemption_signal=options["preemption_signal"], **_gpu_options(options))
     return result.returncode
 
 

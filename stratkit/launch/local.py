@@ -62,7 +62,8 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
            stop_grace: float = DEFAULT_STOP_GRACE, env: Mapping[str, str] | None = None,
            stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
            private_network: bool | None = None, gpus_per_worker: int | None = None,
-           gpus_per_ps: int | None = None, share_gpus: bool = False) -> LaunchResult:
+           gpus_per_ps: int | None = None, share_gpus: bool = False,
+           preemption_signal: str | int | None = None) -> LaunchResult:
     """Run `command` as every task of a local TF_CONFIG cluster and supervise it.
 
     Args:
@@ -96,11 +97,17 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
         gpus_per_ps: GPUs each ps task gets (default none: "" on a GPU host).
         share_gpus: let several tasks use one GPU (round robin) instead of refusing; those tasks
             get TF_FORCE_GPU_ALLOW_GROWTH=true.
+        preemption_signal: a signal besides SIGTERM (e.g. "USR1") that means the job is preempted; the
+            tasks get it as STRATKIT_PREEMPTION_SIGNAL. SIGTERM (or it) to the launcher stops the tasks
+            with SIGTERM: with `backup_dir` they back up at the same step and exit 75, and the launcher
+            returns 75 (no restart). A task that exits 75 in an attempt restarts the cluster without
+            counting against `max_restarts`.
 
     Returns:
         A `LaunchResult`: `returncode` 0 only when every task succeeded; else the failed task's
         exit code, 128 + N for a death by signal N, 124 for the timeout, 128 + N after the
-        launcher received signal N.
+        launcher received signal N (75 when that was a preemption signal and every task saved its
+        backup and exited 75: `stratkit.status.EXIT_PREEMPTED`).
 
     Raises:
         ConfigError: on a bad layout, command, host or port, naming the flag and the fix.
@@ -109,7 +116,7 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
                        log_dir=log_dir, host=host, base_port=base_port, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=env, stdout=stdout, stderr=stderr, handle_signals=handle_signals,
                        private_network=private_network, gpus_per_worker=gpus_per_worker, gpus_per_ps=gpus_per_ps,
-                       share_gpus=share_gpus)
+                       share_gpus=share_gpus, preemption_signal=preemption_signal)
     # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks.
     plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
     try:

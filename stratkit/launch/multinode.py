@@ -359,7 +359,8 @@ def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str
                 log_dir: str | os.PathLike[str] | None = None, timeout: float | None = None,
                 exit_grace: float = 30.0, stop_grace: float = 10.0, env: Mapping[str, str] | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
-                gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False):
+                gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False,
+                preemption_signal: str | int | None = None):
     """Run this node's share of an `nnodes`-machine cluster (see the module docstring); returns a LaunchResult.
 
     Each node splits its own GPUs among its own tasks (`stratkit.launch.plan.GpuRequest`, as locally;
@@ -379,7 +380,7 @@ def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str
                        log_dir=log_dir, host=settings.host, base_port=None, timeout=timeout, exit_grace=exit_grace,
                        stop_grace=stop_grace, env=base_env, stdout=stdout, stderr=stderr,
                        handle_signals=handle_signals, private_network=False, gpus_per_worker=gpus_per_worker,
-                       gpus_per_ps=gpus_per_ps, share_gpus=share_gpus,
+                       gpus_per_ps=gpus_per_ps, share_gpus=share_gpus, preemption_signal=preemption_signal,
                        machines=layout.node_tasks(settings.nnodes, workers_per_node, settings.chief, settings.ps))
     for key, value in thread_env(settings.slots).items():  # this node's share of its cores
         if key not in base_env:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from stratkit import tf_logging
+from stratkit import status, tf_logging
 from stratkit.cluster import gpus, layout
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.cluster.layout import primary_task
@@ -224,6 +225,14 @@ class LaunchPlan:
     private_network: bool | None = None
     #: Which GPUs each task of this host gets (`GpuRequest.assign` over `tasks`).
     gpu: GpuRequest = field(default_factory=GpuRequest)
+    #: A signal besides SIGTERM that means "preempted" (`--preemption-signal`), or None.
+    preemption_signal: int | None = None
+
+    @property
+    def preemption_signals(self) -> tuple[int, ...]:
+        """The signals that tell the launcher its job is preempted: SIGTERM, and `--preemption-signal`."""
+        extra = () if self.preemption_signal in (None, signal.SIGTERM) else (self.preemption_signal,)
+        return (int(signal.SIGTERM), *extra)
 
     def gpu_assignments(self) -> dict[str, gpus.Assignment]:
         """Each task's GPUs, by task name."""
@@ -263,7 +272,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
                 exit_grace: float, stop_grace: float, env: Mapping[str, str] | None, stdout: IO[str] | None,
                 stderr: IO[str] | None, handle_signals: bool, private_network: bool | None,
                 gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False,
-                machines: Sequence[Sequence[layout.Task]] | None = None) -> LaunchPlan:
+                machines: Sequence[Sequence[layout.Task]] | None = None,
+                preemption_signal: str | int | None = None) -> LaunchPlan:
     """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag.
 
     `machines`: the tasks each machine runs (`--nnodes`), whose GPUs are split per machine; default: all here.
@@ -296,6 +306,12 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     # noise is hidden as on Spark (`stratkit.tf_logging`; attempt.py drops the lines TF prints regardless).
     defaults = {**thread_env(len(tasks)), "PYTHONUNBUFFERED": "1", **tf_logging.quiet_defaults(base_env)}
     extra = {k: v for k, v in defaults.items() if k not in base_env}
+    extra_signal = None
+    if preemption_signal is not None:  # the tasks treat it as a notice too (the flag wins over their variable)
+        extra_signal = status.parse_signal(str(preemption_signal), "--preemption-signal")
+        extra[status.PREEMPTION_SIGNAL_VAR] = signal.Signals(extra_signal).name
+    elif base_env.get(status.PREEMPTION_SIGNAL_VAR, "").strip():
+        extra_signal = status.parse_signal(base_env[status.PREEMPTION_SIGNAL_VAR])
     # Validate every TF_CONFIG before starting anything (ports do not change validity).
     layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,
                       environ={k: v for k, v in base_env.items() if k != "TF_CONFIG"})
@@ -303,4 +319,4 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
-        extra_env=extra, private_network=private_network, gpu=gpu)
+        extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal)

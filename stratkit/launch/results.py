@@ -10,7 +10,8 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
+from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report, is_preempted
+from stratkit.status import EXIT_PREEMPTED
 
 #: What a script prints when it needs a network the private namespace does not have.
 _NETWORK_ERRORS = ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
@@ -22,7 +23,7 @@ class TaskExit:
     """How one task of one attempt ended.
 
     `stopped` says why the launcher stopped it ("failure", "timeout",
-    "interrupt", "after_success"), or is None when it exited on its own.
+    "interrupt", "after_success", "preempted"), or is None when it exited on its own.
     """
 
     task: str
@@ -34,7 +35,8 @@ class TaskExit:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One start of the whole cluster. `outcome`: "succeeded", "failed", "timed_out", "interrupted", or
+    """One start of the whole cluster. `outcome`: "succeeded", "failed", "timed_out", "interrupted",
+    "preempted" (a task exited 75 after its preemption backup: restarted without counting a failure), or
     "resized" (--nnodes MIN:MAX: the membership changed, every node starts again; not a failure)."""
 
     number: int
@@ -70,6 +72,18 @@ class LaunchResult:
     @property
     def restarts(self) -> int:
         return max(0, len(self.attempts) - 1)
+
+
+def saved_and_exited(attempt: Attempt) -> bool:
+    """True when every task of `attempt` exited 75: each wrote its preemption backup (the launcher was preempted)."""
+    return bool(attempt.tasks) and all(is_preempted(t.returncode) for t in attempt.tasks)
+
+
+def preempted_note(attempt: Attempt, signum_name: str, seconds: float) -> str:
+    """The launcher's last line when it was preempted itself and every task saved its backup."""
+    return (f"preempted: {signum_name} reached the launcher; every task stopped at the same step, wrote its backup "
+            f"and exited {EXIT_PREEMPTED} ({seconds:.1f} s); exiting {EXIT_PREEMPTED} (preempted) so the job is "
+            "started again, and it resumes from the backup")
 
 
 def exit_code(attempt: Attempt) -> int:
@@ -115,8 +129,9 @@ def failure_report(attempts: Sequence[Attempt], total: int, primary: str, stop_g
 def describe_other(exit_: TaskExit, failed: str, stop_grace: float) -> str:
     """One line of the report on a task that did not fail first: how it ended."""
     head = f"{exit_.task} (pid {exit_.pid}): "
-    if exit_.stopped in ("failure", "timeout"):
-        why = f"after {failed} failed" if exit_.stopped == "failure" else "at the timeout"
+    if exit_.stopped in ("failure", "timeout", "preempted"):
+        why = {"failure": f"after {failed} failed", "timeout": "at the timeout",
+               "preempted": f"after {failed} was preempted"}[exit_.stopped]
         if exit_.returncode == -signal.SIGKILL:
             how = f"SIGTERM, then SIGKILL after --stop-grace {stop_grace:g} s"
         elif exit_.returncode == -signal.SIGTERM:

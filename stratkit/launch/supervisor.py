@@ -6,11 +6,18 @@ servers are exposed), the reaper, our signal handlers (SIGINT/SIGTERM/SIGHUP
 stop the cluster; a second one skips the stop grace), events.jsonl, and the
 final result with its root-cause report.
 
+Preemption: an attempt whose tasks stopped on a preemption notice (exit 75,
+after their backup) is restarted without counting against --max-restarts.
+SIGTERM (or --preemption-signal) to the launcher itself stops the tasks with
+SIGTERM, their preemption notice: they save and exit 75, and the launcher
+exits 75 too, without a restart (the platform is taking the machine).
+
 Imports no TensorFlow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -21,7 +28,9 @@ from stratkit.launch.attempt import AttemptRunner
 from stratkit.launch.console import Console
 from stratkit.launch.isolation import PrivateNetwork, PrivateNetworkUnavailable, is_loopback
 from stratkit.launch.plan import DEFAULT_HOST, LaunchPlan
-from stratkit.launch.results import Attempt, LaunchResult, exit_code, failure_report
+from stratkit.launch.results import (Attempt, LaunchResult, exit_code, failure_report, preempted_note,
+                                     saved_and_exited)
+from stratkit.status import EXIT_PREEMPTED
 from stratkit.process.reaper import Reaper
 from stratkit.process.report import signal_name
 
@@ -57,23 +66,34 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _attempts(self, reaper: Reaper) -> list[Attempt]:
-        """Start the cluster, and again after each failure while restarts are left."""
+        """Start the cluster, and again after each failure while restarts are left (a preemption is not one)."""
         attempts: list[Attempt] = []
-        total = self.plan.attempts
-        for number in range(total):
-            if self.signals:  # e.g. Ctrl-C while a failed attempt was being stopped: no restart
-                break
+        allowed = self.plan.max_restarts  # failures only; the plan's count grows by each preemption's restart
+        failures = 0
+        while not self.signals:  # e.g. Ctrl-C while a failed attempt was being stopped: no restart
+            number = len(attempts)
             attempt = AttemptRunner(self.plan, number, self.console, reaper, self.network, self.signals).run()
             attempts.append(attempt)
             if attempt.outcome in ("succeeded", "interrupted") or attempt.after_success or self.signals:
                 break
-            if number + 1 < total:
-                failure = attempt.failure
-                assert failure is not None
-                self.console.say(f"attempt {number + 1} of {total} failed: {failure.task} {failure.reason}")
-                self.console.say(f"restarting the whole cluster (restart {number + 1} of {self.plan.max_restarts}); "
-                                 "a script using Trainer.fit(backup_dir=...) resumes at the epoch reached")
-                time.sleep(0.5)
+            failure = attempt.failure
+            assert failure is not None
+            if attempt.outcome == "preempted":
+                self.plan = dataclasses.replace(self.plan, max_restarts=self.plan.max_restarts + 1)
+                self.console.say(f"attempt {number + 1} was preempted: {failure.task} {failure.reason}")
+                self.console.say(f"restarting the whole cluster (a preemption is not counted against --max-restarts: "
+                                 f"{allowed - failures} of {allowed} restart(s) left); it resumes at the step its "
+                                 "preemption backup holds")
+                self.console.event("preempted", attempt=number, task=failure.task)
+                continue
+            failures += 1
+            if failures > allowed:
+                break
+            self.console.say(f"attempt {number + 1} of {self.plan.attempts} failed: {failure.task} {failure.reason}")
+            self.console.say(f"restarting the whole cluster (restart {failures} of {allowed}); a script using "
+                             "Trainer.fit(backup_dir=...) resumes at its newest backup (epoch, or step with "
+                             "backup_every)")
+            time.sleep(0.5)
         return attempts
 
     # -- signals ----------------------------------------------------------------------------------
@@ -84,7 +104,7 @@ class Supervisor:
         previous: dict[int, Any] = {}
         if not self.plan.handle_signals or threading.current_thread() is not threading.main_thread():
             return previous
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in dict.fromkeys((signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *self.plan.preemption_signals)):
             current = signal.getsignal(sig)
             if current == signal.SIG_IGN:  # e.g. nohup: the user asked us to ignore it
                 continue
@@ -141,6 +161,11 @@ class Supervisor:
                              f"{seconds:.1f} s)")
             self.console.event("done", returncode=0)
             return LaunchResult(0, tuple(attempts))
+        if self.signals and self.signals[0] in self.plan.preemption_signals and attempts \
+                and saved_and_exited(attempts[-1]):
+            self.console.say(preempted_note(attempts[-1], signal_name(self.signals[0]), seconds))
+            self.console.event("done", returncode=EXIT_PREEMPTED, signal=signal_name(self.signals[0]), preempted=True)
+            return LaunchResult(EXIT_PREEMPTED, tuple(attempts), interrupted_by=self.signals[0])
         if self.signals:
             signum = self.signals[0]
             self.console.say(f"stopped every task after {signal_name(signum)} ({seconds:.1f} s)")

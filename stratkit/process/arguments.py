@@ -3,7 +3,9 @@
 A runner's own arguments (a SparkSession, a placement strategy) stay in the
 runner; what both take -- counts, `use_gpu`/`gpus_per_worker`, `max_retries`,
 `timeout`, `min_workers` -- is checked here, so a bad value gets the same
-`ConfigError` (the name, the value, the fix) from either front door.
+`ConfigError` (the name, the value, the fix) from either front door; and so is
+what `min_workers` means for a retry (`workers_within`), whatever each engine
+counts as room for a worker.
 
 Pure Python: imports no TensorFlow and no engine.
 """
@@ -50,3 +52,10 @@ def check_min_workers(min_workers: int | None, num_workers: int, num_ps: int) ->
         raise ConfigError(f"min_workers={min_workers} with num_ps={num_ps}: only a synchronous (MultiWorkerMirrored) "
                           "cluster can shrink between retries here. Fix: drop min_workers, or num_ps")
     return min_workers
+
+
+def workers_within(room: int, num_workers: int, min_workers: int) -> int | None:
+    """How many workers an elastic retry runs when the cluster has `room` for that many: min(num_workers, room),
+    or None when that is below `min_workers` (the run is not retried)."""
+    workers = min(num_workers, max(room, 0))
+    return workers if workers >= min_workers else None

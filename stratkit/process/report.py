@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stratkit.process.tracebacks import last_exception
+from stratkit.status import EXIT_PREEMPTED
 
 _SIGNAL_HINTS = {
     "SIGKILL": "often out of memory (the kernel's OOM killer sends SIGKILL): check `dmesg` or the container's "
@@ -36,6 +37,11 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def is_preempted(returncode: int | None) -> bool:
+    """True for the status a stratkit training process exits with after a preemption backup (75)."""
+    return returncode == EXIT_PREEMPTED
+
+
 def describe_returncode(returncode: int) -> str:
     """A subprocess return code in words: "exited with code 3", "killed by SIGKILL (signal 9) -- often ...".
 
@@ -47,6 +53,9 @@ def describe_returncode(returncode: int) -> str:
         hint = _SIGNAL_HINTS.get(name)
         return f"killed by {name} (signal {-returncode})" + (f" -- {hint}" if hint else "")
     text = f"exited with code {returncode}"
+    if returncode == EXIT_PREEMPTED:
+        return text + (" (preempted: it stopped on a preemption notice at a step boundary, after writing its "
+                       "backup; a restart resumes there)")
     if 128 < returncode < 160:
         name = signal_name(returncode - 128)
         hint = _SIGNAL_HINTS.get(name)

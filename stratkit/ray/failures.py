@@ -34,11 +34,14 @@ class RayTrainingError(StratkitError, RuntimeError):
         attempt: the attempt that failed (1-based).
         timed_out: True when `timeout` ended the run.
         lost: True when the task's actor died (its node or its worker process was lost).
+        lost_nodes: Ray's node ids of the nodes whose tasks were lost in that attempt (a retry with
+            `min_workers` waits for Ray's verdict on them before it counts the nodes).
     """
 
     def __init__(self, message: str, *, task: str | None = None, rank: int | None = None,
                  exit_code: int | None = None, node: str | None = None, lines: Sequence[str] = (),
-                 attempt: int | None = None, timed_out: bool = False, lost: bool = False) -> None:
+                 attempt: int | None = None, timed_out: bool = False, lost: bool = False,
+                 lost_nodes: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.task = task
         self.rank = rank
@@ -48,6 +51,7 @@ class RayTrainingError(StratkitError, RuntimeError):
         self.attempt = attempt
         self.timed_out = timed_out
         self.lost = lost
+        self.lost_nodes = list(lost_nodes)
 
 
 @dataclass
@@ -57,6 +61,7 @@ class TaskState:
     label: str
     rank: int
     node: str
+    node_id: str = ""  # Ray's id of that node
     pid: int | None = None
     exit_code: int | None = None
     lost: str | None = None  # why its actor is gone (Ray's error, first line)
@@ -96,7 +101,8 @@ def task_failed(state: TaskState, states: Sequence[TaskState], attempt: int, att
                                    attempts=attempts, title=REPORT_TITLE)
     return RayTrainingError(f"task {state.label} (rank {state.rank}) {how} ({which}); the other tasks were "
                             f"stopped.\n{report}", task=state.label, rank=state.rank, exit_code=state.exit_code,
-                            node=state.node, lines=state.lines, attempt=attempt, lost=state.lost is not None)
+                            node=state.node, lines=state.lines, attempt=attempt, lost=state.lost is not None,
+                            lost_nodes=sorted({s.node_id for s in states if s.lost is not None and s.node_id}))
 
 
 def timed_out(states: Sequence[TaskState], timeout: float | None, attempt: int, attempts: int) -> RayTrainingError:

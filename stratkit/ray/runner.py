@@ -13,7 +13,8 @@ The driver side of the Ray adapter. One `run()`:
      task that fails (exit code, or its actor lost with its node) stops the
      others and raises `RayTrainingError` with the root-cause report
      (`stratkit.ray.failures`); `max_retries` re-runs everything with fresh
-     actors, with `min_workers` on the workers the cluster still has;
+     actors, with `min_workers` on the workers the cluster still has once Ray
+     has judged the nodes whose tasks were lost (`stratkit.ray.elastic`);
   5. returns the chief's (rank 0's) return value.
 """
 
@@ -36,7 +37,7 @@ from stratkit.errors import ConfigError
 from stratkit.process import arguments
 from stratkit.process.payload import pickle_payload
 from stratkit.process.pump import prefixed
-from stratkit.ray import failures
+from stratkit.ray import elastic, failures
 from stratkit.ray.failures import RayTrainingError, TaskState
 from stratkit.ray.task import FIX, LAUNCHER, TaskActor
 from stratkit.ray.versions import import_ray
@@ -57,11 +58,14 @@ class RayRunReport:
     """What happened in the last `run()` (`runner.last_run`): for logs, tests and post-mortems."""
 
     run_id: str
+    #: The last attempt's tasks (a retry with `min_workers` may run fewer than the first).
     tasks: list[str]
     attempts: int = 0
     seconds: float = 0.0
     succeeded: bool = False
-    #: Per task label: the node address it ran on, its training process id and the actor's process id.
+    #: Each attempt's number of training workers, in order.
+    workers: list[int] = field(default_factory=list)
+    #: Per task label of the last attempt: the node address it ran on, its training process id and the actor's.
     nodes: dict[str, str] = field(default_factory=dict)
     pids: dict[str, int | None] = field(default_factory=dict)
     actor_pids: dict[str, int] = field(default_factory=dict)
@@ -83,7 +87,8 @@ class RayRunner:
         max_retries: re-run everything (fresh actors, a fresh placement group) this many times after a
             failure; train_fn using `trainer.fit(backup_dir=...)` on shared storage resumes.
         min_workers: elastic retries (no `num_ps`): a retry runs with as many workers as the live
-            nodes fit, from `min_workers` to `num_workers`; `Trainer` keeps the global batch.
+            nodes fit, from `min_workers` to `num_workers`, counted once Ray has judged the nodes whose
+            tasks were lost (`stratkit.ray.elastic`); `Trainer` keeps the global batch.
         timeout: seconds for the whole `run()`, retries included (and for placing each attempt's
             placement group; at most 300 s without it); then every task is stopped.
         placement_strategy: Ray's placement group strategy ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD").
@@ -156,7 +161,10 @@ class RayRunner:
                     log.info("attempt %d of %d failed (%s); re-running every task with fresh actors", attempt,
                              self.max_retries + 1, str(error).splitlines()[0])
                     if self.min_workers is not None:
-                        workers = self._workers_for_retry(ray)
+                        workers = elastic.workers_for_retry(
+                            ray, error.lost_nodes, deadline, num_workers=self.num_workers,
+                            min_workers=self.min_workers, cpus_per_worker=self.cpus_per_worker,
+                            gpus_per_worker=self.gpus_per_worker, placement_strategy=self.placement_strategy)
                         if workers is None:
                             log.warning("the live Ray nodes fit fewer than min_workers=%d workers: not retried",
                                         self.min_workers)
@@ -191,26 +199,16 @@ class RayRunner:
                               "(ray.cluster_resources()). Fix: add GPU nodes, lower num_workers or gpus_per_worker, "
                               "or pass use_gpu=False")
 
-    def _workers_for_retry(self, ray: Any) -> int | None:
-        """How many one-bundle workers the live nodes fit, clamped to num_workers; None below min_workers."""
-        fit = 0
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            resources = node.get("Resources", {})
-            count = int(resources.get("CPU", 0) // self.cpus_per_worker)
-            if self.gpus_per_worker:
-                count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
-            fit += count
-        workers = min(self.num_workers, fit)
-        return workers if self.min_workers is not None and workers >= self.min_workers else None
-
     def _attempt(self, ray: Any, tasks: Sequence[Task], payload: bytes, attempt: int, deadline: float | None,
                  report: RayRunReport) -> Any:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         attempts = self.max_retries + 1
+        report.tasks = [t.name for t in tasks]
+        report.workers.append(sum(t.role == "worker" for t in tasks))
+        for record in (report.nodes, report.pids, report.actor_pids):
+            record.clear()
         bundles = [self._bundle(t) for t in tasks]
         group = placement_group(bundles, strategy=self.placement_strategy)
         actors: list[Any] = []
@@ -238,7 +236,8 @@ class RayRunner:
             cluster = cluster_layout.build_cluster(
                 tasks, [cluster_layout.format_address(h, p) for h, p in zip(hosts, held)])
             chief = cluster_layout.primary_task(tasks)
-            states = [TaskState(task.name, rank, hosts[rank]) for rank, task in enumerate(tasks)]
+            states = [TaskState(task.name, rank, hosts[rank], node_id=where[rank]["node_id"])
+                      for rank, task in enumerate(tasks)]
             for rank, task in enumerate(tasks):
                 report.nodes[task.name] = hosts[rank]
                 report.actor_pids[task.name] = where[rank]["pid"]

@@ -13,7 +13,7 @@ checkpoint)` and, after a restart (`FailureConfig(max_failures=k)`),
 
 * every epoch, every worker calls `ray.train.report` (Ray Train V2 needs all of
   them); the chief (rank 0) attaches a checkpoint: the epoch `Trainer.fit`'s
-  `backup_dir` just wrote (`stratkit.training.backup`: weights and optimizer
+  `backup_dir` just wrote (`stratkit.training.checkpoint`: weights and optimizer
   state, checksummed);
 * at the start of an attempt the callback copies Ray's latest checkpoint into
   a fresh private `backup_dir` on each worker, and `Trainer.fit` resumes from it
@@ -33,7 +33,7 @@ import keras
 
 from stratkit import status
 from stratkit.ray.versions import import_ray
-from stratkit.training import backup
+from stratkit.training import checkpoint as backups
 
 log = status.logger(__name__)
 
@@ -98,11 +98,9 @@ class RayReportCallback(keras.callbacks.Callback):
 
 
 def _copy_backup(source: str, target: str) -> int:
-    """Copy the newest intact epoch of the backup in `source` (checkpoint.json and its file); its epoch, 0 if none."""
-    point = backup.find_resume_point(source)
-    if point.epoch == 0:
-        return 0
+    """Copy the newest intact backup of `source` (its files and a checkpoint.json naming only it); its epoch, 0 if none.
+
+    (`stratkit.training.checkpoint.copy_backup`: a step backup's state and arrays files travel with its weights.)
+    """
     os.makedirs(target, exist_ok=True)
-    shutil.copy2(os.path.join(source, backup.METADATA), os.path.join(target, backup.METADATA))
-    shutil.copy2(point.path, os.path.join(target, os.path.basename(point.path)))
-    return point.epoch
+    return backups.copy_backup(source, target).epoch

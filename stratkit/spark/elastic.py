@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from stratkit.process import arguments
 from stratkit.spark import slots
 
 #: Seconds the slot count is watched after a failed attempt (a lost executor is removed meanwhile).
@@ -41,5 +42,4 @@ def workers_for_retry(num_workers: int, min_workers: int, spark_context: Any,
         seen = seen if now is None else min(seen, now)
     if seen is None:
         return num_workers
-    workers = min(num_workers, seen)
-    return workers if workers >= min_workers else None
+    return arguments.workers_within(seen, num_workers, min_workers)

@@ -41,3 +41,30 @@ def gather_ints(strategy: Any, value: int) -> list[int]:
 
     per_replica = strategy.run(lambda: tf.constant([value], tf.int64))
     return [int(v) for v in strategy.gather(per_replica, axis=0).numpy()]
+
+
+_SUM_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def sum_over_workers(strategy: Any, values: "list[int] | tuple[int, ...]") -> list[int]:
+    """Element-wise SUM of a few ints over every worker (one all-gather of len(values) int64s; every worker calls it).
+
+    The per-step agreement of `stratkit.training.checkpoint` (a preemption
+    notice seen by any worker, a backup the chief's clock made due) rides on
+    it: a few bytes, one collective per step. Each replica contributes its
+    worker's values, so a worker with R replicas counts R times: callers test
+    for > 0. In a tf.function, retraced only when the vector's length changes.
+    """
+    import tensorflow as tf
+
+    function = _SUM_FUNCTIONS.get(strategy)
+    if function is None:
+        @tf.function
+        def function(local: Any) -> Any:
+            # An all-gather, as `min_over_workers`: a replica-context all_reduce of a captured tensor is refused
+            # under MultiWorkerMirrored ("destinations can not be empty").
+            per_replica = strategy.run(lambda: tf.reshape(local, [1, -1]))
+            return tf.reduce_sum(strategy.gather(per_replica, axis=0), axis=0)
+
+        _SUM_FUNCTIONS[strategy] = function
+    return [int(v) for v in function(tf.constant(list(values), tf.int64)).numpy()]

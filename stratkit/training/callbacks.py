@@ -49,6 +49,13 @@ class Throughput(keras.callbacks.Callback):
         self._train_end: float | None = None
         self._iterations_at_start: int | None = None
 
+    def get_state(self) -> dict:
+        """The rates so far, for a backup (`stratkit.training.checkpoint`)."""
+        return {"history": list(self.history)}
+
+    def set_state(self, state: dict) -> None:
+        self.history = [float(v) for v in state.get("history", [])]
+
     def _iterations(self) -> int | None:
         iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
         return None if iterations is None else int(keras.ops.convert_to_numpy(iterations))
@@ -115,6 +122,14 @@ class LinearScalingWarmup(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.base_lr: float | None = None
         self._epoch = 0
+
+    def get_state(self) -> dict:
+        """The compiled rate it scales, for a backup: a resumed run reads the optimizer's scaled rate instead."""
+        return {"base_lr": self.base_lr}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("base_lr") is not None:
+            self.base_lr = float(state["base_lr"])
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         variable = _learning_rate_variable(self.model)

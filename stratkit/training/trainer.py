@@ -93,7 +93,8 @@ class Trainer:
             verbose: Any = None, validation_steps: int | None = None, shuffle: bool = True, *,
             validation_split: float = 0.0, class_weight: dict | None = None, sample_weight: Any = None,
             y: Any = None, batch_size: int | None = None, initial_epoch: int = 0, validation_freq: Any = 1,
-            validation_batch_size: int | None = None, **others: Any) -> Any:
+            validation_batch_size: int | None = None, backup_every: int | str | None = None,
+            **others: Any) -> Any:
         """Train `model` on `data` with the global batch split over every replica.
 
         Args:
@@ -113,7 +114,9 @@ class Trainer:
                 per_replica x num_replicas); neither for a batched dataset (its
                 batch is the global batch).
             per_replica_batch_size: examples per step on each replica.
-            backup_dir: back up every epoch and resume there after a failure.
+            backup_dir: back up every epoch (or as `backup_every` says) and resume there after a failure; a
+                preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL) then makes every worker stop at the
+                same step, back up and exit with status 75 (see `stratkit.training.checkpoint`).
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
             scale_learning_rate: multiply the compiled learning rate by
@@ -130,6 +133,9 @@ class Trainer:
             initial_epoch: as in `model.fit`.
             validation_freq: as in `model.fit`.
             validation_batch_size: as in `model.fit`.
+            backup_every: with `backup_dir`: back up every K global steps (an int) or at the first step after
+                a duration ("30s", "10min", "1h", the chief's clock) instead of after every epoch; a resume
+                then continues at that step, reading the batches an uninterrupted run reads.
             **others: any other keyword is a `ConfigError`. How each of
                 `model.fit`'s arguments is honoured: `stratkit.training.fit_args`.
 
@@ -142,8 +148,11 @@ class Trainer:
         from stratkit.training import fit_args
         from stratkit.training.inputs import is_dataset_fn, is_py_dataset, prepare, resolve_global_batch_size
 
+        from stratkit.training.checkpoint import Backup, Position, check_every, resumable_input_for
+
         fit_args.refuse_unknown(others)
         fit_args.check_epochs(epochs)
+        every = check_every(backup_every, backup_dir)
         if steps_per_epoch is not None and (isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
                                             or steps_per_epoch < 1):
             raise ConfigError(f"steps_per_epoch must be a positive integer or None: got {steps_per_epoch!r}")
@@ -162,6 +171,9 @@ class Trainer:
         if self._ps:
             from stratkit.training.ps import fit_parameter_server
 
+            if every.per_step:
+                raise ConfigError(f"backup_every={backup_every!r}: parameter-server training backs up after every "
+                                  "epoch (its steps run asynchronously on the workers). Fix: drop backup_every")
             fit_args.refuse_on_parameter_servers(class_weight=class_weight, initial_epoch=initial_epoch,
                                                  validation_freq=validation_freq,
                                                  validation_batch_size=validation_batch_size)
@@ -175,17 +187,19 @@ class Trainer:
                                         backup_dir=backup_dir, callbacks=callbacks, verbose=verbose,
                                         validation_steps=validation_steps)
         tpu = self.spec.strategy == "tpu"
-        backup = None
+        backup, position = None, Position(initial_epoch or 0)
         if backup_dir is not None:
-            from stratkit.training.backup import Backup
-
-            backup = Backup(os.fspath(backup_dir), is_chief=self.is_chief, rank=max(self.spec.worker_rank, 0),
-                            agree_on_epoch=self._min_over_workers)
-        # The epoch training starts at fixes the data order of every epoch after it (numpy arrays).
-        first_epoch = max(backup.decide() if backup is not None else 0, initial_epoch or 0)
+            backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
+                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers,
+                            agree_flags=self._sum_over_workers if self._multi_worker else None)
+            position = max(backup.decide_position(), position)
+            data = resumable_input_for(data, position)
+        # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
+        # first one starts at (a step backup).
         train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                         global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
-                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=first_epoch)
+                        shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=position.epoch,
+                        first_step=position.step)
         val = None
         if validation_data is not None:
             val_batch = None if is_py_dataset(validation_data) else global_batch
@@ -195,8 +209,10 @@ class Trainer:
             val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
                           global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
                           tpu=tpu).dataset
-        if backup is not None and shuffle and train.kind == "dataset" and not train.endless:
-            backup.resume_note = _RESHUFFLED
+        if backup is not None:  # a resume that cannot continue the backup's run is refused here, before training
+            backup.bind_input(data, train, world_size=max(self.spec.num_workers, 1), replicas=self.num_replicas)
+            if shuffle and train.kind == "dataset" and not train.endless:
+                backup.resume_note = _RESHUFFLED
 
         callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
         if scale_learning_rate:
@@ -228,6 +244,18 @@ class Trainer:
             raise refused from None
         finally:
             side_effects.remove_dirs(temps)
+            if backup is not None:
+                backup.release()  # (after an exception Keras skips on_train_end)
+
+    @property
+    def _multi_worker(self) -> bool:
+        return self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1
+
+    def _sum_over_workers(self, values: list[int]) -> list[int]:
+        """SUM of a few ints over all workers (one small collective; the backup's per-step agreement)."""
+        from stratkit.strategy.collectives import sum_over_workers
+
+        return sum_over_workers(self.strategy, values)
 
     def _min_over_workers(self, value: int) -> int:
         """MIN of an int over all workers (a collective); identity on one worker."""
@@ -282,7 +310,9 @@ class Trainer:
         """Save `model` (a `.keras` file, or `.weights.h5`) from the chief; atomic; creates parent dirs.
 
         Every worker must call it (reading synchronised variables can need all
-        of them); non-chief workers write to a temp dir and remove it.
+        of them); non-chief workers write to a temp dir and remove it. First
+        the replica check (`stratkit.check_replicas`): replicas whose copies of
+        the model differ raise `ReplicaDivergenceError` and nothing is written.
 
         Returns:
             The path written on the chief, None on other workers.
@@ -292,6 +322,11 @@ class Trainer:
             raise ConfigError(f"save path {path!r} must end in .keras (whole model) or .weights.h5 (weights). "
                               "Fix: e.g. trainer.save(model, 'out/model.keras')")
         suffix = ".weights.h5" if path.endswith(".weights.h5") else ".keras"
+        if not self._ps:
+            from stratkit.strategy import replica_check
+
+            # every worker is here (see above): the same copies everywhere, or no file at all
+            replica_check.check(model, self.strategy, when=f"before trainer.save({path!r})")
         if self.is_chief:
             directory = os.path.dirname(os.path.abspath(path))
             os.makedirs(directory, exist_ok=True)

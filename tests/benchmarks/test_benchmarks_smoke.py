@@ -48,6 +48,9 @@ EXPECTED = {
                "status"}, (pytest.mark.spark, pytest.mark.multiworker)),
     "input": ({"benchmark", "machine", "quick", "goal_ratio", "rows"},
               {"model", "reader", "reader rows/s", "model ex/s", "ratio", "goal met"}, ()),
+    "backups": ({"benchmark", "machine", "quick", "rows", "two_workers", "rounds", "backup_every"},
+                {"model", "variant", "step ms", "step min ms", "step max ms", "vs none", "writes", "write ms",
+                 "load before", "load after"}, (pytest.mark.multiworker,)),
     "elastic": ({"benchmark", "machine", "quick", "rows", "flags", "loadavg_before", "loadavg_after"},
                 {"event", "median s", "min s", "max s", "runs", "raw"}, (pytest.mark.hosts, pytest.mark.multiworker)),
 }

@@ -77,3 +77,15 @@ def test_spark_example_trains_on_a_dataframe_with_two_workers(tmp_path):
                          {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable})
     result = ast.literal_eval(re.findall(r"(\{'loss'.*\})", output)[-1])
     assert result["workers"] == 2 and result["accuracy"] >= 0.5, output[-6000:]
+
+
+def test_the_callback_state_sample_counts_every_step_once_across_a_crash(tmp_path):
+    """docs/fault-tolerance.md includes examples/callback_state.py: a user's get_state/set_state in the backups."""
+    sample = str(EXAMPLES / "callback_state.py")
+    crashed = subprocess.run([sys.executable, sample, "--stop-at", "23"], cwd=tmp_path, env=child_env(None, None),
+                             capture_output=True, text=True, timeout=300)
+    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    assert "steps counted" not in crashed.stdout
+    output = _quickstart([sys.executable, sample], tmp_path)
+    assert "resumed from" in output and "at epoch 2 + 1 steps" in output  # the backup of step 21
+    assert "steps counted: 50" in output and not (tmp_path / "backup").exists()

@@ -1,4 +1,5 @@
-"""One local Ray per test module, loopback only, token authentication on, and nothing left running after it.
+"""One local Ray per test module, loopback only, token authentication on, and nothing left running after it;
+and a two-node Ray cluster on test hosts (`ray_on_hosts`) with the lines of its driver (`Lines`).
 
 `local_ray()` is the body of the module fixtures in tests/ray/: `ray.init` on
 127.0.0.1 with 4 logical CPUs, no dashboard, no usage reporting, a fresh
@@ -16,11 +17,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import secrets
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -110,3 +116,91 @@ def local_ray(num_cpus: int = 4, num_gpus: int = 0) -> Iterator[object]:
             else:
                 os.environ[key] = value
         assert not left, f"processes left running after ray.shutdown(): {left}"
+
+
+#: The `ray` command of the venv that runs the tests, and the head's GCS port on test host h1.
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+PORT = 6380
+
+
+def hosts_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of `ray start` and the driver on test hosts: token auth, this checkout first."""
+    env = dict(os.environ)
+    env.update({k: v for k, v in RAY_ENV.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"})
+    env["RAY_AUTH_TOKEN"] = TOKEN
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [str(REPO_ROOT), str(REPO_ROOT / "tests")])
+    env["PYTHONUNBUFFERED"] = "1"
+    # `ray start --head` always starts Ray's dashboard process (minimal with --include-dashboard=false), and in
+    # Ray 2.60 it probes cloud metadata (169.254.169.254, metadata.google.internal) and, with usage stats off,
+    # still sends a "disabled" report to usage-stats.ray.io. Its HTTP goes through `requests`, which honours
+    # these: a loopback port where nothing listens, so nothing leaves (the tests' network rule checks it).
+    env["HTTP_PROXY"] = env["HTTPS_PROXY"] = "http://127.0.0.1:9"
+    env["NO_PROXY"] = "127.0.0.1,localhost,198.18.0.1,198.18.0.2,h1,h2"
+    env.update(extra or {})
+    return env
+
+
+@contextmanager
+def ray_on_hosts(h1: object, h2: object, env: dict[str, str]) -> Iterator[str]:
+    """A Ray head on test host h1 (198.18.0.1) and a second node on h2, 2 CPUs each, no dashboard; yields the
+    head's address. Leaving, every process on both hosts is killed rather than `ray stop`ped: `ray stop` finds
+    Ray's processes by name on the whole machine, so it would stop another test's Ray (or a developer's) too."""
+    # Ray's Unix sockets live under its temp dir: a pytest tmp_path is too long for them (107 bytes).
+    temp = tempfile.mkdtemp(prefix="skray-")
+    common = ["--num-cpus=2", "--disable-usage-stats", "--num-gpus=0", f"--temp-dir={temp}"]
+    try:
+        head = h1.run([RAY, "start", "--head", "--node-ip-address=198.18.0.1", f"--port={PORT}",
+                       "--include-dashboard=false", *common], timeout=180, env=env)
+        assert head.returncode == 0, head.stdout[-3000:]
+        node = h2.run([RAY, "start", f"--address=198.18.0.1:{PORT}", "--node-ip-address=198.18.0.2", *common],
+                      timeout=180, env=env)
+        assert node.returncode == 0, node.stdout[-3000:]
+        yield f"198.18.0.1:{PORT}"
+    finally:
+        for host in (h2, h1):
+            host.kill_all(rounds=20)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+class Lines:
+    """A process's output lines, read by a thread; `next` waits for one until a deadline (no sleeps)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.seen: list[str] = []
+        self.arrived: list[float] = []  # time.time() at which each line of `seen` was read
+        self._queue: queue.Queue[tuple[str, float] | None] = queue.Queue()
+
+        def pump() -> None:
+            for line in proc.stdout:
+                self._queue.put((line.rstrip("\n"), time.time()))
+            self._queue.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def next(self, deadline: float) -> str:
+        """The next line; AssertionError (with the last lines) when the process ended or the deadline passed."""
+        try:
+            item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue.Empty:
+            raise AssertionError("no line before the deadline:\n" + self.tail()) from None
+        if item is None:
+            self._queue.put(None)  # it stays ended for the next call
+            raise AssertionError("the driver ended early:\n" + self.tail())
+        self.seen.append(item[0])
+        self.arrived.append(item[1])
+        return item[0]
+
+    def when(self, text: str) -> float | None:
+        """When the first line containing `text` was read (time.time()), or None."""
+        return next((t for line, t in zip(self.seen, self.arrived) if text in line), None)
+
+    def until(self, wanted: Callable[[str], bool], deadline: float) -> str:
+        """The first line from now on for which `wanted(line)` is true."""
+        while True:
+            line = self.next(deadline)
+            if wanted(line):
+                return line
+
+    def tail(self, n: int = 80) -> str:
+        return "\n".join(self.seen[-n:])

@@ -8,7 +8,8 @@ import types
 import pytest
 
 from stratkit.errors import ConfigError
-from stratkit.ray import versions
+from stratkit.process import arguments
+from stratkit.ray import elastic, versions
 from stratkit.ray.runner import RayRunner, _plan, task_devices
 
 
@@ -112,3 +113,16 @@ def test_ray_gpu_assignment_per_task_ps_tasks_get_none_and_no_gpu_hides_them():
     assert task_devices(_plan(2, 0), [None, "0"], gpus_per_worker=0) == ["", ""]  # use_gpu=False: hidden
     with pytest.raises(ConfigError, match="given CUDA_VISIBLE_DEVICES='0,1' by Ray, not 1 GPU"):
         task_devices(_plan(2, 0), ["0,1", "2,3"], gpus_per_worker=1)  # the same count, but not the one asked for
+
+
+def test_a_retry_counts_the_workers_the_alive_nodes_fit_one_per_node_with_strict_spread():
+    # ray.nodes() after a node loss: the lost node listed as not alive (Ray's verdict), the other with 2 CPUs.
+    nodes = [{"NodeID": "a", "Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
+             {"NodeID": "b", "Alive": False, "Resources": {"CPU": 2.0, "GPU": 1.0}}]
+    assert elastic.room_for_workers(nodes, 1, 0, "PACK") == 2
+    assert elastic.room_for_workers(nodes, 1, 0, "SPREAD") == 2
+    assert elastic.room_for_workers(nodes, 1, 0, "STRICT_SPREAD") == 1  # no two bundles on one node
+    assert elastic.room_for_workers(nodes, 2, 0, "PACK") == 1
+    assert elastic.room_for_workers(nodes, 1, 1, "PACK") == 1  # one GPU per worker
+    assert [arguments.workers_within(room, 2, 1) for room in (0, 1, 2, 3)] == [None, 1, 2, 2]
+    assert arguments.workers_within(1, 3, 2) is None

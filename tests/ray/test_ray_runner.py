@@ -203,6 +203,41 @@ def test_a_lost_actor_ends_the_run_naming_the_task_and_its_node(ray_session):
         assert not alive(pid), label
 
 
+def sleep_until(marker):
+    import os
+    import time
+
+    while not os.path.exists(marker):
+        time.sleep(0.1)
+    return "done"
+
+
+def test_a_lost_actor_on_a_live_node_is_judged_alive_and_the_retry_keeps_every_worker(ray_session, tmp_path, capsys):
+    # min_workers after a lost actor: before counting, the runner asks Ray about the actor's node; a probe task
+    # pinned to it runs (the node lives, only the actor's process died), so the retry runs both workers again.
+    runner = RayRunner(num_workers=2, max_retries=1, min_workers=1, timeout=180)
+    marker = tmp_path / "go"
+
+    def kill_worker_1():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            report = runner.last_run
+            if report is not None and report.pids.get("worker:1"):
+                os.kill(report.actor_pids["worker:1"], 9)
+                marker.touch()  # the retry's tasks return at once
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=kill_worker_1, daemon=True)
+    thread.start()
+    assert runner.run(sleep_until, str(marker)) == "done"
+    thread.join()
+    out = capsys.readouterr().out
+    assert runner.last_run.attempts == 2 and runner.last_run.workers == [2, 2], out[-3000:]
+    assert "Ray's verdict after" in out and "127.0.0.1 alive" in out, out[-3000:]
+    assert "world size" not in out
+
+
 def test_the_timeout_stops_every_task(ray_session):
     runner = RayRunner(num_workers=2, timeout=10)
     started = time.monotonic()

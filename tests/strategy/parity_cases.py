@@ -347,6 +347,144 @@ def gan_loop():
             "losses": losses, "iterations": [int(o.iterations.numpy()) for o in (g_optimizer, d_optimizer)]}
 
 
+def spread(variables):
+    """How far the replicas' own copies of `variables` are apart (0.0: every replica holds the same values)."""
+    copies = [[np.ravel(np.asarray(c.numpy(), "float64")) for c in strategy.experimental_local_results(v.value)]
+              for v in variables]
+    return float(max(np.abs(c - cs[0]).max(initial=0.0) for cs in copies for c in cs))
+
+
+def loop_accumulation():
+    """A custom loop with gradient_accumulation_steps=3 whose replicas' gradients differ (each its own rows):
+    every replica's copy of the kernel must move by the all-reduced gradient, as on one process. And Keras's own
+    optimizer_distribute_test feeds one gradient tensor to every replica: it must be summed over the replicas."""
+    global_batch = 4
+    with scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False,
+                                                                        kernel_initializer="zeros")])
+        optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=3)
+        loss_object = keras.losses.MeanSquaredError(reduction=None)
+
+    def train_step(inputs):
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_object(y, model(x, training=True)), global_batch_size=global_batch)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(batch):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), axis=None)
+
+    x, y = EYE(4) * np.arange(1, 5, dtype="float32")[:, None], np.arange(1, 5, dtype="float32")[:, None]
+    losses = [float(distributed_train_step(batch)) for _ in range(3) for batch in distributed_batches(x, y, 2)]
+    out = {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "losses": losses,
+           "iterations": int(optimizer.iterations.numpy()), "copies_spread": spread(model.trainable_variables)}
+    # Keras's own test, eagerly: one tensor shared by every replica, 3 steps of accumulation, lr 1
+    with scope():
+        shared = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+        grads = keras.ops.convert_to_tensor([[1.0, 1.0], [2.0, 2.0]])
+        sgd = keras.optimizers.SGD(learning_rate=1.0, gradient_accumulation_steps=3)
+        for _ in range(3):
+            strategy.run(lambda: sgd.apply_gradients([(grads, shared)]))
+    out["per_mode"] = {"shared_moved": [float(v) for v in np.ravel(np.array([[1.0, 2.0], [3.0, 4.0]]) - shared.numpy())],
+                       "shared_spread": spread([shared])}
+    return out
+
+
+class RunningMean(keras.layers.Layer):
+    """Keras's "making new layers" guide: state kept with add_weight(trainable=False) (Keras's default aggregation,
+    "none") and assigned in call(): a running mean of the rows, and an integer step counter."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(input_shape[-1],), initializer="zeros", trainable=False, name="mean")
+        self.steps = self.add_weight(shape=(), initializer="zeros", trainable=False, dtype="int32", name="steps")
+
+    def call(self, x, training=False):
+        if training:
+            self.mean.assign(0.8 * self.mean + 0.2 * keras.ops.mean(x, axis=0))
+            self.steps.assign_add(1)
+        return x - self.mean
+
+
+def running_mean(rows):
+    """The running-mean layer in front of a Dense, `rows` rows at global batch 4 (7: the last batch 2 + 1 on 2
+    replicas, 1 + 1 + 1 + 0 on 4)."""
+    with scope():
+        layer = RunningMean(name="running")
+        model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(1, kernel_initializer="ones")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    notices = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: notices.append(record.getMessage())
+    logging.getLogger("stratkit").addHandler(handler)
+    x = np.arange(rows * 3, dtype="float32").reshape(rows, 3) / (rows * 3)
+    try:
+        out = fit(model, x, np.arange(rows, dtype="float32").reshape(rows, 1) / rows, 4, epochs=2)
+    finally:
+        logging.getLogger("stratkit").removeHandler(handler)
+    out["state"] = [float(v) for v in np.ravel(layer.mean.numpy())] + [int(layer.steps.numpy())]
+    out["evaluate"] = model.evaluate(x, np.ones((rows, 1), "float32"), batch_size=4, verbose=0, return_dict=True)
+    out["copies_spread"] = spread([layer.mean, layer.steps])
+    out["per_mode"] = {"notice": [n for n in notices if "running/mean" in n]}
+    return out
+
+
+def planted_divergence():
+    """The running-mean layer with stratkit told to leave its state alone (STRATKIT_REPLICA_STATE=keep): each
+    replica keeps its own mean. The replica check must stop fit at the first epoch's end, before ModelCheckpoint
+    writes, naming the variable; a custom loop's stratkit.check_replicas() and warn mode say the same."""
+    import tempfile
+
+    os.environ["STRATKIT_REPLICA_STATE"] = "keep"
+    try:
+        with scope():
+            layer = RunningMean(name="running")
+            model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        target = os.path.join(tempfile.mkdtemp(prefix="planted-"), "model.keras")
+        x = np.arange(24, dtype="float32").reshape(8, 3) / 24
+        raised = None
+        try:
+            fit(model, x, np.ones((8, 1), "float32"), 4, epochs=2, callbacks=[keras.callbacks.ModelCheckpoint(target)])
+        except stratkit.ReplicaDivergenceError as exc:
+            raised = str(exc)
+        out = {"per_mode": {"raised": raised, "saved": os.path.exists(target), "epochs_done": int(layer.steps.numpy())}}
+        try:                        # the custom loop's own check, on the same diverged model
+            stratkit.check_replicas(model)
+            out["per_mode"]["check_replicas"] = None
+        except stratkit.ReplicaDivergenceError as exc:
+            out["per_mode"]["check_replicas"] = str(exc)
+        os.environ["STRATKIT_REPLICA_CHECK"] = "warn"
+        notices = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: notices.append(record.getMessage())
+        logging.getLogger("stratkit").addHandler(handler)
+        try:
+            fit(model, x, np.ones((8, 1), "float32"), 4, epochs=1)
+        finally:
+            logging.getLogger("stratkit").removeHandler(handler)
+            del os.environ["STRATKIT_REPLICA_CHECK"]
+        out["per_mode"]["warned"] = [n for n in notices if "no longer hold the same model" in n]
+        # Trainer.fit with step backups: the check before the first backup stops the run, nothing is written
+        with scope():
+            layer = RunningMean(name="running")
+            model = keras.Sequential([keras.Input((3,)), layer, keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        backup = tempfile.mkdtemp(prefix="planted-backup-")
+        try:
+            trainer.fit(model, (x, np.ones((8, 1), "float32")), epochs=1, global_batch_size=4, shuffle=False,
+                        backup_dir=backup, backup_every=1, verbose=0)
+            out["per_mode"]["backup_raised"] = None
+        except stratkit.ReplicaDivergenceError as exc:
+            out["per_mode"]["backup_raised"] = str(exc).split(": ")[0]
+        out["per_mode"]["backup_files"] = sorted(n for n in os.listdir(backup) if n.endswith(".h5")) \
+            if os.path.isdir(backup) else []
+        return out
+    finally:
+        del os.environ["STRATKIT_REPLICA_STATE"]
+
+
 def case(name):
     if name in LATENT:
         w, h = train_gan(name)
@@ -363,6 +501,12 @@ def case(name):
         if MODE == "one":
             out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(w, train_vae(with_trainer=False)[0]))))
         return out
+    if name == "loop_accumulation":
+        return loop_accumulation()
+    if name == "planted_divergence":
+        return planted_divergence()
+    if name in ("running_mean", "running_mean_uneven"):
+        return running_mean(8 if name == "running_mean" else 7)
     if name == "random_draws":
         distinct, states, keras_bits = distinct_draws()
         first = dropout_fit()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ SCRIPT = Path(__file__).with_name("parity_cases.py")
 CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard", "uneven", "empty_shard", "masked", "weighted_mean", "global_clipnorm", "clipnorm", "clipvalue",
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
          "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss", "gan_exact", "dcgan", "vae_exact",
-         "random_draws", "custom_loop", "gan_loop", "on_batch"]
+         "random_draws", "custom_loop", "gan_loop", "on_batch", "loop_accumulation", "running_mean",
+         "running_mean_uneven", "planted_divergence"]
 #: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
 FLOAT16 = {"loss_scaling", "loss_scale_headroom"}
 #: what is timing, not math
@@ -52,14 +54,14 @@ def _result(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=240)
+    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=480)
     assert result.ok, describe([result])
     return _result(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def mirrored() -> dict:
-    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=240)
+    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=480)
     assert result.ok, describe([result])
     return _result(result.stdout)
 
@@ -67,7 +69,7 @@ def mirrored() -> dict:
 @pytest.fixture(scope="module")
 def two_workers() -> list[dict]:
     results = run_cluster(str(SCRIPT), worker_tf_configs(free_ports(2)), args=["mwms", ",".join(CASES)],
-                          timeout=300, grace_after_failure=30)
+                          timeout=600, grace_after_failure=30)
     assert all(r.ok for r in results), describe(results)
     return [_result(r.stdout) for r in results]
 
@@ -121,7 +123,7 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
 #: and the round-4 fixes a 4-device Mirrored box meets: random draws (4 streams), optimizers built by their
 #: first apply (the tutorial's loop, a GAN's two), *_on_batch (37 and 3 rows on 4 replicas), model.losses
 FOUR_REPLICAS = ["loss_scale_headroom", "output_losses", "sum_loss", "random_draws", "custom_loop", "gan_loop",
-                 "on_batch", "added_losses"]
+                 "on_batch", "added_losses", "loop_accumulation", "running_mean_uneven"]
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +199,54 @@ def test_the_same_script_under_stratkit_launch_equals_one_process(one_process):
     for case in LAUNCHED:
         assert dict(_flat(reports["[worker:0"][case])) == dict(_flat(reports["[worker:1"][case])), case
         _assert_same_math(case, one_process[case], reports["[worker:0"][case])
+
+
+def test_a_custom_loop_accumulating_gradients_moves_every_copy_by_the_all_reduced_gradient(one_process, mirrored,
+                                                                                            two_workers, mirrored4):
+    """Keras's own optimizer_distribute_test.py::test_gradient_accumulation, and a loop whose replicas' gradients
+    differ: every replica's copy moves alike (before: the copies ended [[-1,0],[-1,0]] vs [[-1.5,-0.5],[-2,-1]],
+    0.66 apart here) and as one process's; one gradient tensor every replica shares is summed over the replicas,
+    as plain Keras sums it (before: moved by g instead of 2g)."""
+    assert one_process["loop_accumulation"]["per_mode"]["shared_moved"] == [1.0, 1.0, 2.0, 2.0]
+    for run, replicas in ((mirrored, 2), (two_workers[0], 2), (two_workers[1], 2), (mirrored4, 4)):
+        assert run["loop_accumulation"]["copies_spread"] == 0.0
+        assert run["loop_accumulation"]["per_mode"]["shared_moved"] == [replicas * v for v in (1.0, 1.0, 2.0, 2.0)]
+        assert run["loop_accumulation"]["per_mode"]["shared_spread"] == 0.0
+
+
+def test_state_a_layer_assigns_is_named_once_and_one_process_has_nothing_to_say(one_process, mirrored, two_workers):
+    """The running-mean layer of Keras's "making new layers" guide (aggregation="none"): each replica kept its own
+    mean before (2 workers 7.2e-2 apart); the fit that traces the assignment names the variable and what stratkit
+    does to it."""
+    assert one_process["running_mean"]["per_mode"]["notice"] == []
+    for run in (mirrored, *two_workers):
+        notices = run["running_mean"]["per_mode"]["notice"]
+        assert len(notices) == 1, notices
+        assert "/running/mean'" in notices[0] and "averaged by their rows" in notices[0], notices[0]
+        assert "STRATKIT_REPLICA_STATE=keep" in notices[0]
+
+
+def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_written(one_process, mirrored,
+                                                                                       two_workers):
+    """STRATKIT_REPLICA_STATE=keep leaves each replica its own running mean: fit stops at the first epoch's end,
+    before ModelCheckpoint writes, on Mirrored and on both workers alike, naming the variable and its layer;
+    a custom loop's stratkit.check_replicas() says the same; STRATKIT_REPLICA_CHECK=warn warns at the epoch's end
+    and at the end of fit and goes on; Trainer.fit(backup_every=1) stops before its first backup, writing none.
+    One replica has nothing to compare."""
+    one = one_process["planted_divergence"]["per_mode"]
+    assert one["raised"] is None and one["saved"] is True and one["check_replicas"] is None and one["warned"] == []
+    assert one["backup_raised"] is None
+    for run in (mirrored, *two_workers):
+        got = run["planted_divergence"]["per_mode"]
+        assert got["raised"] is not None and got["saved"] is False, got
+        assert got["epochs_done"] == 2, got         # stopped after the first epoch's 2 steps
+        for message in (got["raised"], got["check_replicas"]):
+            assert re.search(r"'(sequential\w*)/running/mean' \(layer '\1/running'", message), message
+            assert "largest difference" in message and "aggregation='none'" in message, message
+        assert "at the end of epoch 1" in got["raised"]
+        assert got["backup_raised"] == "the 2 replicas no longer hold the same model before the backup at epoch 0 + 1 " \
+                                       "steps", got         # Trainer.fit(backup_every=1): before the first backup
+        assert got["backup_files"] == [], got
+        assert [m.split(":")[0] for m in got["warned"]] == [
+            "the 2 replicas no longer hold the same model at the end of epoch 1",
+            "the 2 replicas no longer hold the same model at the end of fit"], got["warned"]

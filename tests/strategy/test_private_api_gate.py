@@ -383,6 +383,8 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _batch_size", "private _batch_sizes", "private _context_handle", "private _initial_epoch",
         "private _input_dataset", "private _learning_rate",
         "patch model._initial_epoch",
+        # a custom loop's gradient accumulators: per replica by design, skipped by the replica check
+        "private _accumulated_gradients",
     },
     "stratkit/strategy/keras_compat/metric_guard.py": {
         "import keras.src.backend.tensorflow.core", "import keras.src.metrics.metric",
@@ -426,6 +428,14 @@ GATE_INVENTORY: dict[str, set[str]] = {
         # keras.random.SeedGenerator.next wrapped: the seed it hands out folded with the replica id (N > 1 replicas)
         "patch cls.next",
     },
+    "stratkit/strategy/keras_compat/replica_state.py": {
+        # the TF backend Variable's _direct_assign wrapped: a layer's state assigned in a replica step gets the
+        # replicas' row-weighted mean; the self-check reads the common Variable.assign that calls it
+        "module path keras.src.backend.common.variables", "module path keras.src.backend.tensorflow.core",
+        "module path keras.src.layers.normalization.batch_normalization",
+        "patch cls._direct_assign", "private _direct_assign", "private _flatten_layers",
+        "private _non_trainable_variables",
+    },
     "stratkit/strategy/keras_compat/save_guards.py": {
         # keras.Model.save / save_weights / export wrapped, and put back
         "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",
@@ -433,6 +443,19 @@ GATE_INVENTORY: dict[str, set[str]] = {
     "stratkit/strategy/keras_compat/variable_scalars.py": {
         "import keras.src.backend.tensorflow.core",
         "patch setattr(cls, name)",  # Variable.__float__ / __int__ for distributed values
+    },
+    "stratkit/strategy/keras_compat/resume_step.py": {
+        # EpochIterator._enumerate_iterator wrapped: a resumed fit's first epoch starts at the backup's step
+        # (its first tuples dropped); the iterator's kind (an endless stream or finite passes) read for the replay
+        "import keras.src.trainers.epoch_iterator", "patch cls._enumerate_iterator", "private _enumerate_iterator",
+        "private _num_batches",
+    },
+    "stratkit/strategy/keras_compat/callback_state.py": {
+        # the counters of Keras's EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, TensorBoard and History,
+        # read and written back for a backup
+        "patch callback.best_weights", "patch callback.epoch", "patch callback.history",
+        "patch setattr(callback, name)", "private _batches_seen_since_last_saving", "private _current_epoch",
+        "private _global_train_batch", "private _last_batch_seen",
     },
     "stratkit/strategy/keras_compat/trainer_patches.py": {
         "import keras.src.tree",

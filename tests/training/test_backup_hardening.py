@@ -120,10 +120,12 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_epoch(trainer, t
         def on_epoch_begin(self, epoch, logs=None):
             if not hasattr(self, "weights"):
                 self.weights = self.model.get_weights()
+                self.first_epoch = epoch
 
     start = FirstEpochStart()
     _, history = _fit(trainer, backup, epochs=5, callbacks=[start])
-    assert history.epoch == [2, 3, 4]  # epochs 3 to 5: resumed after epoch 2
+    # epochs 3 to 5 ran: resumed after epoch 2, whose backup holds History's epochs 1 and 2 (the whole run's)
+    assert start.first_epoch == 2 and history.epoch == [0, 1, 2, 3, 4]
     for got, want in zip(start.weights, epoch2):
         np.testing.assert_array_equal(got, want)
     warnings = [line for line in capsys.readouterr().err.splitlines() if "epoch-00003.weights.h5" in line]
@@ -217,12 +219,13 @@ def test_a_kill_in_the_middle_of_a_save_leaves_no_temporary_after_the_next_start
     backup = tmp_path / "backup"
     killed = run_process(_KILLED_IN_SAVE, args=[str(backup)], timeout=60)
     assert killed.returncode == -signal.SIGKILL and "in the middle of a save" in killed.stdout, describe([killed])
-    finals = {"epoch-00001.weights.h5", "checkpoint.json"}
+    finals = {"epoch-00001.weights.h5", "epoch-00001.state.json", "checkpoint.json"}
     left = set(os.listdir(backup))
     assert finals <= left and left - finals, left  # the kill landed mid-save: a temporary is there
     seen = SeesBackupDir(backup)
     _, history = _fit(trainer, backup, epochs=3, callbacks=[seen])
-    assert history.epoch == [1, 2]  # resumed after epoch 1, the last complete save
+    # resumed after epoch 1, the last complete save (History's epoch 1 comes from it: the whole run's history)
+    assert history.epoch == [0, 1, 2] and len(history.history["loss"]) == 3
     assert set(seen.at_start) == finals, seen.at_start  # the dead writer's temporary is gone
     assert not backup.exists()  # and a completed run leaves nothing behind
 

@@ -23,6 +23,8 @@ The modules, one responsibility each:
   scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
   (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
+* :mod:`.replica_state`: state a layer assigns in a replica step (``aggregation="none"``) set to the replicas'
+  row-weighted mean, one value everywhere;
 * :mod:`.optimizer_build`: a custom loop's optimizer, built by its first ``apply`` in ``strategy.run``,
   is built in the cross-replica context; :mod:`.on_batch`: ``*_on_batch`` split over the replicas;
 * :mod:`.array_shuffle`: the arrays ``fit`` shuffles take one order on every worker;
@@ -31,7 +33,11 @@ The modules, one responsibility each:
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
 * :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
 * :mod:`.save_guards`: every MWMS worker's ``model.save``/``export`` to one path (chief atomic, others private);
-* :mod:`.internals`: small private reads/writes the training code needs.
+* :mod:`.internals`: small private reads/writes the training code needs;
+* :mod:`.resume_step`: a resumed ``fit`` starts its first epoch at the backup's step
+  (installed on demand by :func:`install_resume_step`); :mod:`.callback_state`: the counters
+  of Keras's own callbacks (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, TensorBoard,
+  History) read and written back for a backup.
 
 This package (this file) holds the decisions: :func:`apply`, :func:`revert`,
 :func:`check_supported`, :func:`check_parameter_server`. They read the Keras
@@ -60,6 +66,8 @@ from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
 from stratkit.strategy.keras_compat import layer_losses as _layer_losses
 from stratkit.strategy.keras_compat import replica_seeds as _replica_seeds
+from stratkit.strategy.keras_compat import replica_state as _replica_state
+from stratkit.strategy.keras_compat import resume_step as _resume_step
 from stratkit.strategy.keras_compat import synced_logs as _synced_logs
 from stratkit.strategy.keras_compat import parameter_server as _parameter_server
 from stratkit.strategy.keras_compat import save_guards as _save_guards
@@ -128,6 +136,7 @@ __all__ = [
     "check_stateful_rnn",
     "check_steps_per_execution",
     "install_fit_guards",
+    "install_resume_step",
     "installed_keras_version",
     "is_parameter_server",
     "parameter_server_refusal",
@@ -294,6 +303,8 @@ def revert() -> None:
         _synced_logs.uninstall()
         _batchnorm.uninstall()
         _replica_seeds.uninstall()
+        _replica_state.uninstall()
+        _resume_step.uninstall()
         _status = None
 
 
@@ -305,6 +316,7 @@ def _install_all() -> None:
     _synced_logs.install()
     _batchnorm.install()
     _replica_seeds.install()  # Dropout, augmentation, keras.random: each replica its own draws
+    _replica_state.install()  # a layer's assigned state: the replicas' row-weighted mean, the same everywhere
 
 
 def install_fit_guards() -> bool:
@@ -320,6 +332,19 @@ def install_fit_guards() -> bool:
         True when the guards are in place.
     """
     return _fit_guards.install(installed_keras_version(), _mode())
+
+
+def install_resume_step() -> bool:
+    """Let a resumed ``fit`` start its first epoch at a backup's step (:mod:`.resume_step`); idempotent.
+
+    Installed on a tested Keras (or with ``STRATKIT_KERAS_COMPAT=force``), never
+    with ``off``: the backup callback calls it before a mid-epoch resume and
+    refuses the resume (with the fix) when it returns False.
+    """
+    mode = _mode()
+    if mode == "off" or (installed_keras_version() not in TESTED_KERAS_VERSIONS and mode != "force"):
+        return False
+    return _resume_step.install()
 
 
 def check_parameter_server(model: Any = None) -> None:

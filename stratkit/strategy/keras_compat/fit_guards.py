@@ -42,10 +42,10 @@ import threading
 from typing import Any
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import scratch
+from stratkit.strategy import replica_check, scratch
 from stratkit.strategy.collectives import min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
-                                            synced_logs)
+                                            replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -260,20 +260,25 @@ def _guarded(name: str, original: Any) -> Any:
             if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
                 bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
-        if global_gradient.replicas_of(strategy) and global_gradient.installed() and \
-                batchnorm.has_per_replica_statistics(self):
+        front = []     # first: ModelCheckpoint & co. at an epoch's end see averaged statistics and a checked model
+        if global_gradient.replicas_of(strategy) and global_gradient.installed():
+            if batchnorm.has_per_replica_statistics(self):
+                front.append(batchnorm.averaging_callback(self, strategy))
+                if name == "fit":
+                    _say_batchnorm_once(self, strategy)
+            if name == "fit" and replica_check.mode() != "off":
+                front.append(replica_check.callback(self, strategy))
+        if front:
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments.get("callbacks")
             if given is None or isinstance(given, (list, tuple)):
-                # first: ModelCheckpoint & co. at an epoch's end see the averaged statistics
-                bound.arguments["callbacks"] = [batchnorm.averaging_callback(self, strategy), *(given or [])]
+                bound.arguments["callbacks"] = [*front, *(given or [])]
                 args, kwargs = bound.args[1:], bound.kwargs
-                if name == "fit":
-                    _say_batchnorm_once(self, strategy)
         _inside_guarded_call.active = True
         exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
             global_gradient.installed()
         if exact:
+            replica_state.register(self)
             synced_logs.wrap_steps(self)
         try:
             with global_gradient.fit_mode() if exact else contextlib.nullcontext(), \

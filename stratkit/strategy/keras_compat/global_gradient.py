@@ -275,13 +275,29 @@ def _scaled(grad: Any, factor: float) -> Any:
     return grad * factor
 
 
+@contextlib.contextmanager
+def _gradients_reduced() -> Iterator[None]:
+    """This replica thread's gradients are all-reduced already: the optimizer's later all-reduce is skipped.
+
+    A per-thread count, never a mark on the optimizer: replica threads interleave at every ``merge_call``,
+    so a flag one thread sets on a shared object and restores afterwards is another thread's flag too
+    (a save-and-restore around ``merge_call`` left it set for good from the second step)."""
+    _local.reduced = getattr(_local, "reduced", 0) + 1
+    try:
+        yield
+    finally:
+        _local.reduced -= 1
+
+
 def _reduced_apply(original: Any) -> Any:
     @functools.wraps(original)
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         if trainable_variables is not None and not self.built:
             trainable_variables = list(trainable_variables)       # may be a one-pass iterator
             build_outside_replicas(self, trainable_variables)      # a custom loop's first apply: see its module
-        if (not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)):
+        if (not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)
+                or (self.gradient_accumulation_steps and not _fit_depth)):
+            # a custom loop's accumulation all-reduces at the update, as Keras does (_backend_apply_gradients)
             return original(self, grads, trainable_variables)
         inner = getattr(self, "inner_optimizer", None)
         if inner is not None:
@@ -294,11 +310,8 @@ def _reduced_apply(original: Any) -> Any:
         # scale was divided by N already (4.)
         if _fit_depth and not _take_divided_scale(self):
             reduced = [_scaled(g, 1.0 / sync_replicas()) for g in reduced]
-        _local.reduced = getattr(_local, "reduced", 0) + 1
-        try:
+        with _gradients_reduced():
             return original(self, reduced, trainable_variables)
-        finally:
-            _local.reduced -= 1
 
     setattr(apply, _PATCH_MARK, True)
     return apply
@@ -344,28 +357,32 @@ def _backend_update_step(self: Any, grads: Any, trainable_variables: Any, learni
 
 
 def _backend_apply_gradients(self: Any, grads: Any, trainable_variables: Any) -> Any:
-    """``TFOptimizer._backend_apply_gradients`` (Keras has only the base class's): gradient accumulation
-    with all-reduced gradients. Keras chooses "update" or "accumulate" with a ``cond`` in the replica
-    context, where the update's ``merge_call`` is not allowed (keras-team/keras#20582); here the choice
-    is made once in the cross-replica context and each branch runs on every replica (the pattern Keras's
-    LossScaleOptimizer uses). The gradients are already summed over the replicas, so every replica
-    accumulates the same values and applies the same update: one process's, with the same k."""
+    """``TFOptimizer._backend_apply_gradients`` (Keras has only the base class's): gradient accumulation on
+    N replicas. Keras chooses "update" or "accumulate" with a ``cond`` in the replica context, where the
+    update's ``merge_call`` is not allowed (keras-team/keras#20582); here the choice is made in the
+    cross-replica context and each branch runs on every replica (as Keras's LossScaleOptimizer does).
+    In fit the gradients arrive all-reduced: every replica accumulates and applies one process's values.
+    In a custom loop, Keras's convention: each replica accumulates its own gradient, and the update
+    all-reduces each replica's ``(gradient + accumulated) / k``, then clips and applies it alike everywhere."""
     base = _originals["BaseOptimizer._backend_apply_gradients"]
-    if not self.gradient_accumulation_steps or not sync_replicas() or not (
-            getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)):
+    if not self.gradient_accumulation_steps or not sync_replicas():
         return base(self, grads, trainable_variables)
     import tensorflow as tf
     from keras.src import ops
 
+    arrived_reduced = bool(getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False))
     steps = self.gradient_accumulation_steps
     accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
 
     def update(grads: Any) -> None:
         grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
-        grads = self._clip_gradients(grads)
-        self._apply_weight_decay(trainable_variables)
-        self._backend_update_step(grads, trainable_variables, self.learning_rate)
-        self._backend_reset_gradient_accumulators()
+        if not arrived_reduced:     # each replica's own (gradient + sum) / k: new tensors, summed over replicas
+            grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+        with _gradients_reduced():
+            grads = self._clip_gradients(grads)
+            self._apply_weight_decay(trainable_variables)
+            self._backend_update_step(grads, trainable_variables, self.learning_rate)
+            self._backend_reset_gradient_accumulators()
 
     def accumulate(grads: Any) -> None:
         self._backend_increment_gradient_accumulators(grads, accumulators)
@@ -375,12 +392,7 @@ def _backend_apply_gradients(self: Any, grads: Any, trainable_variables: Any) ->
         ops.cond((self._iterations + 1) % steps == 0, lambda: each(update, args=(grads,)),
                  lambda: each(accumulate, args=(grads,)))
 
-    marked = getattr(self, _INNER_MARK, False)
-    object.__setattr__(self, _INNER_MARK, True)   # replica threads of call_for_each_replica: already reduced
-    try:
-        tf.distribute.get_replica_context().merge_call(choose, args=(grads,))
-    finally:
-        object.__setattr__(self, _INNER_MARK, marked)
+    tf.distribute.get_replica_context().merge_call(choose, args=(grads,))
     if self.use_ema:
         self._update_model_variables_moving_average(self._trainable_variables)
         if self.ema_overwrite_frequency:

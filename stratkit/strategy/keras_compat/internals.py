@@ -85,3 +85,13 @@ def runtime_initialized() -> bool:
     except ImportError:  # pragma: no cover - TF is a hard dependency
         return False
     return getattr(context.context(), "_context_handle", None) is not None
+
+
+def per_replica_optimizer_variables(optimizer: Any) -> list[Any]:
+    """The optimizer's variables Keras keeps per replica on purpose: gradient accumulators.
+
+    In a custom loop each replica accumulates its own gradient (Keras's convention, kept by
+    ``global_gradient``), so their copies differ between replicas by design; the replica check skips them.
+    Keras keeps them in the private ``_accumulated_gradients``.
+    """
+    return [v for v in (getattr(optimizer, "_accumulated_gradients", None) or ()) if v is not None]

@@ -29,7 +29,7 @@ import importlib
 import threading
 import weakref
 
-from stratkit.strategy.keras_compat import global_gradient
+from stratkit.strategy.keras_compat import global_gradient, replica_state
 from stratkit.strategy.keras_compat.global_gradient import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
@@ -119,6 +119,7 @@ def _cast(value: Any, dtype: Any) -> Any:
 def _synced(model: Any, step: Any) -> Any:
     @functools.wraps(step)
     def synced_step(data: Any) -> Any:
+        replica_state.begin_step(model, data)      # this replica's rows, for state its layers assign
         logs = step(data)
         replicas = sync_replicas()
         if not replicas:

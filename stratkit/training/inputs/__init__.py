@@ -76,7 +76,7 @@ def adapter_for(data: Any) -> InputAdapter:
 def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
             steps_per_epoch: int | None = None, training: bool = True, shuffle: bool = True,
             seed: int = DEFAULT_SEED, tpu: bool = False, drop_remainder: bool = False,
-            shard: bool = True, first_epoch: int = 0) -> PreparedData:
+            shard: bool = True, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
     """Build the dataset for one of fit/evaluate/predict under a synchronous strategy.
 
     Args:
@@ -91,11 +91,14 @@ def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: i
         shard: False gives every worker the whole dataset (predict returns all rows everywhere).
         first_epoch: the epoch training starts at (a resume): shuffled numpy arrays give each epoch the
             order an uninterrupted run gives it.
+        first_step: the step of `first_epoch` training starts at (a mid-epoch resume): the input starts at
+            that batch (`PreparedData.replay`: the batches the first epoch must still read and drop).
     """
     return adapter_for(data).distribute(strategy=strategy, num_replicas=num_replicas,
                                         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch,
                                         training=training, shuffle=shuffle, seed=seed, tpu=tpu,
-                                        drop_remainder=drop_remainder, shard=shard, first_epoch=first_epoch)
+                                        drop_remainder=drop_remainder, shard=shard, first_epoch=first_epoch,
+                                        first_step=first_step)
 
 
 def local_dataset(data: Any, global_batch_size: int | None, steps: int | None = None, *,

@@ -53,7 +53,7 @@ class ArrayAdapter(DatasetAdapter):
         return dataset.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
 
     def _epoch_stream(self, *, global_batch_size: int, steps_per_epoch: int | None, drop: bool, seed: int,
-                      first_epoch: int) -> Any:
+                      first_epoch: int, first_step: int = 0) -> Any:
         """Every epoch's batches from `first_epoch` on, one endless stream; pass p's order is a function of (seed, p).
 
         So a run resumed at epoch E (from `backup_dir`, at another world size,
@@ -62,7 +62,8 @@ class ArrayAdapter(DatasetAdapter):
         instead restarts its sequence of orders in every new process. Without
         `steps_per_epoch` an epoch is one pass, ending with its partial batch;
         with it, batches run on across passes (all full), and the resumed stream
-        skips the E * steps * batch rows read before.
+        skips the E * steps * batch rows read before. A resume at step S of epoch E
+        (a step backup) starts S batches further on: only indices are skipped.
         """
         import tensorflow as tf
 
@@ -77,9 +78,9 @@ class ArrayAdapter(DatasetAdapter):
 
         if steps_per_epoch is None:
             indices = tf.data.Dataset.range(first_epoch, 2**62).flat_map(
-                lambda p: order(p).batch(global_batch_size, drop_remainder=drop))
+                lambda p: order(p).batch(global_batch_size, drop_remainder=drop)).skip(first_step)
         else:
-            read = first_epoch * steps_per_epoch * global_batch_size
+            read = (first_epoch * steps_per_epoch + first_step) * global_batch_size
             indices = tf.data.Dataset.range(read // n, 2**62).flat_map(order).skip(read % n)
             indices = indices.batch(global_batch_size, drop_remainder=True)
         return indices.map(lambda i: tf.nest.map_structure(lambda a: tf.gather(a, i), rows),

@@ -24,6 +24,8 @@ class PreparedData:
     kind: str  # "numpy", "dataset", "batched_dataset" or "dataset_fn"
     #: The dataset runs on across epochs (numpy arrays reshuffled by epoch): `fit` needs `steps_per_epoch`.
     endless: bool = False
+    #: Batches the first epoch of a mid-epoch resume must read and drop (a pass that cannot start at a step).
+    replay: int = 0
 
 
 class InputAdapter:
@@ -42,7 +44,7 @@ class InputAdapter:
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
         """The dataset for one of the strategy's fit/evaluate/predict (see `inputs.prepare`)."""
         raise NotImplementedError
 

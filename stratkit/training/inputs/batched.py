@@ -25,8 +25,8 @@ class BatchedDatasetAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
-        """Repeated if asked, sharded, never re-batched."""
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
+        """Repeated if asked, sharded, never re-batched; a mid-epoch resume replays what was read before."""
         if global_batch_size is None and self.batch_size > 0:
             global_batch_size = self.batch_size
         if global_batch_size is None:
@@ -36,10 +36,12 @@ class BatchedDatasetAdapter(InputAdapter):
         if tpu:
             rules.check_static_shapes(self.data.element_spec)  # a batched dataset needs drop_remainder=True for this
         cardinality = int(self.data.cardinality())
-        dataset = self.data.repeat() if training and steps_per_epoch is not None else self.data
+        stream = training and steps_per_epoch is not None
+        dataset = self.data.repeat() if stream else self.data
         dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
         steps = steps_per_epoch if steps_per_epoch is not None else (cardinality if cardinality >= 0 else None)
-        return PreparedData(dataset, global_batch_size, steps, None, self.kind)
+        return PreparedData(dataset, global_batch_size, steps, None, self.kind,
+                            replay=rules.replayed(first_epoch, first_step, steps_per_epoch if stream else None))
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:

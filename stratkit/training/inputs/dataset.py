@@ -30,7 +30,7 @@ class DatasetAdapter(InputAdapter):
         return dataset  # the user's dataset decides its own order
 
     def _epoch_stream(self, *, global_batch_size: int, steps_per_epoch: int | None, drop: bool, seed: int,
-                      first_epoch: int) -> Any:
+                      first_epoch: int, first_step: int = 0) -> Any:
         """The batches of every epoch from `first_epoch` on, each epoch's order fixed by (seed, epoch); or None.
 
         None: this input's order is its own (a dataset decides it), so it cannot be keyed by epoch.
@@ -40,7 +40,7 @@ class DatasetAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
         import tensorflow as tf
 
         if global_batch_size is None:
@@ -54,7 +54,7 @@ class DatasetAdapter(InputAdapter):
         stream = None
         if training and shuffle:
             stream = self._epoch_stream(global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch,
-                                        drop=drop, seed=seed, first_epoch=first_epoch)
+                                        drop=drop, seed=seed, first_epoch=first_epoch, first_step=first_step)
             dataset = self._shuffled(dataset, buffer=num_examples, seed=seed)
         if num_examples is not None and num_examples < global_batch_size and (training or drop):
             raise ConfigError(f"global_batch_size={global_batch_size} is larger than the {num_examples} examples in "
@@ -78,7 +78,9 @@ class DatasetAdapter(InputAdapter):
         steps = steps_per_epoch
         if steps is None and num_examples is not None:
             steps = num_examples // global_batch_size if drop else math.ceil(num_examples / global_batch_size)
-        return PreparedData(dataset, global_batch_size, steps, num_examples, self.kind, endless=stream is not None)
+        replay = 0 if stream is not None or not training else rules.replayed(first_epoch, first_step, steps_per_epoch)
+        return PreparedData(dataset, global_batch_size, steps, num_examples, self.kind, endless=stream is not None,
+                            replay=replay)
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:

@@ -28,13 +28,14 @@ class DatasetFnAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
         if steps_per_epoch is None and training:
             raise ConfigError("steps_per_epoch is required with a dataset_fn(input_context) (its length is not "
                               "known). Fix: pass steps_per_epoch=N, e.g. examples // global_batch_size")
         repeat = training and steps_per_epoch is not None
         dataset = strategy.distribute_datasets_from_function(repeating(self.data) if repeat else self.data)
-        return PreparedData(dataset, global_batch_size, steps_per_epoch, None, self.kind)
+        return PreparedData(dataset, global_batch_size, steps_per_epoch, None, self.kind,
+                            replay=rules.replayed(first_epoch, first_step, steps_per_epoch if repeat else None))
 
     # -- this process only -----------------------------------------------------------------------
     def local(self, global_batch_size: int | None, what: str) -> Any:

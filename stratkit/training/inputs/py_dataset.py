@@ -66,7 +66,7 @@ class PyDatasetAdapter(InputAdapter):
     # -- synchronous strategies ------------------------------------------------------------------
     def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
                    steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
-                   drop_remainder: bool, shard: bool, first_epoch: int = 0) -> PreparedData:
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
         batch = self.batch_size if self.batch_size is not None else rules.py_dataset_batch(self.data)
         rules.check_py_dataset_batch(batch, global_batch_size)
         rules.check_divisible(batch, num_replicas, tpu)

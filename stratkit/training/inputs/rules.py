@@ -189,6 +189,20 @@ def check_static_shapes(element_spec: Any) -> None:
                               "tf.image.resize), so XLA can compile one program")
 
 
+def replayed(first_epoch: int, first_step: int, steps_per_epoch: int | None) -> int:
+    """Batches a mid-epoch resume reads and drops from the training iterator `fit` makes (0: none to resume).
+
+    A pipeline stratkit cannot position by index is replayed through the very
+    iterator `fit` trains from: one stream for the run (`steps_per_epoch`: every
+    batch read before), or one pass per epoch (the epoch's first steps). The
+    same iterators are made as in an uninterrupted run, so even a reshuffle
+    with a fixed seed (whose seeds every iterator of a dataset draws from, Keras's
+    first-batch peek included) gives the same batches. (An epoch backup's resume
+    does not use it: there a stream starts afresh, as before step backups.)
+    """
+    return first_epoch * steps_per_epoch + first_step if steps_per_epoch else first_step
+
+
 def shard_by(dataset: Any, policy: str = "DATA") -> Any:
     """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose."""
     import tensorflow as tf

@@ -1,0 +1,94 @@
+"""A Trainer run with step backups, EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(best) and a CSVLogger.
+
+Run alone (STRATEGY=one_device or mirrored, LOGICAL_CPUS=2) or as every task of
+`stratkit launch`. 160 rows, global batch 16: epochs of 10 steps; Adam; shuffled
+arrays. Environment:
+
+  BACKUP_DIR, OUT       the backup directory; where results, logs and the best file go
+  BACKUP_EVERY          Trainer.fit's backup_every (default 7; "" for epoch backups)
+  KILL_AT, KILL_RANK    on the first attempt only (STRATKIT_RESTART_COUNT 0, or FIRST=1 for plain
+  KILL_SIGNAL           processes), this rank signals itself before global step KILL_AT runs: KILL, or
+                        TERM followed by a SIGKILL 5 s later (as a platform does)
+  DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
+
+Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
+after the step), result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
+the signal was sent), best.weights.h5 and log.csv (the chief's).
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import stratkit
+
+options = {"logical_cpus": int(os.environ["LOGICAL_CPUS"])} if os.environ.get("LOGICAL_CPUS") else {}
+trainer = stratkit.Trainer(strategy=os.environ.get("STRATEGY") or None, **options)
+spec = stratkit.detect()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+OUT = os.environ["OUT"]
+RANK = max(spec.worker_rank, 0)
+ATTEMPT = int(os.environ.get("STRATKIT_RESTART_COUNT", "0")) + int(os.environ.get("ATTEMPT", "0"))
+STEPS_PER_EPOCH = 10
+rng = np.random.default_rng(0)
+x = rng.normal(size=(160, 6)).astype("float32")
+y = (x @ rng.normal(size=(6, 1)) + 0.3).astype("float32")
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((6,)), keras.layers.Dense(16, activation="tanh")]
+    if os.environ.get("DROPOUT"):
+        layers.append(keras.layers.Dropout(0.3))
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+    return model
+
+
+class Evidence(keras.callbacks.Callback):
+    """Log each trained step's global index; signal this process before step KILL_AT on the first attempt."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self.epoch * STEPS_PER_EPOCH + batch
+        if (ATTEMPT == 0 and os.environ.get("KILL_AT") and step == int(os.environ["KILL_AT"])
+                and RANK == int(os.environ.get("KILL_RANK", "0"))):
+            if os.environ.get("KILL_SIGNAL", "KILL") == "KILL":
+                os.kill(os.getpid(), signal.SIGKILL)
+            with open(os.path.join(OUT, f"signal-{RANK}.json"), "w") as handle:
+                json.dump({"time": time.time(), "step": step}, handle)
+            deadline = threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL))  # the platform's deadline
+            deadline.daemon = True
+            deadline.start()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, batch, logs=None):
+        with open(os.path.join(OUT, f"steps-{RANK}.log"), "a") as handle:
+            handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch}\n")
+
+
+stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.25)
+callbacks = [Evidence(), stopper,
+             keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.6),
+             keras.callbacks.ModelCheckpoint(os.path.join(OUT, "best.weights.h5"), monitor="loss", save_best_only=True,
+                                             save_weights_only=True),
+             keras.callbacks.CSVLogger(os.path.join(OUT, "log.csv"))]
+every = os.environ.get("BACKUP_EVERY", "7")
+model = trainer.build(build)
+history = trainer.fit(model, (x, y), epochs=int(os.environ.get("EPOCHS", "12")), global_batch_size=16,
+                      backup_dir=os.environ["BACKUP_DIR"], backup_every=int(every) if every.isdigit() else (every or None),
+                      callbacks=callbacks, verbose=0)
+result = {"weights": [w.tolist() for w in model.get_weights()], "epochs": history.epoch,
+          "history": {k: v for k, v in history.history.items() if k != "examples_per_sec"},
+          "stopped_epoch": stopper.stopped_epoch, "attempt": ATTEMPT}
+with open(os.path.join(OUT, f"result-{RANK}.json"), "w") as handle:
+    json.dump(result, handle)
+print("done", file=sys.stderr)
