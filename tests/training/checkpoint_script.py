@@ -10,6 +10,7 @@ arrays. Environment:
   KILL_SIGNAL           processes), this rank signals itself before global step KILL_AT runs: KILL, or
                         TERM followed by a SIGKILL 5 s later (as a platform does)
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
+  STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
 after the step), result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
@@ -73,6 +74,7 @@ class Evidence(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         with open(os.path.join(OUT, f"steps-{RANK}.log"), "a") as handle:
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch}\n")
+        time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
 
 
 stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.25)
