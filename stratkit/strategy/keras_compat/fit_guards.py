@@ -43,7 +43,7 @@ from typing import Any
 
 from stratkit.errors import ConfigError
 from stratkit.strategy import scratch
-from stratkit.strategy.collectives import min_over_workers
+from stratkit.strategy.collectives import chief_ints, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
@@ -227,7 +227,8 @@ def _one_order(strategy: Any) -> Any:
         return contextlib.nullcontext()
     is_chief = _is_chief(strategy)
     return array_shuffle.agreed_order(
-        lambda value: min_over_workers(strategy, value if is_chief else array_shuffle.UNSET))
+        lambda value: min_over_workers(strategy, value if is_chief else array_shuffle.UNSET),
+        lambda values: array_shuffle.unless_chief(is_chief, chief_ints(strategy, values)))
 
 
 def _guarded(name: str, original: Any) -> Any:

@@ -37,7 +37,7 @@ class BatchedDatasetAdapter(InputAdapter):
             rules.check_static_shapes(self.data.element_spec)  # a batched dataset needs drop_remainder=True for this
         cardinality = int(self.data.cardinality())
         dataset = self.data.repeat() if training and steps_per_epoch is not None else self.data
-        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
+        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF", strategy)
         steps = steps_per_epoch if steps_per_epoch is not None else (cardinality if cardinality >= 0 else None)
         return PreparedData(dataset, global_batch_size, steps, None, self.kind)
 

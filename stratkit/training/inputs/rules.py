@@ -189,10 +189,19 @@ def check_static_shapes(element_spec: Any) -> None:
                               "tf.image.resize), so XLA can compile one program")
 
 
-def shard_by(dataset: Any, policy: str = "DATA") -> Any:
-    """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose."""
+def shard_by(dataset: Any, policy: str = "DATA", strategy: Any = None) -> Any:
+    """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose.
+
+    DATA is the strategy layer's decision (`keras_compat.settle_sharding`): an
+    AUTO dataset trains with DATA (exact), a policy the user set is kept, and
+    FILE is refused before step 1 when `strategy`'s workers outnumber the files.
+    """
     import tensorflow as tf
 
+    if policy == "DATA":
+        from stratkit.strategy import keras_compat
+
+        return keras_compat.settle_sharding(dataset, strategy)
     options = tf.data.Options()
     current = dataset.options().experimental_distribute.auto_shard_policy
     if current != tf.data.experimental.AutoShardPolicy.AUTO:
