@@ -43,12 +43,12 @@ def is_generator(obj: Any) -> bool:
 
 def generator_refusal() -> ConfigError:
     return ConfigError(
-        "data is a Python generator: it can be read only once, and Keras's fit under a strategy peeks at the first "
-        "batch through an iterator it then drops, losing the batches that iterator prefetched (how many depends "
-        "on the input pipeline: one process and N workers lose different ones), so training would not be exact. "
-        "Fix: wrap the batches in a keras.utils.PyDataset (__len__ and __getitem__; stratkit.Trainer takes it "
-        "as it is), or pass tf.data.Dataset.from_generator(<the generator function>, output_signature=...) "
-        "(the function, not a generator: every pass restarts it), or numpy arrays")
+        "data is a Python generator: it can be read only once, so Trainer.fit can neither run steps_per_epoch steps "
+        "every epoch (the steps rule repeats finite data) nor read its batch size without losing a batch, and its "
+        "second epoch would get only what the first left. Fix: wrap the batches in a keras.utils.PyDataset "
+        "(__len__ and __getitem__; stratkit.Trainer takes it as it is), or pass "
+        "tf.data.Dataset.from_generator(<the generator function>, output_signature=...) (the function, not a "
+        "generator: every pass restarts it), or numpy arrays")
 
 
 def py_dataset_batch(data: Any) -> int:

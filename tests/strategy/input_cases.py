@@ -1,0 +1,168 @@
+"""Every input form reads as one process (issue 39): the cases `parity_cases.py` runs for them.
+
+Each case trains a small linear model on batches whose order and rows change the weights (SGD on random
+rows), so a batch trained twice, skipped, taken out of order, or split unlike one process's shows in the
+weights. Each also reports whether the user's own NumPy arrays were left as they were (`rows_intact`):
+TensorFlow wrote into arrays a generator or a PyDataset handed it on 2 replicas. What only one mode can
+say (stratkit's log lines, plain Keras's numbers on one process, a refusal on 2 workers) sits under
+`per_mode`.
+
+The TFRecord files are written at run time into a temporary directory of each process (the same rows
+every time).
+"""
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import stratkit
+
+CASES = ["py_dataset_threads", "py_dataset_processes", "trainer_py_dataset", "generator", "from_generator",
+         "tfrecord_one_file", "tfrecord_files", "trainer_tfrecord", "tfrecord_file_policy"]
+
+FEATURES, BATCH, BATCHES = 6, 4, 12
+_rng = np.random.default_rng(7)
+X = _rng.normal(size=(BATCH * BATCHES, FEATURES)).astype("float32")
+Y = (X @ _rng.normal(size=(FEATURES, 1)) + 0.3).astype("float32")
+_X0, _Y0 = X.copy(), Y.copy()
+
+
+class Rows(keras.utils.PyDataset):
+    """Keras's own PyDataset example: batch i is a view of the arrays the object holds."""
+
+    def __init__(self, x, y, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, i):
+        return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+
+
+def batches(steps):
+    """A Python generator of views of the arrays, `steps` batches, round and round."""
+    for step in range(steps):
+        i = step % BATCHES
+        yield X[i * BATCH:(i + 1) * BATCH], Y[i * BATCH:(i + 1) * BATCH]
+
+
+def model_in(scope):
+    with scope:
+        keras.utils.set_random_seed(3)    # Python's random too: a shuffled PyDataset's batch order
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def trained(model, history):
+    history = {k: v for k, v in history.history.items() if k != "examples_per_sec"}
+    return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "h": history,
+            "rows_intact": bool(np.array_equal(X, _X0) and np.array_equal(Y, _Y0))}
+
+
+def fit(data, strategy=None, **kwargs):
+    model = model_in(strategy.scope() if strategy is not None else contextlib.nullcontext())
+    return trained(model, model.fit(data, epochs=2, verbose=0, **kwargs))
+
+
+@contextlib.contextmanager
+def said():
+    """What stratkit says while the block runs (its info and warning lines)."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("stratkit")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def write_records(directory, files):
+    """The rows of X, Y as `files` TFRecord files (rows in order, split evenly)."""
+    paths, per = [], len(X) // files
+    for f in range(files):
+        path = os.path.join(directory, f"part-{files}-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for row in range(f * per, (f + 1) * per):
+                feature = {"x": tf.train.Feature(float_list=tf.train.FloatList(value=X[row])),
+                           "y": tf.train.Feature(float_list=tf.train.FloatList(value=Y[row]))}
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+        paths.append(path)
+    return paths
+
+
+def parse(record):
+    row = tf.io.parse_single_example(record, {"x": tf.io.FixedLenFeature([FEATURES], tf.float32),
+                                              "y": tf.io.FixedLenFeature([1], tf.float32)})
+    return row["x"], row["y"]
+
+
+def records(directory, files, policy=None):
+    dataset = tf.data.TFRecordDataset(write_records(directory, files)).map(parse)
+    if policy is not None:
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = getattr(tf.data.experimental.AutoShardPolicy, policy)
+        dataset = dataset.with_options(options)
+    return dataset
+
+
+def case(name, mode, trainer, strategy):
+    if name in ("py_dataset_threads", "py_dataset_processes"):
+        # model.fit's default shuffle=True: the batch order Python's random draws (seeded alike everywhere)
+        processes = name == "py_dataset_processes"
+        out = fit(Rows(X, Y, workers=2, use_multiprocessing=processes), strategy)
+        out["per_mode"] = {}
+        if mode == "one":            # stratkit's one-device choice against Keras without a strategy
+            plain = fit(Rows(X, Y, workers=2, use_multiprocessing=processes))
+            out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(out["w"], plain["w"]))))
+        return out
+    if name == "trainer_py_dataset":
+        def build():
+            return model_in(contextlib.nullcontext())
+
+        model = trainer.build(build)
+        return trained(model, trainer.fit(model, Rows(X, Y, workers=2), epochs=2, verbose=0))
+    if name == "generator":          # a Python generator of views, 2 epochs of 6 steps
+        return fit(batches(12), strategy, steps_per_epoch=6)
+    if name == "from_generator":     # the user's own from_generator dataset, the function each pass restarts
+        signature = (tf.TensorSpec((None, FEATURES), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+        return fit(tf.data.Dataset.from_generator(lambda: batches(BATCHES), output_signature=signature), strategy)
+    directory = tempfile.mkdtemp(prefix="input-cases-")
+    try:
+        if name in ("tfrecord_one_file", "tfrecord_files"):   # AUTO, the default: one file, then 4 files
+            with said() as lines:
+                out = fit(records(directory, 1 if name == "tfrecord_one_file" else 4).batch(BATCH), strategy)
+            out["per_mode"] = {"said": [line for line in lines if "auto-shard" in line]}
+            return out
+        if name == "trainer_tfrecord":                       # an unbatched dataset Trainer batches and shards
+            model = trainer.build(lambda: model_in(contextlib.nullcontext()))
+            with said() as lines:
+                history = trainer.fit(model, records(directory, 1), epochs=2, global_batch_size=BATCH, verbose=0)
+            out = trained(model, history)
+            out["per_mode"] = {"said": [line for line in lines if "auto-shard" in line]}
+            return out
+        if name == "tfrecord_file_policy":  # FILE chosen: 1 file refused on 2 workers; 4 files train, not exactly
+            out = {"per_mode": {}}
+            for files in (1, 4):
+                model = model_in(strategy.scope())
+                try:
+                    with said() as lines:
+                        model.fit(records(directory, files, "FILE").batch(BATCH), epochs=1, verbose=0)
+                    said_ = [line for line in lines if "auto-shard" in line]
+                except stratkit.ConfigError as error:
+                    said_ = f"ConfigError: {error}"
+                out["per_mode"][f"{files}"] = {"said": said_, "steps": int(model.optimizer.iterations.numpy())}
+            return out
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    raise SystemExit(f"unknown input case {name}")
