@@ -162,23 +162,26 @@ def _py_dataset_adapter_init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def install() -> bool:
-    """Wrap ``ArrayDataAdapter.get_tf_dataset`` and ``PyDatasetAdapter.__init__`` (idempotent); False where Keras
-    has no such adapter."""
+    """Wrap ``ArrayDataAdapter.get_tf_dataset`` and ``PyDatasetAdapter.__init__`` (idempotent, each where Keras has
+    it); False where Keras has no array adapter."""
     with _lock:
+        if not _py_dataset_init:
+            try:
+                py_cls = _py_dataset_module().PyDatasetAdapter
+                _py_dataset_init.append(py_cls.__dict__["__init__"])
+                py_cls.__init__ = _py_dataset_adapter_init
+            except Exception:  # noqa: BLE001 - another layout: a shuffled PyDataset keeps Keras's own orders
+                pass
         if _original:
             return True
         try:
             cls = _adapter_class()
             current = cls.__dict__["get_tf_dataset"]
-            py_cls = _py_dataset_module().PyDatasetAdapter
-            py_init = py_cls.__dict__["__init__"]
         except Exception:  # noqa: BLE001 - another layout: the fit guard's warning is all that is left
             return False
         _original.append(current)
         setattr(_get_tf_dataset, _PATCH_MARK, True)
         cls.get_tf_dataset = _get_tf_dataset
-        _py_dataset_init.append(py_init)
-        py_cls.__init__ = _py_dataset_adapter_init
         return True
 
 
