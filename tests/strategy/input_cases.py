@@ -3,9 +3,10 @@
 Each case trains a small linear model on batches whose order and rows change the weights (SGD on random
 rows), so a batch trained twice, skipped, taken out of order, or split unlike one process's shows in the
 weights. Each also reports whether the user's own NumPy arrays were left as they were (`rows_intact`):
-TensorFlow wrote into arrays a generator or a PyDataset handed it on 2 replicas. What only one mode can
-say (stratkit's log lines, plain Keras's numbers on one process, a refusal on 2 workers) sits under
-`per_mode`.
+TensorFlow wrote into arrays a generator or a PyDataset handed it on 2 replicas, when their memory was
+64-byte aligned; each case's arrays are a fresh copy so aligned (`aligned`), so that shows on every run and
+one case's damage never reaches another. What only one mode can say (stratkit's log lines, plain Keras's
+numbers on one process, a refusal on 2 workers) sits under `per_mode`.
 
 The TFRecord files are written at run time into a temporary directory of each process (the same rows
 every time).
@@ -30,7 +31,20 @@ FEATURES, BATCH, BATCHES = 6, 4, 12
 _rng = np.random.default_rng(7)
 X = _rng.normal(size=(BATCH * BATCHES, FEATURES)).astype("float32")
 Y = (X @ _rng.normal(size=(FEATURES, 1)) + 0.3).astype("float32")
-_X0, _Y0 = X.copy(), Y.copy()
+
+
+def aligned(array):
+    """A copy of `array` whose memory starts on a 64-byte boundary (TensorFlow shares such memory)."""
+    raw = np.empty(array.nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
+def rows():
+    """This case's own copy of the rows, as a user's arrays."""
+    return aligned(X), aligned(Y)
 
 
 class Rows(keras.utils.PyDataset):
@@ -47,11 +61,11 @@ class Rows(keras.utils.PyDataset):
         return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
 
 
-def batches(steps):
+def batches(x, y, steps):
     """A Python generator of views of the arrays, `steps` batches, round and round."""
     for step in range(steps):
         i = step % BATCHES
-        yield X[i * BATCH:(i + 1) * BATCH], Y[i * BATCH:(i + 1) * BATCH]
+        yield x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]
 
 
 def model_in(scope):
@@ -62,15 +76,15 @@ def model_in(scope):
     return model
 
 
-def trained(model, history):
+def trained(model, history, x=X, y=Y):
     history = {k: v for k, v in history.history.items() if k != "examples_per_sec"}
     return {"w": [float(v) for w in model.get_weights() for v in np.ravel(w)], "h": history,
-            "rows_intact": bool(np.array_equal(X, _X0) and np.array_equal(Y, _Y0))}
+            "rows_intact": bool(np.array_equal(x, X) and np.array_equal(y, Y))}
 
 
-def fit(data, strategy=None, **kwargs):
+def fit(data, strategy=None, x=X, y=Y, **kwargs):
     model = model_in(strategy.scope() if strategy is not None else contextlib.nullcontext())
-    return trained(model, model.fit(data, epochs=2, verbose=0, **kwargs))
+    return trained(model, model.fit(data, epochs=2, verbose=0, **kwargs), x, y)
 
 
 @contextlib.contextmanager
@@ -120,10 +134,12 @@ def case(name, mode, trainer, strategy):
     if name in ("py_dataset_threads", "py_dataset_processes"):
         # model.fit's default shuffle=True: the batch order Python's random draws (seeded alike everywhere)
         processes = name == "py_dataset_processes"
-        out = fit(Rows(X, Y, workers=2, use_multiprocessing=processes), strategy)
+        x, y = rows()
+        out = fit(Rows(x, y, workers=2, use_multiprocessing=processes), strategy, x, y)
         out["per_mode"] = {}
         if mode == "one":            # stratkit's one-device choice against Keras without a strategy
-            plain = fit(Rows(X, Y, workers=2, use_multiprocessing=processes))
+            x, y = rows()
+            plain = fit(Rows(x, y, workers=2, use_multiprocessing=processes), None, x, y)
             out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(out["w"], plain["w"]))))
         return out
     if name == "trainer_py_dataset":
@@ -131,12 +147,16 @@ def case(name, mode, trainer, strategy):
             return model_in(contextlib.nullcontext())
 
         model = trainer.build(build)
-        return trained(model, trainer.fit(model, Rows(X, Y, workers=2), epochs=2, verbose=0))
+        x, y = rows()
+        return trained(model, trainer.fit(model, Rows(x, y, workers=2), epochs=2, verbose=0), x, y)
     if name == "generator":          # a Python generator of views, 2 epochs of 6 steps
-        return fit(batches(12), strategy, steps_per_epoch=6)
+        x, y = rows()
+        return fit(batches(x, y, 12), strategy, x, y, steps_per_epoch=6)
     if name == "from_generator":     # the user's own from_generator dataset, the function each pass restarts
+        x, y = rows()
         signature = (tf.TensorSpec((None, FEATURES), tf.float32), tf.TensorSpec((None, 1), tf.float32))
-        return fit(tf.data.Dataset.from_generator(lambda: batches(BATCHES), output_signature=signature), strategy)
+        return fit(tf.data.Dataset.from_generator(lambda: batches(x, y, BATCHES), output_signature=signature),
+                   strategy, x, y)
     directory = tempfile.mkdtemp(prefix="input-cases-")
     try:
         if name in ("tfrecord_one_file", "tfrecord_files"):   # AUTO, the default: one file, then 4 files
