@@ -164,12 +164,20 @@ def case(name, mode, trainer, strategy):
                 out = fit(records(directory, 1 if name == "tfrecord_one_file" else 4).batch(BATCH), strategy)
             out["per_mode"] = {"said": [line for line in lines if "auto-shard" in line]}
             return out
-        if name == "trainer_tfrecord":                       # an unbatched dataset Trainer batches and shards
+        if name == "trainer_tfrecord":   # Trainer.fit batches and shards an unbatched dataset: 2 files, AUTO
             model = trainer.build(lambda: model_in(contextlib.nullcontext()))
             with said() as lines:
-                history = trainer.fit(model, records(directory, 1), epochs=2, global_batch_size=BATCH, verbose=0)
+                history = trainer.fit(model, records(directory, 2), epochs=2, global_batch_size=BATCH, verbose=0)
             out = trained(model, history)
             out["per_mode"] = {"said": [line for line in lines if "auto-shard" in line]}
+            # FILE chosen, one file: refused on 2 workers (before: TensorFlow's error at step 1), trains on one
+            model = trainer.build(lambda: model_in(contextlib.nullcontext()))
+            try:
+                trainer.fit(model, records(directory, 1, "FILE"), epochs=1, global_batch_size=BATCH, verbose=0)
+                out["per_mode"]["file_policy"] = "trained"
+            except stratkit.ConfigError as error:
+                out["per_mode"]["file_policy"] = f"ConfigError: {error}"
+            out["per_mode"]["file_policy_steps"] = int(model.optimizer.iterations.numpy())
             return out
         if name == "tfrecord_file_policy":  # FILE chosen: 1 file refused on 2 workers; 4 files train, not exactly
             out = {"per_mode": {}}

@@ -232,14 +232,16 @@ def test_tfrecords_read_with_auto_sharding_train_with_data_and_say_so_once_on_tw
     """AUTO (the default) on 2 workers: one file died at step 1 inside TensorFlow, 4 files trained other global
     batches than one process; stratkit trains them with DATA (equal to one process: the parametrized tests above)
     and says which policy it used, once, on every worker. One worker has nothing to shard: nothing said."""
+    cases = ("tfrecord_one_file", "tfrecord_files", "trainer_tfrecord")
     for run in (one_process, mirrored):
-        assert _sharding_lines(run, "tfrecord_one_file") == [] and _sharding_lines(run, "tfrecord_files") == []
+        assert [_sharding_lines(run, case) for case in cases] == [[], [], []]
     for worker in two_workers:
-        (one_file,), (four_files,) = _sharding_lines(worker, "tfrecord_one_file"), _sharding_lines(worker, "tfrecord_files")
+        (one_file,), (four_files,), (trainer,) = (_sharding_lines(worker, case) for case in cases)
         assert one_file.startswith("data reads 1 file(s) on 2 workers: auto-shard policy DATA"), one_file
         assert "failure at step 1" in one_file and "FILE yourself" in one_file, one_file
         assert four_files.startswith("data reads 4 file(s) on 2 workers: auto-shard policy DATA"), four_files
         assert "failure at step 1" not in four_files
+        assert trainer.startswith("data reads 2 file(s) on 2 workers: auto-shard policy DATA"), trainer  # Trainer.fit
 
 
 def test_file_sharding_with_fewer_files_than_workers_is_refused_before_step_1(one_process, mirrored, two_workers):
@@ -249,6 +251,7 @@ def test_file_sharding_with_fewer_files_than_workers_is_refused_before_step_1(on
     for run in (one_process, mirrored):
         outcome = run["tfrecord_file_policy"]["per_mode"]
         assert outcome["1"]["said"] == [] and outcome["4"]["said"] == [] and outcome["1"]["steps"] > 0
+        assert run["trainer_tfrecord"]["per_mode"]["file_policy"] == "trained"
     for worker in two_workers:
         refused, four = worker["tfrecord_file_policy"]["per_mode"]["1"], worker["tfrecord_file_policy"]["per_mode"]["4"]
         assert refused["steps"] == 0, refused
@@ -258,3 +261,6 @@ def test_file_sharding_with_fewer_files_than_workers_is_refused_before_step_1(on
         (warning,) = four["said"]
         assert warning.startswith("data reads 4 file(s) with auto-shard policy FILE on 2 workers"), warning
         assert "not one process's training" in warning and four["steps"] > 0
+        trainer = worker["trainer_tfrecord"]["per_mode"]  # the same through Trainer.fit
+        assert trainer["file_policy"].startswith("ConfigError: data reads 1 file(s) with auto-shard policy FILE")
+        assert trainer["file_policy_steps"] == 0
