@@ -253,7 +253,8 @@ def test_file_sharding_with_fewer_files_than_workers_is_refused_before_step_1(on
         assert outcome["1"]["said"] == [] and outcome["4"]["said"] == [] and outcome["1"]["steps"] > 0
         assert run["trainer_tfrecord"]["per_mode"]["file_policy"] == "trained"
     for worker in two_workers:
-        refused, four = worker["tfrecord_file_policy"]["per_mode"]["1"], worker["tfrecord_file_policy"]["per_mode"]["4"]
+        outcome = worker["tfrecord_file_policy"]["per_mode"]
+        refused, four = outcome["1"], outcome["4"]
         assert refused["steps"] == 0, refused
         assert refused["said"].startswith("ConfigError: data reads 1 file(s) with auto-shard policy FILE"), refused
         assert "there are 2 workers" in refused["said"] and "at least 2 files" in refused["said"], refused

@@ -1,9 +1,10 @@
 """Every worker calling `model.save`/`model.export` on the same path under MWMS: no race.
 
 Before: 2 workers saving to one path crashed the chief in MergeV2Checkpoints in
-3 of 6 runs, once left a SavedModel that did not load; then `export` printed the private temporary. Now every worker writes
-the path atomically (a private temporary, then a rename), so the path is always
-one worker's whole file or directory. Real processes: 2 MWMS workers on 127.0.0.1, one shared directory.
+3 of 6 runs, once left a SavedModel that did not load; then `export` printed the private
+temporary as where it saved. Now every worker writes the path atomically (a private
+temporary, then a rename), so the path is always one worker's whole file or directory,
+and what Keras prints names that path. Real processes: 2 MWMS workers on 127.0.0.1, one shared directory.
 """
 
 from __future__ import annotations

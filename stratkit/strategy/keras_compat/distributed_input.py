@@ -32,7 +32,7 @@ from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 
 def own_buffers(dataset: Any) -> Any:
-    """`dataset`, with each dense tensor copied into TensorFlow's own memory when the pipeline gets tensors from Python."""
+    """`dataset`, each dense tensor copied into TensorFlow's own memory when the pipeline gets tensors from Python."""
     import tensorflow as tf
 
     if tf.executing_eagerly() and not dataset_graph.reads_python(dataset):

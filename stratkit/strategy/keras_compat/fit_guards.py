@@ -189,7 +189,8 @@ def _say_batchnorm_once(model: Any, strategy: Any) -> None:
 
 
 def _one_order(strategy: Any) -> Any:
-    """Every worker shuffles fit's arrays in the chief's order (:mod:`.array_shuffle`); nothing on one worker."""
+    """Every worker shuffles fit's arrays and PyDataset batches in the chief's order (:mod:`.array_shuffle`);
+    nothing on one worker."""
     if not _is_multi_worker_collective(strategy):
         return contextlib.nullcontext()
     is_chief = _is_chief(strategy)

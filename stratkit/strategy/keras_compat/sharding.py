@@ -6,8 +6,8 @@ Measured (TF 2.21, Keras 3.15.1, 2 MultiWorkerMirrored workers, TFRecord files):
   fewer files than workers TensorFlow fails at step 1 (``Could not apply FILE
   based sharding``); with enough files each worker reads whole files of its
   own, so a step's global batch is a different set of rows from one
-  process's (every row still once per epoch): 1.3e-1 off one process's
-  weights with 4 files.
+  process's (every row still once per epoch): 2.5e-2 off one process's
+  weights with 4 files (``tests/strategy/input_cases.py``).
 * ``DATA`` has every worker read every file and keep its part of each global
   batch: the global batches are one process's, at N times the reading.
 
