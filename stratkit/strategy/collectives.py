@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 _MIN_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_CHIEF_FUNCTIONS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def min_over_workers(strategy: Any, value: int) -> int:
@@ -68,3 +69,19 @@ def sum_over_workers(strategy: Any, values: "list[int] | tuple[int, ...]") -> li
 
         _SUM_FUNCTIONS[strategy] = function
     return [int(v) for v in function(tf.constant(list(values), tf.int64)).numpy()]
+def chief_ints(strategy: Any, values: list[int]) -> list[int]:
+    """The chief's `values` on every worker (a collective: every worker must call it, with as many values).
+
+    In a tf.function, as `min_over_workers`, for TensorFlow's eager-overhead warning.
+    """
+    import tensorflow as tf
+
+    function = _CHIEF_FUNCTIONS.get(strategy)
+    if function is None:
+        @tf.function(reduce_retracing=True)
+        def function(local: Any) -> Any:
+            per_replica = strategy.run(lambda: tf.reshape(local, [1, -1]))
+            return strategy.gather(per_replica, axis=0)[0]  # the chief's (first) replica comes first
+
+        _CHIEF_FUNCTIONS[strategy] = function
+    return [int(v) for v in function(tf.constant(values, tf.int64)).numpy()]

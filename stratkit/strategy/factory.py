@@ -95,6 +95,7 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
     # version is no reason to refuse it.
     if spec.strategy in ("mirrored", "multi_worker_mirrored"):
         keras_compat.apply(result)  # also guards the user's own model.fit (callbacks, verbose, ...)
+        keras_compat.guard_inputs(result)  # the datasets it distributes: auto-shard policy, Python's tensors copied
     elif spec.strategy == "one_device":
         keras_compat.apply_one_device()  # a model without call() (Keras's GAN/VAE examples) builds as without one
     elif spec.strategy == "parameter_server":

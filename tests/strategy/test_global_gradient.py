@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from input_cases import CASES as INPUT_CASES
 from procs import describe, free_ports, run_cluster, run_process, worker_tf_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
@@ -40,6 +41,7 @@ CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard"
          "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss", "gan_exact", "dcgan", "vae_exact",
          "random_draws", "custom_loop", "gan_loop", "on_batch", "loop_accumulation", "running_mean",
          "running_mean_uneven", "planted_divergence"]
+CASES += INPUT_CASES  # issue 39: every input form (PyDataset, generators, TFRecord files) reads as one process
 #: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
 FLOAT16 = {"loss_scaling", "loss_scale_headroom"}
 #: what is timing, not math
@@ -54,7 +56,7 @@ def _result(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=480)
+    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=480)  # 3.6 min measured at load 13
     assert result.ok, describe([result])
     return _result(result.stdout)
 
@@ -180,6 +182,7 @@ def test_the_batchnorm_notice_names_the_layers_that_train_per_replica(one_proces
 
 
 LAUNCHED = ["batchnorm_exact", "scalar_loss", "custom_metric", "train_step", "uneven"]
+LAUNCHED += ["py_dataset_threads"]  # issue 39: a PyDataset with workers, as users compared it under stratkit launch
 
 
 def test_the_same_script_under_stratkit_launch_equals_one_process(one_process):
@@ -250,3 +253,66 @@ def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_w
         assert [m.split(":")[0] for m in got["warned"]] == [
             "the 2 replicas no longer hold the same model at the end of epoch 1",
             "the 2 replicas no longer hold the same model at the end of fit"], got["warned"]
+# --------------------------------------------------------------------------
+# Issue 39: every input form reads as one process (tests/strategy/input_cases.py)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["py_dataset_threads", "py_dataset_processes"])
+def test_one_device_reads_a_py_dataset_with_workers_as_keras_without_a_strategy(case, one_process):
+    """Keras's throwaway iterator (its build under any strategy) no longer reads the PyDataset: stratkit's
+    one-device choice trains Keras's own numbers without a strategy, bit for bit (before: 1.7e-1 off)."""
+    assert one_process[case]["per_mode"]["plain_gap"] == 0.0
+
+
+@pytest.mark.parametrize("case", ["py_dataset_threads", "py_dataset_processes", "trainer_py_dataset", "generator",
+                                  "from_generator"])
+def test_the_users_arrays_a_python_input_hands_over_are_left_as_they_were(case, one_process, mirrored, two_workers):
+    """TensorFlow wrote step results into the NumPy rows a PyDataset or a generator handed it, once the strategy
+    split the batch between replicas; the next epoch trained the overwritten rows."""
+    for run in (one_process, mirrored, *two_workers):
+        assert run[case]["rows_intact"] is True
+
+
+def _sharding_lines(run: dict, case: str) -> list[str]:
+    return run[case]["per_mode"]["said"]
+
+
+def test_tfrecords_read_with_auto_sharding_train_with_data_and_say_so_once_on_two_workers(one_process, mirrored,
+                                                                                           two_workers):
+    """AUTO (the default) on 2 workers: one file died at step 1 inside TensorFlow, 4 files trained other global
+    batches than one process; stratkit trains them with DATA (equal to one process: the parametrized tests above)
+    and says which policy it used, once, on every worker. One worker has nothing to shard: nothing said."""
+    cases = ("tfrecord_one_file", "tfrecord_files", "trainer_tfrecord")
+    for run in (one_process, mirrored):
+        assert [_sharding_lines(run, case) for case in cases] == [[], [], []]
+    for worker in two_workers:
+        (one_file,), (four_files,), (trainer,) = (_sharding_lines(worker, case) for case in cases)
+        assert one_file.startswith("data reads 1 file(s) on 2 workers: auto-shard policy DATA"), one_file
+        assert "failure at step 1" in one_file and "FILE yourself" in one_file, one_file
+        assert four_files.startswith("data reads 4 file(s) on 2 workers: auto-shard policy DATA"), four_files
+        assert "failure at step 1" not in four_files
+        assert trainer.startswith("data reads 2 file(s) on 2 workers: auto-shard policy DATA"), trainer  # Trainer.fit
+
+
+def test_file_sharding_with_fewer_files_than_workers_is_refused_before_step_1(one_process, mirrored, two_workers):
+    """FILE chosen by the user: with 1 file on 2 workers a ConfigError naming both numbers and the fix, before any
+    step; with 4 files it trains, and stratkit says that is not one process's training. One worker: FILE is
+    harmless, nothing said."""
+    for run in (one_process, mirrored):
+        outcome = run["tfrecord_file_policy"]["per_mode"]
+        assert outcome["1"]["said"] == [] and outcome["4"]["said"] == [] and outcome["1"]["steps"] > 0
+        assert run["trainer_tfrecord"]["per_mode"]["file_policy"] == "trained"
+    for worker in two_workers:
+        outcome = worker["tfrecord_file_policy"]["per_mode"]
+        refused, four = outcome["1"], outcome["4"]
+        assert refused["steps"] == 0, refused
+        assert refused["said"].startswith("ConfigError: data reads 1 file(s) with auto-shard policy FILE"), refused
+        assert "there are 2 workers" in refused["said"] and "at least 2 files" in refused["said"], refused
+        assert "AutoShardPolicy.DATA" in refused["said"], refused
+        (warning,) = four["said"]
+        assert warning.startswith("data reads 4 file(s) with auto-shard policy FILE on 2 workers"), warning
+        assert "not one process's training" in warning and four["steps"] > 0
+        trainer = worker["trainer_tfrecord"]["per_mode"]  # the same through Trainer.fit
+        assert trainer["file_policy"].startswith("ConfigError: data reads 1 file(s) with auto-shard policy FILE")
+        assert trainer["file_policy_steps"] == 0

@@ -410,7 +410,7 @@ def test_every_workers_fit_returns_after_the_chiefs_callbacks_finished(tmp_path)
 
 
 # --------------------------------------------------------------------------
-# Issue 23 item 5: a Python generator in the user's own model.fit on several workers
+# Issue 23 item 5, issue 39: a Python generator in the user's own model.fit on several workers
 # --------------------------------------------------------------------------
 
 GENERATOR_FIT = textwrap.dedent('''
@@ -436,34 +436,32 @@ GENERATOR_FIT = textwrap.dedent('''
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
             model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-        model.fit(data, epochs=2, verbose=0, **kwargs)
-        return [w.tolist() for w in model.get_weights()]
+        history = model.fit(data, epochs=2, verbose=0, **kwargs)
+        return {"w": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"]}
 
     signature = (tf.TensorSpec((None, 8), tf.float32), tf.TensorSpec((None, 1), tf.float32))
-    report = {"generator": fit(batches(), steps_per_epoch=10),      # warned about
+    report = {"generator": fit(batches(), steps_per_epoch=10),
               "from_generator": fit(tf.data.Dataset.from_generator(batches, output_signature=signature),
-                                    steps_per_epoch=10)}                # the function: not warned about
+                                    steps_per_epoch=10)}
     print(json.dumps(report))
 ''')
 
-GENERATOR_WARNING = "model.fit got a Python generator on 2 workers"
 
-
-def test_a_generator_in_model_fit_on_two_workers_warns_once_naming_the_exact_alternatives():
+def test_a_generator_in_model_fit_on_two_workers_trains_as_one_process_without_a_warning():
+    """Before: the generator's batches a throwaway iterator prefetched were never trained (3 on one process, 4 per
+    worker), so 2 workers trained other batches than one process, with a warning; and TensorFlow wrote into the
+    generator's rows once the strategy split them. Now both are exact: nothing to warn about."""
     results = run_cluster(GENERATOR_FIT, worker_tf_configs(free_ports(2)), env=CLEAN_ENV, timeout=240,
                           grace_after_failure=30)
     assert all(r.ok for r in results), describe(results)
     single = run_process(GENERATOR_FIT, env=CLEAN_ENV, timeout=240)
     assert single.ok, describe([single])
     reference = single.last_json()
-    assert GENERATOR_WARNING not in single.stderr and "Python generator" not in single.stderr
-    for result in results:
-        # Once, at the start of the generator's fit only, naming the inputs that are exact.
-        assert result.stderr.count(GENERATOR_WARNING) == 1, result.stderr[-3000:]
-        warning = result.stderr[result.stderr.index(GENERATOR_WARNING):].splitlines()[0]
-        assert "keras.utils.PyDataset" in warning and "tf.data.Dataset.from_generator" in warning
-        assert result.last_json()["generator"] and reference["generator"]
-    # Not asserted: that the generator's weights differ from one process's (they did in every run
-    # measured, by how many batches the dropped iterator prefetched, which varies), nor that the
-    # alternatives match one process (a from_generator dataset on 2 workers trained differently in
-    # about 1 run in 4, for a reason not yet found; see README, Trainer's PyDataset note).
+    chief, worker = (r.last_json() for r in results)
+    assert chief == worker
+    for name in ("generator", "from_generator"):
+        np.testing.assert_allclose(chief[name]["loss"], reference[name]["loss"], rtol=1e-5, err_msg=name)
+        for got, want in zip(chief[name]["w"], reference[name]["w"], strict=True):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, err_msg=name)
+    for result in (*results, single):
+        assert "Python generator" not in result.stderr + result.stdout, result.stderr[-3000:]

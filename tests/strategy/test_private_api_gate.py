@@ -409,6 +409,20 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "import keras.src.trainers.data_adapters.array_data_adapter",
         "import tensorflow.python.eager.context", "import tensorflow.python.framework.ops",
         "patch cls.get_tf_dataset", "patch tf.random.shuffle", "private _shuffle",
+        # PyDatasetAdapter.__init__ wrapped: under a multi-worker fit, a shuffling adapter's module `random` is,
+        # on the other workers, a Random holding the chief's state (put back when the fit ends)
+        "import keras.src.trainers.data_adapters.py_dataset_adapter", "patch module.random", "patch py_cls.__init__",
+    },
+    "stratkit/strategy/keras_compat/dataset_graph.py": {
+        # a tf.data pipeline's datasets (`_inputs()`) and a reader's file names, for sharding and Python's tensors
+        "private _filenames", "private _inputs",
+    },
+    "stratkit/strategy/keras_compat/distributed_input.py": {
+        # the strategy object's own experimental_distribute_dataset wrapped (as factory.host_inputs does)
+        "patch strategy.experimental_distribute_dataset",
+    },
+    "stratkit/strategy/keras_compat/sharding.py": {
+        "patch options.experimental_distribute.auto_shard_policy",  # a fresh tf.data.Options: public API
     },
     "stratkit/strategy/keras_compat/layer_losses.py": {
         # Layer.add_loss / _get_own_losses / _clear_losses wrapped: a list per replica thread under Mirrored/MWMS
@@ -437,8 +451,10 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "private _non_trainable_variables",
     },
     "stratkit/strategy/keras_compat/save_guards.py": {
-        # keras.Model.save / save_weights / export wrapped, and put back
+        # keras.Model.save / save_weights / export wrapped, and put back; what Keras prints while it writes held
+        # until the path holds it (io_utils.print_msg, for the writing thread, while it writes)
         "patch delattr(keras.Model, ...)", "patch setattr(keras.Model, ...)", "patch setattr(keras.Model, name)",
+        "import keras.src.utils.io_utils", "patch io_utils.print_msg",
     },
     "stratkit/strategy/keras_compat/variable_scalars.py": {
         "import keras.src.backend.tensorflow.core",
@@ -462,6 +478,7 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "module path keras.src.backend.tensorflow.trainer",
         "private _distribute_strategy", "private _in_multi_worker_mode", "private _maybe_symbolic_build",
         "private _symbolic_build",
+        "private _distributed_dataset", "private _value_specs",  # the build reads the input's element spec
         "patch cls._maybe_symbolic_build", "patch m.TensorFlowTrainer._maybe_symbolic_build",
         "patch m.reduce_per_replica",
     },

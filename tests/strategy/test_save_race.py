@@ -1,9 +1,10 @@
 """Every worker calling `model.save`/`model.export` on the same path under MWMS: no race.
 
 Before: 2 workers saving to one path crashed the chief in MergeV2Checkpoints in
-3 of 6 runs, once left a SavedModel that did not load. Now every worker writes
-the path atomically (a private temporary, then a rename), so the path is always
-one worker's whole file or directory. Real processes: 2 MWMS workers on 127.0.0.1, one shared directory.
+3 of 6 runs, once left a SavedModel that did not load; then `export` printed the private
+temporary as where it saved. Now every worker writes the path atomically (a private
+temporary, then a rename), so the path is always one worker's whole file or directory,
+and what Keras prints names that path. Real processes: 2 MWMS workers on 127.0.0.1, one shared directory.
 """
 
 from __future__ import annotations
@@ -64,3 +65,9 @@ def test_two_workers_saving_and_exporting_to_one_path_never_race(tmp_path):
     assert chief["keras_ok"] and chief["export_ok"] and chief["weights_ok"], chief
     assert sorted(os.listdir(out)) == ["exported", "m.keras", "w.weights.h5"]  # no temporaries beside them
     assert other["leftovers"] == [] and not [n for n in os.listdir(temps[1]) if n.startswith("stratkit-save")]
+    # What Keras prints names the path the user gave, once it holds the export (before: the chief printed its
+    # private temporary, out/.stratkit-tmp-*/exported, as where it saved)
+    exported = os.path.join(out, "exported")
+    for result in results:
+        assert f"Saved artifact at '{exported}'." in result.stdout, result.stdout[-3000:]
+        assert ".stratkit-tmp" not in result.stdout, result.stdout[-3000:]

@@ -33,6 +33,9 @@ The modules, one responsibility each:
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
 * :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
 * :mod:`.save_guards`: every MWMS worker's ``model.save``/``export`` to one path (chief atomic, others private);
+* :mod:`.distributed_input`: every dataset a Mirrored/MWMS strategy distributes gets its auto-shard policy
+  (:mod:`.sharding`: exact DATA unless FILE was chosen, FILE checked against the files) and a copy of the
+  tensors Python made (:mod:`.dataset_graph` reads the pipeline);
 * :mod:`.internals`: small private reads/writes the training code needs;
 * :mod:`.resume_step`: a resumed ``fit`` starts its first epoch at the backup's step
   (installed on demand by :func:`install_resume_step`); :mod:`.callback_state`: the counters
@@ -62,6 +65,7 @@ from stratkit.errors import KerasCompatError
 # Re-exported: tests, tools/compat.py and the rest of stratkit import these names from the package
 # (private ones included), as they did from the single module it replaced.
 from stratkit.strategy.keras_compat import batchnorm as _batchnorm
+from stratkit.strategy.keras_compat import distributed_input as _distributed_input
 from stratkit.strategy.keras_compat import fit_guards as _fit_guards
 from stratkit.strategy.keras_compat import global_gradient as _global_gradient
 from stratkit.strategy.keras_compat import layer_losses as _layer_losses
@@ -135,6 +139,7 @@ __all__ = [
     "check_jit_compile",
     "check_stateful_rnn",
     "check_steps_per_execution",
+    "guard_inputs",
     "install_fit_guards",
     "install_resume_step",
     "installed_keras_version",
@@ -143,6 +148,7 @@ __all__ = [
     "revert",
     "resume_epoch",
     "revert_fit_guards",
+    "settle_sharding",
     "supported_range",
     "upstream_bugs_present",
     "version_tuple",
@@ -345,6 +351,34 @@ def install_resume_step() -> bool:
     if mode == "off" or (installed_keras_version() not in TESTED_KERAS_VERSIONS and mode != "force"):
         return False
     return _resume_step.install()
+def guard_inputs(strategy: Any) -> Any:
+    """Every dataset `strategy` distributes: its auto-shard policy settled, Python's tensors copied.
+
+    ``make_strategy`` calls it for Mirrored and MultiWorkerMirrored strategies
+    (see :mod:`.distributed_input`); it wraps that strategy object's
+    ``experimental_distribute_dataset``, which ``model.fit``/``evaluate``/``predict``
+    and custom loops call. Nothing changes with ``STRATKIT_KERAS_COMPAT=off``.
+
+    Returns:
+        `strategy`.
+    """
+    if _mode() == "off":
+        return strategy
+    return _distributed_input.install(strategy)
+
+
+def settle_sharding(dataset: Any, strategy: Any) -> Any:
+    """`dataset` with the auto-shard policy it trains with under `strategy` (:func:`.sharding.settle`).
+
+    AUTO becomes DATA (exact); a policy the user set is kept, FILE refused before step 1 with fewer files
+    than workers.
+
+    Raises:
+        ConfigError: FILE with fewer files than workers.
+    """
+    from stratkit.strategy.keras_compat import sharding
+
+    return sharding.settle(dataset, sharding.workers_of(strategy))
 
 
 def check_parameter_server(model: Any = None) -> None:

@@ -21,9 +21,8 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   refused, and the workers check they resume a ``BackupAndRestore`` at the
   same epoch; and ``fit`` returns on every worker only once every worker's
   callbacks have finished (one scalar collective after Keras's ``fit``), so
-  the chief's checkpoint files are complete when any worker reads them; a
-  Python generator given to ``fit`` gets a warning (:func:`warn_if_generator`);
-  arrays ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
+  the chief's checkpoint files are complete when any worker reads them;
+  arrays and PyDataset batches ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
 * ``train_on_batch``/``test_on_batch``/``predict_on_batch`` on N > 1 replicas: each replica its share of
   the batch (:mod:`.on_batch`).
   One process, or one worker, is left exactly as Keras does it.
@@ -43,7 +42,7 @@ from typing import Any
 
 from stratkit.errors import ConfigError
 from stratkit.strategy import replica_check, scratch
-from stratkit.strategy.collectives import min_over_workers
+from stratkit.strategy.collectives import chief_ints, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
@@ -168,38 +167,6 @@ def _is_chief(strategy: Any) -> bool:
         return True
 
 
-def warn_if_generator(x: Any, strategy: Any) -> None:
-    """Warn, once per ``fit``, that a Python generator does not train as one process does on N workers.
-
-    Measured (Keras 3.15, TF 2.21): under a strategy, Keras's ``fit`` first pulls one
-    batch through an iterator it then drops (``_maybe_symbolic_build``); that
-    iterator's prefetch buffers take further batches from the generator, which
-    is read only once, so they are never trained. How many depends on the input
-    pipeline (3 in one process, 4 per worker on 2 workers), so the workers train
-    on other batches than one process would. The data itself is DATA-sharded
-    (a dataset from a generator has no files): every worker reads every batch
-    and trains on its slice. A ``keras.utils.PyDataset``, or
-    ``tf.data.Dataset.from_generator`` given the generator *function*, restarts
-    at the first batch on each pass and is exact. Not made exact here: that
-    would mean replaying what Keras's dropped iterator read, a Keras internal.
-    """
-    import types
-
-    if isinstance(x, types.GeneratorType):
-        log.warning("model.fit got a Python generator on %d workers: Keras's fit drops the batches its first "
-                    "look at the data prefetched from it, and how many differs between one process and several "
-                    "workers, so this run trains on other batches than one process would. For exact training pass "
-                    "a keras.utils.PyDataset, or tf.data.Dataset.from_generator(<the generator function>, "
-                    "output_signature=...) (the function, not a generator: each pass restarts it).",
-                    _num_workers(strategy))
-
-
-def _num_workers(strategy: Any) -> int:
-    """The MWMS cluster's chief and workers (its public cluster resolver)."""
-    cluster = strategy.cluster_resolver.cluster_spec().as_dict()
-    return sum(len(cluster.get(role, ())) for role in ("chief", "worker"))
-
-
 _said_batchnorm = False
 #: how many BatchNormalization layers the notice names (a ResNet has dozens)
 _NAMED = 8
@@ -222,12 +189,14 @@ def _say_batchnorm_once(model: Any, strategy: Any) -> None:
 
 
 def _one_order(strategy: Any) -> Any:
-    """Every worker shuffles fit's arrays in the chief's order (:mod:`.array_shuffle`); nothing on one worker."""
+    """Every worker shuffles fit's arrays and PyDataset batches in the chief's order (:mod:`.array_shuffle`);
+    nothing on one worker."""
     if not _is_multi_worker_collective(strategy):
         return contextlib.nullcontext()
     is_chief = _is_chief(strategy)
     return array_shuffle.agreed_order(
-        lambda value: min_over_workers(strategy, value if is_chief else array_shuffle.UNSET))
+        lambda value: min_over_workers(strategy, value if is_chief else array_shuffle.UNSET),
+        lambda values: array_shuffle.unless_chief(is_chief, chief_ints(strategy, values)))
 
 
 def _guarded(name: str, original: Any) -> Any:
@@ -251,8 +220,6 @@ def _guarded(name: str, original: Any) -> Any:
 
             is_chief = _is_chief(strategy)
             bound = signature.bind(self, *args, **kwargs)
-            if name == "fit":
-                warn_if_generator(bound.arguments.get("x"), strategy)
             given = bound.arguments.get("callbacks")
             if isinstance(given, (list, tuple)):
                 bound.arguments["callbacks"], temps = side_effects.route_side_effects(given, is_chief=is_chief,

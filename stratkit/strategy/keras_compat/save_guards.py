@@ -15,6 +15,11 @@ load that back.
 Only under multi-worker MWMS (one process, Mirrored, one worker: Keras's own
 method, untouched), and only for a path (not ``overwrite=False``, not a sharded
 or unzipped save: Keras's own method).
+What Keras prints while it writes (``export``'s "Saved artifact at '...'")
+named the private temporary a user then looked for; it is held back while
+Keras writes, and printed once the path is in place, naming the path the user
+gave (:func:`_said_after`; Keras's ``io_utils.print_msg``, swapped for the
+writing thread while it writes).
 Wraps the public methods of ``keras.Model``; installed by ``keras_compat.apply``.
 """
 
@@ -78,14 +83,50 @@ def _guarded(name: str, original: Any) -> Any:
 
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             result: list[Any] = []
+            temporary: list[str] = []
             write = files.replace_dir_with if name == "export" else files.write_with
-            write(path, lambda tmp: result.append(original(self, tmp, *args, **kwargs)))
+
+            def into(tmp: str) -> None:
+                temporary.append(tmp)
+                result.append(original(self, tmp, *args, **kwargs))
+
+            with _said_after(lambda message: message.replace(temporary[0], path) if temporary else message):
+                write(path, into)
             return result[0] if result else None
         finally:
             _inside.active = False
 
     setattr(method, _PATCH_MARK, True)
     return method
+
+
+def _io_utils() -> Any:
+    from keras.src.utils import io_utils
+
+    return io_utils
+
+
+@contextlib.contextmanager
+def _said_after(rename: Any) -> Iterator[None]:
+    """What Keras prints in this thread inside the block is printed at its end, through `rename`, if it succeeds."""
+    io_utils = _io_utils()
+    say = io_utils.print_msg
+    owner = threading.get_ident()
+    held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def hold(message: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() != owner:
+            return say(message, *args, **kwargs)
+        held.append(((str(message), *args), kwargs))
+        return None
+
+    io_utils.print_msg = hold
+    try:
+        yield
+    finally:
+        io_utils.print_msg = say
+    for (message, *args), kwargs in held:  # only after the write succeeded: the path now holds it
+        say(rename(message), *args, **kwargs)
 
 
 def install() -> None:

@@ -62,15 +62,32 @@ def _first_local_value(strategy: Any, value: Any) -> Any:
 def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> None:
     """Replacement for ``TensorFlowTrainer._maybe_symbolic_build``.
 
-    Upstream averages the first distributed batch across replicas with
-    ``strategy.reduce("MEAN", batch, axis=None)`` only to learn its shapes;
-    under multi-worker MWMS that reduce fails (keras-team/keras#20585). The
-    first local replica's batch has the same per-replica shapes and dtypes and
-    needs no cross-worker communication, so we build from it. (The same MEAN
-    is what makes MirroredStrategy crash with ``AddN must have the same size
-    and shape`` on an uneven first batch; building from one replica's batch
-    avoids that too.) Everything else (the early return without a strategy,
-    consuming one batch from the first epoch iterator, building inside
+    Upstream pulls the first batch through an iterator of ``fit``'s (or
+    ``evaluate``'s) input that it then throws away, and averages that batch
+    across replicas with ``strategy.reduce("MEAN", batch, axis=None)``, only
+    to learn its shapes. Both go wrong under a strategy:
+
+    * under multi-worker MWMS the reduce fails (keras-team/keras#20585); on a
+      local Mirrored it crashes on an uneven first batch (``AddN must have the
+      same size and shape``);
+    * the throwaway iterator reads the input, and an input that is not
+      restarted by a new iterator loses what it read: a Python generator's
+      batches in its prefetch buffer are never trained, and a ``PyDataset``
+      with ``workers > 1`` leaves the batches its enqueuer prefetched in the
+      enqueuer's ready queue, where the first epoch trains them ahead of batch
+      0 and then stops short (measured, 16 batches, 2 epochs: no strategy
+      trains each batch once an epoch; one device or 2 replicas trained some
+      once and some three times, every run); a reshuffling ``tf.data`` input
+      spends its first order there.
+
+    Building needs only shapes and dtypes (``_symbolic_build`` turns the batch
+    into ``KerasTensor``s), so we build from the distributed dataset's element
+    spec, the first local replica's part of it: no batch is read, no
+    collective runs, and every epoch reads the input as Keras without a
+    strategy does (which defers building to the traced step, from those same
+    specs). Where no spec can be read (a Keras whose epoch iterator changed)
+    the first local replica's batch is pulled, as before. Everything else
+    (the early return without a strategy, building inside
     ``strategy.scope()``) is unchanged.
     """
     from keras.src import tree
@@ -86,13 +103,48 @@ def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = Non
             with strategy.scope():
                 self.optimizer.build(self.trainable_variables)
         return
-    if iterator is not None:
+    if iterator is not None and data_batch is None:
+        data_batch = _first_replica_spec(iterator)
+    if iterator is not None and data_batch is None:
         for _, _, it in iterator:
             batch = next(it)
             data_batch = tree.map_structure(lambda v: _first_local_value(strategy, v), batch)
             break
     with strategy.scope():
         self._symbolic_build(data_batch=data_batch)
+
+
+def _first_replica_spec(epoch_iterator: Any) -> Any:
+    """The type specs of one local replica's batch of `epoch_iterator`'s distributed dataset; None if unreadable.
+
+    ``TFEpochIterator`` keeps the distributed dataset it iterates in ``_distributed_dataset``; its
+    ``element_spec`` holds a ``PerReplicaSpec`` (one spec per local replica, in ``_value_specs``) where
+    there are several local replicas. An ``OptionalSpec`` (Keras's stand-in for a ``None`` a generator
+    yields) is None, as the traced step reads it.
+    """
+    import tensorflow as tf
+
+    dataset = getattr(epoch_iterator, "_distributed_dataset", None)
+    try:
+        spec = dataset.element_spec
+    except Exception:  # noqa: BLE001 - no spec to read: the caller pulls a batch instead
+        return None
+
+    def local(leaf: Any) -> Any:
+        if isinstance(leaf, tf.OptionalSpec):
+            return None
+        components = getattr(leaf, "_value_specs", None)
+        leaf = components[0] if components else leaf
+        return leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else _UNREADABLE
+
+    local_spec = tf.nest.map_structure(local, spec)
+    if any(leaf is _UNREADABLE for leaf in tf.nest.flatten(local_spec)):
+        return None
+    return local_spec
+
+
+#: a spec leaf without a shape and a dtype (nothing to build a KerasTensor from)
+_UNREADABLE = object()
 
 
 def has_forward_pass(model: Any) -> bool:

@@ -38,7 +38,7 @@ class BatchedDatasetAdapter(InputAdapter):
         cardinality = int(self.data.cardinality())
         stream = training and steps_per_epoch is not None
         dataset = self.data.repeat() if stream else self.data
-        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
+        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF", strategy)
         steps = steps_per_epoch if steps_per_epoch is not None else (cardinality if cardinality >= 0 else None)
         return PreparedData(dataset, global_batch_size, steps, None, self.kind,
                             replay=rules.replayed(first_epoch, first_step, steps_per_epoch if stream else None))

@@ -73,7 +73,7 @@ class DatasetAdapter(InputAdapter):
             if training and steps_per_epoch is not None:  # the steps rule: every step asked for runs
                 dataset = dataset.repeat()  # before batching: batches run on across passes, all full
             dataset = dataset.batch(global_batch_size, drop_remainder=drop)
-        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF")
+        dataset = rules.shard_by(dataset, "DATA" if shard else "OFF", strategy)
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
         steps = steps_per_epoch
         if steps is None and num_examples is not None:

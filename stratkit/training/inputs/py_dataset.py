@@ -6,17 +6,17 @@ given must be it), and Keras reads it (its `workers`, multiprocessing and
 dataset of whole batches that cannot be sharded by file, so tf.distribute
 splits every batch over the replicas (DATA sharding): every worker reads
 every batch and trains on its slice, as one process would train on the
-whole batch, at the price of each worker reading all the data. (Measured:
-about 1 two-worker run in 4 of `model.fit` on a PyDataset, or on any
-`from_generator` dataset, trained differently from one process, while
-arrays never did; not understood yet.)
-Each new pass restarts at batch 0, so Keras's start-of-fit peek loses
-nothing (a Python generator, read once, cannot do that: refused in
-`inputs.adapter_for`).
+whole batch, at the price of each worker reading all the data. It trains as
+one process does, batch for batch: the strategy layer keeps Keras's build
+from reading it (`keras_compat/trainer_patches.py`) and copies the arrays it
+hands TensorFlow before the strategy splits them (`keras_compat/distributed_input.py`).
+A Python generator, read once, cannot be repeated for the steps rule: refused
+in `inputs.adapter_for`.
 
 Its batch order is its own (`__getitem__`, shuffled in `on_epoch_end` if it
-wants): Keras's `shuffle=True` would reorder batches with Python's `random`,
-differently on each worker, so Trainer never asks for it.
+wants): Trainer never asks Keras to reshuffle it (Keras's `shuffle=True`
+draws with Python's `random`; in a plain `model.fit` on several workers the
+strategy layer has every worker draw the chief's order, `keras_compat/array_shuffle.py`).
 
 Steps rule: a finite PyDataset has `len()` batches; `steps_per_epoch` must
 divide that (Keras restarts it only at its end, so any other value would cut

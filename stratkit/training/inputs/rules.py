@@ -43,12 +43,12 @@ def is_generator(obj: Any) -> bool:
 
 def generator_refusal() -> ConfigError:
     return ConfigError(
-        "data is a Python generator: it can be read only once, and Keras's fit under a strategy peeks at the first "
-        "batch through an iterator it then drops, losing the batches that iterator prefetched (how many depends "
-        "on the input pipeline: one process and N workers lose different ones), so training would not be exact. "
-        "Fix: wrap the batches in a keras.utils.PyDataset (__len__ and __getitem__; stratkit.Trainer takes it "
-        "as it is), or pass tf.data.Dataset.from_generator(<the generator function>, output_signature=...) "
-        "(the function, not a generator: every pass restarts it), or numpy arrays")
+        "data is a Python generator: it can be read only once, so Trainer.fit can neither run steps_per_epoch steps "
+        "every epoch (the steps rule repeats finite data) nor read its batch size without losing a batch, and its "
+        "second epoch would get only what the first left. Fix: wrap the batches in a keras.utils.PyDataset "
+        "(__len__ and __getitem__; stratkit.Trainer takes it as it is), or pass "
+        "tf.data.Dataset.from_generator(<the generator function>, output_signature=...) (the function, not a "
+        "generator: every pass restarts it), or numpy arrays")
 
 
 def py_dataset_batch(data: Any) -> int:
@@ -203,10 +203,19 @@ def replayed(first_epoch: int, first_step: int, steps_per_epoch: int | None) -> 
     return first_epoch * steps_per_epoch + first_step if steps_per_epoch else first_step
 
 
-def shard_by(dataset: Any, policy: str = "DATA") -> Any:
-    """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose."""
+def shard_by(dataset: Any, policy: str = "DATA", strategy: Any = None) -> Any:
+    """`dataset` with auto-shard `policy`, unless the user chose a policy on purpose.
+
+    DATA is the strategy layer's decision (`keras_compat.settle_sharding`): an
+    AUTO dataset trains with DATA (exact), a policy the user set is kept, and
+    FILE is refused before step 1 when `strategy`'s workers outnumber the files.
+    """
     import tensorflow as tf
 
+    if policy == "DATA":
+        from stratkit.strategy import keras_compat
+
+        return keras_compat.settle_sharding(dataset, strategy)
     options = tf.data.Options()
     current = dataset.options().experimental_distribute.auto_shard_policy
     if current != tf.data.experimental.AutoShardPolicy.AUTO:
