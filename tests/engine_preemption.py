@@ -20,8 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from procs import describe, run_process
-
 SCRIPT = str(Path(__file__).resolve().parent / "training" / "checkpoint_script.py")
 TOLERANCE = 1e-5
 KILL_AT = 23        # mid-epoch 2; the last step backup before it is at step 21 (7 x 3)
@@ -53,6 +51,8 @@ def script_env(out: Path, backup: Path | None = None, how: str = "EXTERNAL") -> 
 
 def reference(out: Path) -> Path:
     """One uninterrupted process (one device): what every engine's interrupted run must equal."""
+    from procs import describe, run_process  # here: this module travels by value to the engines' processes
+
     out.mkdir(parents=True, exist_ok=True)
     result = run_process(SCRIPT, env={"OUT": str(out), "BACKUP_DIR": str(out / "backup"), "STRATEGY": "one_device",
                                       "BACKUP_EVERY": str(BACKUP_EVERY)}, timeout=300)

@@ -109,8 +109,9 @@ def task_failed(state: TaskState, states: Sequence[TaskState], attempt: int, att
                           attempt=attempt - 1, exception=state.exception, ended=ended)
     report = format_failure_report(failure, _others(states, state, f"after {state.label} failed"),
                                    attempts=attempts, title=REPORT_TITLE)
-    rest = "the other tasks stopped at the same step" if is_preempted(state.exit_code) else "the other tasks were stopped"
-    return RayTrainingError(f"task {state.label} (rank {state.rank}) {how} ({which}); {rest}.\n{report}", task=state.label, rank=state.rank, exit_code=state.exit_code,
+    rest = "stopped at the same step" if is_preempted(state.exit_code) else "were stopped"
+    return RayTrainingError(f"task {state.label} (rank {state.rank}) {how} ({which}); the other tasks {rest}.\n"
+                            f"{report}", task=state.label, rank=state.rank, exit_code=state.exit_code,
                             node=state.node, lines=state.lines, attempt=attempt, lost=state.lost is not None,
                             lost_nodes=sorted({s.node_id for s in states if s.lost is not None and s.node_id}))
 

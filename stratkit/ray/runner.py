@@ -16,6 +16,11 @@ The driver side of the Ray adapter. One `run()`:
      actors, with `min_workers` on the workers the cluster still has once Ray
      has judged the nodes whose tasks were lost (`stratkit.ray.elastic`);
   5. returns the chief's (rank 0's) return value.
+
+Size: over 400 lines because the attempt (placement, actors, the watch of
+every task, the wait for the others after a preemption) and the retry loop
+around it read best together; the wording is `ray/failures.py`, the elastic
+count `ray/elastic.py`, the actor `ray/task.py`.
 """
 
 from __future__ import annotations

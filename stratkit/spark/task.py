@@ -14,16 +14,24 @@ Steps, in order:
      serve the task's BarrierTaskContext to the process (`stratkit.spark.context`);
   6. have the standby fork the run's training process (environment,
      payload), stream every line to the driver; kill the process group on
-     ABORT from the driver;
-  7. report the exit code; on the chief, send the pickled return value back
-     as output rows, in chunks; every task also returns one info row (its
-     timeline, and its last lines when the driver could not see them live);
+     ABORT from the driver; pass SIGTERM or SIGHUP to this Python worker (an
+     executor stopping) on to the training process as a preemption notice,
+     and tell the driver;
+  7. report the exit code (after an exit 75, wait for the driver's word, so
+     Spark does not kill the other tasks while they write their backups); on
+     the chief, send the pickled return value back as output rows, in chunks;
+     every task also returns one info row (its timeline, and its last lines
+     when the driver could not see them live);
   8. keep the standby for the next run (unless spark.stratkit.standby=false):
      it forks that run's process too, so no TensorFlow import runs beside
      training and none is left to wait for.
 
 The task's port is held until TensorFlow binds it (`stratkit.process.ports`
 says why and how).
+
+Size: over 400 lines because the task body (`run_task`) and the executor's
+warm standby it takes and keeps read best beside each other; the process
+itself is `spark/process.py`, the wire format `spark/logprotocol.py`.
 """
 
 from __future__ import annotations
@@ -194,6 +202,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
              f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}, attempt {plan.attempt})")
         if aborted:
             raise TaskFailed(f"stratkit task {role.label} was stopped before training: {aborted[0]}")
+
         def tell_driver(signum: int) -> None:  # from a signal handler: the client's lock may be held here
             threading.Thread(target=client.notice, args=(signal_name(signum),), daemon=True).start()
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 import engine_preemption as ep
+from engine_preemption import train_script
 from ray_helpers import local_ray, needs_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multiworker, needs_ray]
@@ -63,6 +64,8 @@ def test_ray_runner_a_preempted_worker_saves_at_one_step_and_the_uncounted_retry
         ray_session, tmp_path, reference, capsys):
     out, result, runner, report = _runner(tmp_path, "TERM", max_retries=0)
     log = "".join(capsys.readouterr())
+    with capsys.disabled():
+        print(f"\n{runner.last_run.attempts} attempts: {report}")
     assert runner.last_run.attempts == 2 and runner.last_run.preempted == 1, log[-4000:]
     assert "attempt 1 was preempted (task worker:" in log and "it stopped on a preemption notice" in log, log[-4000:]
     assert "not counted against max_retries" in log
@@ -79,6 +82,8 @@ def test_ray_runner_a_sigkilled_worker_is_a_failure_retried_from_the_last_step_b
                                                                                       reference, capsys):
     out, result, runner, report = _runner(tmp_path, "KILL", max_retries=1)
     log = "".join(capsys.readouterr())
+    with capsys.disabled():
+        print(f"\n{runner.last_run.attempts} attempts: {report}")
     assert runner.last_run.attempts == 2 and runner.last_run.preempted == 0, log[-4000:]
     assert "attempt 1 of 2 failed (task worker:1 (rank 1) failed with exit code -9" in log, log[-4000:]
     assert report["resumed_at"] == 21 and ep.retrained(out, 1) == [21, 22], report
@@ -90,7 +95,7 @@ def ray_train_loop(config):
 
     report = RayReportCallback()
     env = dict(config["env"], BACKUP_DIR=report.backup_dir)
-    ep.train_script(config["script"], config["out"], env, extra_callbacks=[report])
+    train_script(config["script"], config["out"], env, extra_callbacks=[report])
 
 
 def test_ray_train_a_preempted_worker_reports_its_backup_and_ray_resumes_at_that_step(ray_session, tmp_path,

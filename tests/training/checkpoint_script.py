@@ -14,7 +14,8 @@ arrays. Environment:
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
-after the step; times-<rank>.log the same with the time it ended), result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
+after the step; times-<rank>.log the same with the time it ended),
+result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
 the signal was sent), best.weights.h5 and log.csv (the chief's).
 """
 
