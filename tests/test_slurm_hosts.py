@@ -1,7 +1,8 @@
 """stratkit under a real Slurm: slurmctld and two slurmd on test hosts h1 and h2 (tests/hosts.py,
 tests/slurm_cluster.py), jobs started with srun and sbatch as a user would.
 
-One cluster for the module (it starts in about a second); each test submits its own job.
+One cluster for the module (it starts in about a second), checked to answer from every host before each test
+(tests/slurm_cluster.py: a daemon that does not is named, with why); each test submits its own job.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,12 +31,19 @@ NOISE = ("All log messages before absl::InitializeLog", "cuInit")
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm_up(tmp_path_factory):
     hosts.gate()
     hosts.gate(slurm_cluster.unavailable_reason())
     workdir = tmp_path_factory.mktemp("slurm")
     with hosts.make_hosts(2) as made, slurm_cluster.slurm_cluster(made, workdir) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def slurm(slurm_up):
+    """The module's cluster (h1 head, h2), handed to a test only while every daemon answers from every host."""
+    slurm_up.check()
+    return slurm_up
 
 
 def _env(**extra):
@@ -105,13 +114,22 @@ def test_example_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
     assert not re.search("|".join(map(re.escape, NOISE)), text), text[-6000:]
 
 
-def test_teardown_leaves_no_daemons(tmp_path):
+def test_a_dead_controller_is_named_and_teardown_leaves_no_daemons(tmp_path):
     hosts.gate()
     hosts.gate(slurm_cluster.unavailable_reason())
     with hosts.make_hosts(1) as made:
         with pytest.raises(RuntimeError, match="on purpose"):
             with slurm_cluster.slurm_cluster(made, tmp_path / "one") as cluster:
                 pids = [d.pid for d in cluster.daemons]
+                # a controller that dies after the start (as one did in issue 40: srun then says only
+                # "Unable to contact slurm controller") is named by the check, with how it ended
+                slurmctld = cluster.daemon("slurmctld").proc
+                os.kill(slurmctld.pid, signal.SIGKILL)
+                slurmctld.wait(timeout=30)
+                with pytest.raises(slurm_cluster.SlurmNotReady) as lost:
+                    cluster.check()
+                assert "slurmctld on h1" in str(lost.value) and "killed by SIGKILL" in str(lost.value)
+                assert "TCP port 6817 in h1's network namespace: nothing listening" in str(lost.value)
                 raise RuntimeError("the test failed on purpose")
         assert not made[0].pids() or made[0].pids() == [made[0].holder.pid]
     assert all(not Path(f"/proc/{p}").exists() for p in pids)
