@@ -112,6 +112,7 @@ def resume_report(out: Path, sent_at: float) -> dict:
     rows = steps(out, 1)
     last = max(step for attempt, step, _ in rows if attempt == 0)
     retry = [(step, when) for attempt, step, when in rows if attempt == 1]
+    assert retry, f"no retry trained a step: worker 1 trained steps ..{last} in its first attempt and no other"
     return {"last_step_before": last, "resumed_at": retry[0][0], "retrained": retrained(out, 1),
             "signal_to_first_step_s": round(retry[0][1] - sent_at, 2)}
 
