@@ -60,11 +60,25 @@ def reference(out: Path) -> Path:
     return out
 
 
-class Signaller:
-    """Waits for worker KILL_RANK to stop before step KILL_AT, sends it `sig`, then lets it go on (a thread)."""
+def first_ancestor(pid: int, name: str) -> int:
+    """The nearest ancestor of `pid` whose /proc comm is `name` (e.g. the Spark executor's "java")."""
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as handle:
+            pid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/comm") as handle:
+            if handle.read().strip() == name:
+                return pid
+    raise AssertionError(f"no ancestor named {name!r}")
 
-    def __init__(self, out: Path, sig: int, timeout: float = 400.0) -> None:
-        self.out, self.sig, self.timeout = out, sig, timeout
+
+class Signaller:
+    """Waits for worker KILL_RANK to stop before step KILL_AT, sends it `sig`, then lets it go on (a thread).
+
+    `ancestor`: send it to the training process's nearest ancestor of that name instead (the executor's JVM).
+    """
+
+    def __init__(self, out: Path, sig: int, timeout: float = 400.0, ancestor: str | None = None) -> None:
+        self.out, self.sig, self.timeout, self.ancestor = out, sig, timeout, ancestor
         self.sent_at: float | None = None
         self.pid: int | None = None
         self.error: str | None = None
@@ -81,6 +95,8 @@ class Signaller:
             time.sleep(0.02)
         time.sleep(0.1)  # the file is written whole before the process waits; read it once complete
         self.pid = json.loads(ready.read_text())["pid"]
+        if self.ancestor is not None:
+            self.pid = first_ancestor(self.pid, self.ancestor)
         self.sent_at = time.time()
         os.kill(self.pid, self.sig)
         (self.out / "sent").touch()

@@ -34,10 +34,10 @@ def reference(tmp_path_factory):
     return ep.reference(tmp_path_factory.mktemp("reference"))
 
 
-def _run(tmp_path, how, max_retries):
+def _run(tmp_path, how, max_retries, ancestor=None):
     out = tmp_path / "out"
     out.mkdir()
-    signaller = ep.Signaller(out, ep.SIGNALS[how])
+    signaller = ep.Signaller(out, ep.SIGNALS[how], ancestor=ancestor)
     runner = SparkRunner(num_workers=2, max_retries=max_retries, timeout=600)
     started = time.monotonic()
     result = runner.run(ep.train_script, ep.SCRIPT, str(out), ep.script_env(out))
@@ -81,3 +81,21 @@ def test_a_sigkilled_worker_is_a_failure_retried_from_the_last_step_backup(spark
     assert report["resumed_at"] == 21 and ep.retrained(out, 1) == [21, 22], report
     ep.assert_equals_reference(result, out, reference)
 
+
+
+def test_sigterm_to_an_executor_reaches_its_training_process_which_saves_and_the_retry_resumes_there(
+        spark, tmp_path, reference, capsys):
+    # A node drained, a pod deleted: the executor's JVM gets SIGTERM; its shutdown stops Spark's Python daemon,
+    # which sends its workers SIGHUP; the task passes it on. Spark relaunches the executor for the retry.
+    out, result, runner, report = _run(tmp_path, "TERM", max_retries=0, ancestor="java")
+    log = "".join(capsys.readouterr())
+    with capsys.disabled():
+        print(f"\nexecutor SIGTERM, {runner.last_run.attempts} attempts: {report}")
+    assert runner.last_run.attempts == 2 and runner.last_run.preempted == 1, log[-4000:]
+    assert "[worker:1] [stratkit] worker:1: this task's Python worker got SIGHUP: passed on to its training process" \
+        in log, log[-4000:]
+    assert log.count(f"global step {report['resumed_at']})") == 2, (report, log[-4000:])
+    for rank in (0, 1):
+        assert ep.retrained(out, rank) == [], (rank, ep.retrained(out, rank))
+    assert report["resumed_at"] == report["last_step_before"] + 1, report
+    ep.assert_equals_reference(result, out, reference)
