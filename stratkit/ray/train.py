@@ -113,12 +113,12 @@ class RayReportCallback(keras.callbacks.Callback):
                 metrics[key] = float(value)
             except (TypeError, ValueError):
                 continue
-        if self.rank != 0 or self._per_step:
+        if self._per_step:  # the checkpoints went with the step backups
             self._train.report(metrics)
             return
-        self._report(metrics, backups.Position(epoch + 1, 0), epoch_end=True)
+        self._report(metrics, backups.Position(epoch + 1, 0))
 
-    def _report(self, metrics: dict[str, Any], position: backups.Position, epoch_end: bool = False) -> None:
+    def _report(self, metrics: dict[str, Any], position: backups.Position) -> None:
         """Every worker reports; the chief attaches the backup at `position` as a checkpoint."""
         if self.rank != 0:
             self._train.report(metrics)
@@ -163,6 +163,9 @@ def _in_actor_main_thread(function: Any) -> None:
     _main_thread_calls[key] = function
     try:
         ray.get(ray.get_runtime_context().current_actor.__ray_call__.remote(_call_registered, key), timeout=60)
+    except Exception as exc:  # noqa: BLE001 - not in an actor, or it did not answer: train on without them
+        log.warning("could not reach this Ray worker's main thread (%s: %s): preemption notices are not caught "
+                    "here, so a preempted run resumes from its last reported checkpoint", type(exc).__name__, exc)
     finally:
         _main_thread_calls.pop(key, None)
 
