@@ -43,9 +43,14 @@ _ROOT = "stratkit"
 #: `stratkit launch` restarts on it without counting a failure (and exits with it when it was preempted
 #: itself), `stratkit.process.report` words it.
 EXIT_PREEMPTED = 75
-#: Names an extra signal that means "preempted" (e.g. USR1 for Slurm's --signal=B:USR1@120), as a name or a
-#: number; SIGTERM always does. `stratkit launch --preemption-signal` sets it for its tasks.
+#: Names an extra signal that means "preempted" (e.g. USR2), as a name or a number; SIGTERM always does.
+#: `stratkit launch --preemption-signal` sets it for its tasks.
 PREEMPTION_SIGNAL_VAR = "STRATKIT_PREEMPTION_SIGNAL"
+#: Inside a Slurm job (this variable set) the extra signal is SIGUSR1 unless PREEMPTION_SIGNAL_VAR names
+#: another: what `--signal=USR1@N` sends every task N s before the time limit, and what
+#: examples/slurm_requeue.sh hands them from `--signal=B:USR1@N`. Left alone, USR1 would end the task
+#: (its default action) with no backup, so there is nothing to keep by not catching it.
+SLURM_JOB_VAR = "SLURM_JOB_ID"
 
 
 class _Console(logging.Handler):
@@ -110,13 +115,15 @@ def parse_signal(text: str, name: str = PREEMPTION_SIGNAL_VAR) -> int:
     if not isinstance(number, int) or number not in {int(s) for s in signal.valid_signals()} \
             or number in (signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError(f"{name}={text!r} is not a signal a process can catch. Fix: a name such as USR1 or SIGUSR2 "
-                          "(Slurm's --signal=B:USR1@120 goes with USR1), or unset it (SIGTERM is always a preemption "
-                          "notice)")
+                          "(Slurm's --signal=USR1@120 goes with USR1, the default inside a Slurm job), or unset it "
+                          "(SIGTERM is always a preemption notice)")
     return int(number)
 
 
 def preemption_signals(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The signals that mean "preempted": SIGTERM, and the one STRATKIT_PREEMPTION_SIGNAL names (if any)."""
-    text = (os.environ if environ is None else environ).get(PREEMPTION_SIGNAL_VAR, "").strip()
-    extra = parse_signal(text) if text else None
+    """The signals that mean "preempted": SIGTERM, and the one STRATKIT_PREEMPTION_SIGNAL names (inside a
+    Slurm job, SIGUSR1 when it names none)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(PREEMPTION_SIGNAL_VAR, "").strip()
+    extra = parse_signal(text) if text else (int(signal.SIGUSR1) if environ.get(SLURM_JOB_VAR) else None)
     return (int(signal.SIGTERM),) if extra in (None, signal.SIGTERM) else (int(signal.SIGTERM), extra)

@@ -76,12 +76,18 @@ def slurm_conf(hosts: Sequence[Host], workdir: Path, socket: Path) -> str:
         "SlurmdUser=root",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={socket}",
+        # cred_expire: a requeued job may start only cred_expire + 1 s after its requeue (22.05 job_mgr.c
+        # batch_requeue_fini: its new launch credential must postdate the old one's revocation); 120 s by default,
+        # 5 is the least Slurm takes
+        f"AuthInfo=socket={socket},cred_expire=5",
         "ProctrackType=proctrack/pgid",
         "TaskPlugin=task/none",
         "MpiDefault=none",
         "MailProg=/bin/true",
         "SchedulerType=sched/builtin",
+        # a requeued job's begin time passes with no event to start it: only the periodic full scheduling
+        # pass does (sched_interval, 60 s by default)
+        "SchedulerParameters=sched_interval=2",
         "SelectType=select/linear",
         "ReturnToService=2",
         "JobAcctGatherType=jobacct_gather/none",

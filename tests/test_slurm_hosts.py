@@ -11,10 +11,12 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import hosts
@@ -151,3 +153,129 @@ def test_tasks_sharing_a_nodes_gpus_get_their_slurm_localid_share(slurm):
     shares = sorted(tuple(json.loads(line.split(" ", 1)[1])) for line in step.stdout.splitlines()
                     if line.startswith("SHARE "))
     assert shares == [("0", "0", "0,1"), ("1", "1", "2,3"), ("2", "0", "0,1"), ("3", "1", "2,3")], step.stdout
+
+
+CHECKPOINT_SCRIPT = REPO_ROOT / "tests" / "training" / "checkpoint_script.py"
+#: The user's train.py for examples/slurm_requeue.sh: tests/training/checkpoint_script.py (Trainer.fit with
+#: backup_every=7 and EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, CSVLogger; one "attempt step" line per
+#: step trained in OUT/steps-<rank>.log), its attempt being Slurm's restart count of the job.
+REQUEUE_TRAIN = f"""
+import json, os, runpy, sys
+os.environ["ATTEMPT"] = os.environ.get("SLURM_RESTART_COUNT", "0")
+with open(os.path.join(os.environ["OUT"], "runs.log"), "a") as handle:
+    handle.write(json.dumps({{k: os.environ.get(k) for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_PROCID")}})
+                 + "\\n")
+sys.argv = [{str(CHECKPOINT_SCRIPT)!r}]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+STOPPED = re.compile(r"preempted: preemption notice: SIGUSR1 at .*?; stopped at (epoch \d+(?: \+ \d+ steps)?) ")
+RESUMED = re.compile(r"resumed from \S+ at (epoch \d+(?: \+ \d+ steps)?)$", re.MULTILINE)
+
+
+def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
+    """(attempt, global step) of every step rank trained, in order (checkpoint_script.py's log)."""
+    path = out / f"steps-{rank}.log"
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _until(slurm, job: str, output: Path, ready, what: str, timeout: float = 150.0) -> float:
+    """Wait until `ready()`; fail at once, with the job's output, if the job ends first. The time it came."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        record = slurm.job(job)
+        if time.monotonic() > deadline or (record or {}).get("JobState") in FINAL:
+            text = output.read_text(errors="replace") if output.exists() else "(no output)"
+            raise AssertionError(f"waiting for {what}: job {job} is {record}\n{text[-6000:]}\n{slurm.logs()}")
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+@pytest.mark.multiworker
+def test_a_batch_job_stopped_by_usr1_is_requeued_and_resumes_at_that_step(slurm, tmp_path):
+    """Issue 40: `sbatch --requeue --signal=B:USR1@N` (examples/slurm_requeue.sh as a user copies it), 2 tasks
+    on 2 nodes. The first notice takes B:'s path (`scancel --batch` sends it as slurmctld does N s before the
+    limit: to the batch shell only, which hands it to srun); the second the path of `--signal=USR1@N` without
+    B: (every task gets it from its slurmstepd, the shell nothing). Each time every task stops at one step,
+    backs up and exits 75, the script requeues the job, and the requeued job (same id, SLURM_RESTART_COUNT 1,
+    then 2) resumes at that step: it ends equal to one uninterrupted process."""
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    out.mkdir()
+    reference.mkdir()
+    # One uninterrupted process, trained meanwhile: much of the job's time is Slurm's wait before a requeued start
+    with open(reference / "output.txt", "wb") as sink:
+        uninterrupted = subprocess.Popen([sys.executable, str(CHECKPOINT_SCRIPT)], stdout=sink, stderr=sink,
+                                         env=child_env(env={"OUT": str(reference), "STRATEGY": "one_device",
+                                                            "BACKUP_DIR": str(reference / "backup")}))
+    try:
+        job, output, times = _requeued_twice(slurm, tmp_path, out)
+        uninterrupted.wait(timeout=300)
+    finally:
+        uninterrupted.kill()
+        uninterrupted.wait()
+    assert uninterrupted.returncode == 0, (reference / "output.txt").read_text(errors="replace")[-6000:]
+    print("seconds after each notice:", times)
+
+    # One job, three runs: the same job id, Slurm's restart count 0 (unset), 1, 2 on both tasks
+    runs = [json.loads(line) for line in (out / "runs.log").read_text().splitlines()]
+    assert {r["SLURM_JOB_ID"] for r in runs} == {job}, runs
+    assert sorted((r["SLURM_PROCID"], r["SLURM_RESTART_COUNT"] or "0") for r in runs) == [
+        (rank, count) for rank in "01" for count in "012"], runs
+    # the first notice reached the batch shell (B:), the second only the tasks; each stopped both tasks at one
+    # step, and each requeued run resumed at it
+    assert output.count("passed to the tasks") == 1, output[-6000:]
+    assert output.count(f"requeueing job {job}") == 2, output[-6000:]
+    stopped, resumed = STOPPED.findall(output), RESUMED.findall(output)
+    assert len(stopped) == 4 and stopped[0] == stopped[1] and stopped[2] == stopped[3], output[-6000:]
+    assert resumed == stopped, (resumed, stopped)
+    # at most 1 step trained again at each requeue, by either task; every step trained
+    for rank in (0, 1):
+        steps = _steps(out, rank)
+        again = [(a, s) for i, (a, s) in enumerate(steps) if any(b < a and s == t for b, t in steps[:i])]
+        assert all(sum(a == n for a, _ in again) <= 1 for n in (1, 2)), again
+        assert sorted({s for _, s in steps}) == list(range(max(s for _, s in steps) + 1))
+
+    # equal to one uninterrupted process (weights and the whole history within 1e-5)
+    want = json.loads((reference / "result-0.json").read_text())
+    for rank in (0, 1):
+        got = json.loads((out / f"result-{rank}.json").read_text())
+        assert got["epochs"] == want["epochs"] and got["stopped_epoch"] == want["stopped_epoch"] > 0
+        for a, b in zip(got["weights"], want["weights"], strict=True):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5, rtol=0)
+        for key, values in want["history"].items():
+            np.testing.assert_allclose(got["history"][key], values, atol=1e-5, rtol=0, err_msg=key)
+
+
+def _requeued_twice(slurm, workdir: Path, out: Path) -> tuple[str, str, dict[str, float]]:
+    """Submit examples/slurm_requeue.sh from `workdir`; USR1 by B:'s path after 8 steps, then by the tasks' path
+    after 8 steps of the requeued run. The job id, its output and the seconds from each notice to its requeue and
+    to the requeued run's first step."""
+    (workdir / "train.py").write_text(REQUEUE_TRAIN)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = _env(PATH=path, OUT=str(out), BACKUP_DIR=str(out / "backup"), STEP_SECONDS="0.1")
+    submit = slurm.run(["sbatch", "--parsable", str(REPO_ROOT / "examples" / "slurm_requeue.sh")], timeout=60,
+                       env=env, cwd=workdir)
+    assert submit.returncode == 0, submit.stdout
+    job = submit.stdout.strip()
+    output = workdir / f"stratkit-{job}.out"      # the example's --output, appended to by each run
+    times = {}
+    for attempt, path_flags in ((0, ["--batch"]), (1, [])):
+        def trained(run: int, at_least: int) -> bool:
+            return sum(a == run for a, _ in _steps(out, 0)) >= at_least
+
+        _until(slurm, job, output, lambda: trained(attempt, 8), f"8 steps of run {attempt}")
+        sent_at = time.monotonic()
+        sent = slurm.run(["scancel", "--signal=USR1", *path_flags, job], timeout=30)
+        assert sent.returncode == 0, sent.stdout
+        requeued = _until(slurm, job, output, lambda: (slurm.job(job) or {}).get("Restarts") == str(attempt + 1),
+                          f"requeue {attempt + 1}")
+        first = _until(slurm, job, output, lambda: trained(attempt + 1, 1), f"the first step of run {attempt + 1}")
+        times[f"requeued {attempt + 1}"], times[f"first step {attempt + 1}"] = (
+            round(requeued - sent_at, 2), round(first - sent_at, 2))
+        # one step, one backup write, srun's exit and the requeue: well inside Slurm's own grace (KillWait 30 s)
+        assert requeued - sent_at < 30, times
+    _until(slurm, job, output, lambda: all((out / f"result-{r}.json").exists() for r in (0, 1)), "the results")
+    record = slurm.wait_job(job, FINAL, timeout=60)
+    text = output.read_text(errors="replace")
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "2", (record, text[-6000:])
+    return job, text, times

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,3 +58,15 @@ def test_a_closed_stdout_never_fails_the_caller():
         sys.stderr.write("survived\\n")
     """)
     assert out.stderr.endswith("survived\n")
+
+
+def test_usr1_is_a_preemption_notice_inside_a_slurm_job_unless_another_signal_is_named():
+    # Slurm's --signal=USR1@N (and examples/slurm_requeue.sh's hand-over from B:USR1) reaches the tasks as USR1,
+    # whose default action would end them with no backup
+    from stratkit.status import preemption_signals
+
+    assert preemption_signals({}) == (signal.SIGTERM,)
+    assert preemption_signals({"SLURM_JOB_ID": "7"}) == (signal.SIGTERM, signal.SIGUSR1)
+    assert preemption_signals({"SLURM_JOB_ID": "7", "STRATKIT_PREEMPTION_SIGNAL": "USR2"}) == (
+        signal.SIGTERM, signal.SIGUSR2)
+    assert preemption_signals({"SLURM_JOB_ID": "7", "STRATKIT_PREEMPTION_SIGNAL": "TERM"}) == (signal.SIGTERM,)

@@ -115,8 +115,8 @@ class Trainer:
                 batch is the global batch).
             per_replica_batch_size: examples per step on each replica.
             backup_dir: back up every epoch (or as `backup_every` says) and resume there after a failure; a
-                preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL) then makes every worker stop at the
-                same step, back up and exit with status 75 (see `stratkit.training.checkpoint`).
+                preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL; USR1 in a Slurm job) then makes every
+                worker stop at the same step, back up and exit with status 75 (see `stratkit.training.checkpoint`).
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
             scale_learning_rate: multiply the compiled learning rate by

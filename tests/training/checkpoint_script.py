@@ -12,6 +12,7 @@ arrays. Environment:
                         ready-<rank>.json (its pid) and waits there (up to 120 s) for the file `sent`, which
                         the test writes after it signalled this process from outside (an engine's tests)
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
+  STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
 after the step; times-<rank>.log the same with the time it ended),
@@ -85,6 +86,7 @@ class Evidence(keras.callbacks.Callback):
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch}\n")
         with open(os.path.join(OUT, f"times-{RANK}.log"), "a") as handle:  # when each step ended (time.time())
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch} {time.time():.3f}\n")
+        time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
 
 
 stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.25)

@@ -2,7 +2,7 @@
 
 `Trainer.fit(backup_dir=D)` backs up after every epoch; with `backup_every=K`
 (steps) or a duration ("30s", "10min"), at step boundaries instead. Either way
-a preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL) makes every worker
+a preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL; USR1 in a Slurm job) makes every worker
 stop at the same step, write a backup and exit with status 75
 (`stratkit.status.EXIT_PREEMPTED`). A restarted run resumes at the newest
 backup every worker has: at its epoch and step, reading the batches an

@@ -2,8 +2,8 @@
 
 A platform that takes a machine away warns first: SIGTERM (Kubernetes,
 spot VMs, `stratkit launch` forwarding its own), or a signal the job asked
-for (Slurm's `--signal=B:USR1@120`; name it with STRATKIT_PREEMPTION_SIGNAL=USR1
-or `stratkit launch --preemption-signal USR1`). While a backup is configured,
+for (Slurm's `--signal=USR1@120`: USR1 is one inside a Slurm job; else name it with
+STRATKIT_PREEMPTION_SIGNAL=USR1 or `stratkit launch --preemption-signal USR1`). While a backup is configured,
 `Notice` catches those signals (in the main thread; the handler only records
 the time), and at every step boundary `Agreement` folds every worker's "I saw
 a notice" and the chief's "a timed backup is due" into one all-reduce of two
