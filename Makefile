@@ -29,7 +29,7 @@ $(COMPAT_OVERLAYS): | $(STAMP)
 	$(PY) tools/compat.py overlay 3.3.3 3.10.0
 
 # The Ray engine's tests (marker `ray`: real local Ray and Ray clusters on test hosts, ~5 min, plus 3-4.5 min for
-# tests/ray/test_ray_node_loss.py) run in their own
+# tests/ray/test_ray_node_loss.py and 2.5-4 min for tests/ray/test_ray_preemption.py) run in their own
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2

@@ -17,6 +17,13 @@ instead, for a single-threaded parent that has already imported what its
 children need (the Spark executor's standby, `stratkit.spark.process`): the
 child starts with those imports done, and with the same three guarantees.
 
+Because a child runs in its own session, a signal its parent's process group
+gets (a Spark executor's daemon stopping its Python workers with SIGHUP, a
+SIGTERM to the parent) never reaches it; die-with-parent then ends it with
+SIGKILL, mid-step. `passing_on_notices` hands such a notice on as SIGTERM, so a
+training process with a backup directory saves at its next step boundary and
+exits 75 (`stratkit.status.EXIT_PREEMPTED`) while its parent waits for it.
+
 Imports no TensorFlow.
 """
 
@@ -28,7 +35,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import IO, Any
 
 
@@ -184,3 +193,44 @@ def stop_groups(procs: Sequence[subprocess.Popen[Any]], grace: float,
         if proc.poll() is None:
             kill_group(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@contextmanager
+def passing_on_notices(group: Callable[[], int | None], signals: Sequence[int],
+                       on_notice: Callable[[int], None] | None = None) -> Iterator[list[int]]:
+    """While the block runs, each of `signals` reaching this process is sent on to a child's group as SIGTERM.
+
+    For a parent that waits for its child (a Spark task for its training
+    process): the parent stays, the child gets the notice (SIGTERM is always a
+    preemption notice), saves and exits on its own. Yields the list of the
+    signals that arrived (the caller can say so). Only the main thread can
+    catch signals: elsewhere nothing is installed and the list stays empty.
+
+    Args:
+        group: the child's process group id once it is known (None before: the notice is sent when the
+            child is known, at the next signal; a child that had not started has nothing to save).
+        signals: the signal numbers to catch (e.g. SIGTERM, SIGHUP, the preemption signal).
+        on_notice: called with the signal number from the handler (it must not block or take a lock the
+            interrupted code may hold: start a thread for anything more).
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        pgid = group()
+        if pgid is not None:
+            kill_group(pgid, signal.SIGTERM)
+        if on_notice is not None:
+            on_notice(signum)
+
+    previous = {}
+    try:
+        for sig in dict.fromkeys(signals):
+            previous[sig] = signal.signal(sig, on_signal)
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

@@ -37,6 +37,13 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+#: The cluster runners' rule (Spark, Ray): after one task exited 75, the longest the others get to exit by
+#: themselves before the runner kills them. They stop at the same step (the per-step agreement) and each writes
+#: its backup there, so they end within one backup write and 1 s; a kill before that would leave the resume at
+#: an older backup.
+PREEMPTED_GRACE = 60.0
+
+
 def is_preempted(returncode: int | None) -> bool:
     """True for the status a stratkit training process exits with after a preemption backup (75)."""
     return returncode == EXIT_PREEMPTED

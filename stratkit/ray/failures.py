@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stratkit.errors import StratkitError
-from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
+from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report, is_preempted
 
 #: Who reports in the root-cause report.
 REPORT_TITLE = "stratkit ray"
@@ -52,6 +52,12 @@ class RayTrainingError(StratkitError, RuntimeError):
         self.timed_out = timed_out
         self.lost = lost
         self.lost_nodes = list(lost_nodes)
+
+    @property
+    def preempted(self) -> bool:
+        """The attempt ended on a preemption notice: the first task to end exited 75 after writing its backup
+        (the others stop at the same step); `RayRunner` re-runs it without counting against max_retries."""
+        return is_preempted(self.exit_code) and not self.lost
 
 
 @dataclass
@@ -92,6 +98,10 @@ def task_failed(state: TaskState, states: Sequence[TaskState], attempt: int, att
         ended = (f"its Ray actor died: the node {state.node} or the actor's worker process was lost "
                  f"(Ray: {state.lost})")
         how = f"was lost with node {state.node}"
+    elif is_preempted(state.exit_code):
+        ended = None
+        how = (f"was preempted on node {state.node}: it stopped on a preemption notice, wrote its backup and "
+               f"exited {state.exit_code}")
     else:
         ended = None
         how = f"failed with exit code {state.exit_code} on node {state.node}"
@@ -99,8 +109,9 @@ def task_failed(state: TaskState, states: Sequence[TaskState], attempt: int, att
                           attempt=attempt - 1, exception=state.exception, ended=ended)
     report = format_failure_report(failure, _others(states, state, f"after {state.label} failed"),
                                    attempts=attempts, title=REPORT_TITLE)
-    return RayTrainingError(f"task {state.label} (rank {state.rank}) {how} ({which}); the other tasks were "
-                            f"stopped.\n{report}", task=state.label, rank=state.rank, exit_code=state.exit_code,
+    rest = "stopped at the same step" if is_preempted(state.exit_code) else "were stopped"
+    return RayTrainingError(f"task {state.label} (rank {state.rank}) {how} ({which}); the other tasks {rest}.\n"
+                            f"{report}", task=state.label, rank=state.rank, exit_code=state.exit_code,
                             node=state.node, lines=state.lines, attempt=attempt, lost=state.lost is not None,
                             lost_nodes=sorted({s.node_id for s in states if s.lost is not None and s.node_id}))
 

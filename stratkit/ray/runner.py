@@ -16,6 +16,11 @@ The driver side of the Ray adapter. One `run()`:
      actors, with `min_workers` on the workers the cluster still has once Ray
      has judged the nodes whose tasks were lost (`stratkit.ray.elastic`);
   5. returns the chief's (rank 0's) return value.
+
+Size: over 400 lines because the attempt (placement, actors, the watch of
+every task, the wait for the others after a preemption) and the retry loop
+around it read best together; the wording is `ray/failures.py`, the elastic
+count `ray/elastic.py`, the actor `ray/task.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from stratkit.cluster.layout import Task
 from stratkit.errors import ConfigError
 from stratkit.process import arguments
 from stratkit.process.payload import pickle_payload
+from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.ray import elastic, failures
 from stratkit.ray.failures import RayTrainingError, TaskState
@@ -61,6 +67,9 @@ class RayRunReport:
     #: The last attempt's tasks (a retry with `min_workers` may run fewer than the first).
     tasks: list[str]
     attempts: int = 0
+    #: Attempts that ended on a preemption notice (every task saved at one step and exited 75): retried without
+    #: counting against max_retries.
+    preempted: int = 0
     seconds: float = 0.0
     succeeded: bool = False
     #: Each attempt's number of training workers, in order.
@@ -85,7 +94,9 @@ class RayRunner:
         gpus_per_worker: GPUs per training task (needs use_gpu=True).
         cpus_per_worker: Ray CPUs reserved per task (default 1).
         max_retries: re-run everything (fresh actors, a fresh placement group) this many times after a
-            failure; train_fn using `trainer.fit(backup_dir=...)` on shared storage resumes.
+            failure; train_fn using `trainer.fit(backup_dir=...)` on shared storage resumes. An attempt that
+            was preempted (its tasks stopped on a preemption notice at one step, wrote their backups and
+            exited 75) is re-run without counting: it resumes at that step.
         min_workers: elastic retries (no `num_ps`): a retry runs with as many workers as the live
             nodes fit, from `min_workers` to `num_workers`, counted once Ray has judged the nodes whose
             tasks were lost (`stratkit.ray.elastic`); `Trainer` keeps the global batch.
@@ -150,16 +161,30 @@ class RayRunner:
         started = time.monotonic()
         deadline = None if self.timeout is None else started + self.timeout
         tasks = self.tasks
+        failures_seen = 0
         try:
-            for attempt in range(1, self.max_retries + 2):
-                report.attempts = attempt
+            while True:
+                report.attempts += 1
+                attempt = report.attempts
                 try:
                     result = self._attempt(ray, tasks, payload, attempt, deadline, report)
                 except RayTrainingError as error:
-                    if error.timed_out or attempt > self.max_retries:
+                    if error.timed_out:
                         raise
-                    log.info("attempt %d of %d failed (%s); re-running every task with fresh actors", attempt,
-                             self.max_retries + 1, str(error).splitlines()[0])
+                    if error.preempted:
+                        # Not a failure: every task saved at one step (stratkit launch does not count it either).
+                        report.preempted += 1
+                        log.warning("attempt %d was preempted (%s); re-running every task with fresh actors, "
+                                    "which resume at the step of the preemption backup (a preemption is not "
+                                    "counted against max_retries: %d of %d retries left)", attempt,
+                                    str(error).splitlines()[0], self.max_retries - failures_seen,
+                                    self.max_retries)
+                    else:
+                        failures_seen += 1
+                        if failures_seen > self.max_retries:
+                            raise
+                        log.info("attempt %d of %d failed (%s); re-running every task with fresh actors", attempt,
+                                 self.max_retries + 1 + report.preempted, str(error).splitlines()[0])
                     if self.min_workers is not None:
                         workers = elastic.workers_for_retry(
                             ray, error.lost_nodes, deadline, num_workers=self.num_workers,
@@ -177,7 +202,6 @@ class RayRunner:
                     continue
                 report.succeeded = True
                 return result
-            raise AssertionError("unreachable")  # pragma: no cover
         finally:
             report.seconds = time.monotonic() - started
 
@@ -204,7 +228,7 @@ class RayRunner:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        attempts = self.max_retries + 1
+        attempts = self.max_retries + 1 + report.preempted
         report.tasks = [t.name for t in tasks]
         report.workers.append(sum(t.role == "worker" for t in tasks))
         for record in (report.nodes, report.pids, report.actor_pids):
@@ -284,9 +308,13 @@ class RayRunner:
 
         cursors = [0] * len(actors)
         pending = {actors[i].poll.remote(0): i for i in range(len(actors))}
+        preempted: TaskState | None = None  # the first task that exited 75: the others stop at the same step
+        grace = 0.0
         while pending:
             if deadline is not None and time.monotonic() > deadline:
                 raise failures.timed_out(states, self.timeout, attempt, attempts)
+            if preempted is not None and time.monotonic() > grace:
+                break  # the others had their time to write their backups
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
                 i = pending.pop(ref)
@@ -305,11 +333,16 @@ class RayRunner:
                     continue
                 state.exit_code = reply["exit"]
                 state.exception = tuple(reply["exception"])
-                if state.exit_code != 0:
+                if is_preempted(state.exit_code) and preempted is None:
+                    preempted, grace = state, time.monotonic() + PREEMPTED_GRACE
+                    continue
+                if state.exit_code != 0 and preempted is None:
                     lost = self._unanswered(ray, actors, states, pending.values())
                     # A task whose peer's node died usually fails first (its collective breaks at once, while
                     # Ray takes its health check to declare the node dead): the lost node is the root cause.
                     raise failures.task_failed(lost[0] if lost else state, states, attempt, attempts)
+        if preempted is not None:
+            raise failures.task_failed(preempted, states, attempt, attempts)
 
     def _unanswered(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState],
                     running: Any) -> list[TaskState]:

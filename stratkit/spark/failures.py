@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from stratkit.errors import StratkitError
 from stratkit.process.pump import TAIL_LINES
-from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report
+from stratkit.process.report import TaskFailure, describe_returncode, format_failure_report, is_preempted
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logprotocol import SETUP_FAILED
 from stratkit.spark.logserver import LogServer, TaskLog
@@ -54,6 +54,12 @@ class SparkTrainingError(StratkitError, RuntimeError):
         self.lines = list(lines)
         self.attempt = attempt
         self.timed_out = timed_out
+
+    @property
+    def preempted(self) -> bool:
+        """The attempt ended on a preemption notice: the first task to end exited 75 after writing its backup
+        (the others stop at the same step); `SparkRunner` re-runs it without counting against max_retries."""
+        return is_preempted(self.exit_code)
 
 
 @dataclass
@@ -107,9 +113,11 @@ def explain(error: BaseException, state: AttemptState, server: LogServer, roles:
                           ended=ended(code))
     how = "failed before its training process started" if code == SETUP_FAILED else (
         "was lost: its connection to the driver ended without an exit code" if code is None else
-        f"failed with exit code {code}")
+        f"was preempted: it stopped on a preemption notice, wrote its backup and exited {code}" if is_preempted(code)
+        else f"failed with exit code {code}")
+    rest = ("the other tasks stopped at the same step" if is_preempted(code) else "the other tasks were stopped")
     return SparkTrainingError(
-        f"task {label} (rank {rank}) {how} ({which}); the other tasks were stopped.\n"
+        f"task {label} (rank {rank}) {how} ({which}); {rest}.\n"
         + report(failure, other_tasks(roles, server, rank, f"after {label} failed")),
         task=label, rank=rank, exit_code=code, lines=lines, attempt=attempt)
 

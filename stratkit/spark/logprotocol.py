@@ -9,6 +9,8 @@ place for the wire format both ends speak, so neither can change it alone.
 Protocol (UTF-8 text lines):
     task -> driver   HELLO <token> <rank> <label>   first line; anything else closes the connection
                      L <text>                       one output line
+                     N <signal name>                the task passed a preemption notice on to its training
+                                                    process (its Python worker was told to go)
                      X <exit code>                  the training process ended (SETUP_FAILED: never started)
     driver -> task   OK                             the HELLO was accepted
                      BUSY                           dropped before authentication (server full): retry
@@ -178,6 +180,10 @@ class LogClient:
         text = pump.cut_line(text.replace("\n", " "))
         if not self._send(f"L {text}\n"):
             sys.stderr.write(f"[{self.label}] {text}\n")
+
+    def notice(self, signal_name: str) -> None:
+        """Report that a preemption notice was passed on to the training process (it saves, then exits 75)."""
+        self._send(f"N {pump.cut_line(signal_name)}\n")
 
     def exit_code(self, code: int) -> None:
         """Report the training process's exit code."""

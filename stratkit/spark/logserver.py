@@ -4,8 +4,9 @@ Every line a task's training process prints is sent to the driver as it
 appears and printed there with the task's prefix (`[worker:1] ...`), so a
 user watches all tasks in one console instead of digging through executor
 stderr files. The same connection carries the task's exit code to the driver
-(so a failure is known within a second, not after Spark's stage bookkeeping)
-and, in the other direction, ABORT: when one task fails or the run times out,
+(so a failure is known within a second, not after Spark's stage bookkeeping),
+that a task passed a preemption notice on to its training process, and, in
+the other direction, ABORT: when one task fails or the run times out,
 the driver tells every other task to kill its training process tree at once.
 
 This module is the driver's end: who may connect, how many, for how long.
@@ -63,6 +64,8 @@ class TaskLog:
     tail: pump.Tail = field(default_factory=pump.Tail)
     scanner: ExceptionScanner = field(default_factory=ExceptionScanner)
     exit_code: int | None = None
+    #: The signal its Python worker got and passed on to the training process as a preemption notice, if any.
+    notice: str | None = None
     lines: int = 0
     first_line_at: float | None = None
 
@@ -157,6 +160,8 @@ class LogServer:
             for kind, text in logprotocol.messages(conn, rest):
                 if kind == "L":
                     self._line(task, pump.cut_line(text))
+                elif kind == "N":
+                    task.notice = text
                 elif kind == "X":
                     task.exit_code = logprotocol.exit_code(text)
                     if self._on_exit is not None:
@@ -198,6 +203,23 @@ class LogServer:
             self._on_fatal(message)
 
     # -- control --------------------------------------------------------------------------------
+    def wait_for_exits(self, seconds: float, *, noticed: bool = False,
+                       until: Callable[[], bool] = lambda: False) -> None:
+        """Wait up to `seconds` (or until `until()`) for every task to report its exit; with `noticed`, only the
+        connected tasks that passed a preemption notice on (each saves at the next step, then exits 75)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            with self._lock:
+                if noticed:
+                    waiting = [t for t in self.tasks.values() if t.notice is not None and t.exit_code is None
+                               and t.rank in self._connections]
+                else:
+                    waiting = [t for t in self.tasks.values() if t.exit_code is None]
+                    waiting += [None] * max((self._max_tasks or 0) - len(self.tasks), 0)  # not connected yet
+            if not waiting:
+                return
+            time.sleep(0.05)
+
     def abort_all(self, reason: str) -> int:
         """Tell every connected task to kill its training process; returns how many were told."""
         message = logprotocol.abort(reason)

@@ -34,6 +34,7 @@ from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.process import arguments
 from stratkit.process.payload import pickle_payload
+from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
 from stratkit.spark import elastic, layout, slots
@@ -68,6 +69,9 @@ class RunReport:
     stage: str
     tasks: list[str]
     attempts: int = 0
+    #: Attempts that ended on a preemption notice (every task saved at one step and exited 75): retried without
+    #: counting against max_retries.
+    preempted: int = 0
     seconds: float = 0.0
     succeeded: bool = False
     exit_codes: dict[str, int | None] = field(default_factory=dict)
@@ -108,7 +112,10 @@ class SparkRunner:
         num_ps: parameter-server tasks (0: synchronous multi-worker training).
         spark: the SparkSession (default: the active one, else a new one).
         max_retries: re-run the whole barrier stage this many times after a
-            failure (train_fn using `trainer.fit(backup_dir=...)` resumes).
+            failure (train_fn using `trainer.fit(backup_dir=...)` resumes). An
+            attempt that was preempted (its tasks stopped on a preemption notice
+            at one step, wrote their backups and exited 75) is re-run without
+            counting: it resumes at that step.
         min_workers: elastic retries (no `num_ps`): a retry runs with the slots
             Spark has then, from `min_workers` to `num_workers` tasks (fewer once
             an executor's host is gone); `Trainer` keeps the global batch, so with
@@ -195,19 +202,34 @@ class SparkRunner:
             bind_host = confs.get("spark.driver.bindAddress") or driver_host
             deadline = None if self.timeout is None else started + self.timeout
             roles = self.roles
-            for attempt in range(1, self.max_retries + 2):
-                report.attempts = attempt
+            failures = 0
+            while True:
+                report.attempts += 1
+                attempt = report.attempts
                 plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(roles), payload=payload,
                                 log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
                                 gpu_counts=tuple(gpu_counts[:len(roles)]), gpu_resource_name=self._gpu_resource_name,
                                 wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"))
                 try:
-                    result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report)
+                    result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report,
+                                           attempts=self.max_retries + 1 + report.preempted)
                 except SparkTrainingError as error:
-                    if error.timed_out or attempt > self.max_retries:
+                    if error.timed_out:
                         raise
-                    log.info("attempt %d of %d failed (%s); re-running the whole barrier stage", attempt,
-                             self.max_retries + 1, first_line(error))
+                    if error.preempted:
+                        # Not a failure: every task saved at one step (Spark does not count a task lost with a
+                        # decommissioned executor against spark.task.maxFailures either).
+                        report.preempted += 1
+                        log.warning("attempt %d was preempted (%s); re-running the whole barrier stage, which "
+                                    "resumes at the step of its preemption backup (a preemption is not counted "
+                                    "against max_retries: %d of %d retries left)", attempt, first_line(error),
+                                    self.max_retries - failures, self.max_retries)
+                    else:
+                        failures += 1
+                        if failures > self.max_retries:
+                            raise
+                        log.info("attempt %d of %d failed (%s); re-running the whole barrier stage", attempt,
+                                 self.max_retries + 1 + report.preempted, first_line(error))
                     if self.min_workers is not None:
                         workers = elastic.workers_for_retry(self.num_workers, self.min_workers, sc)
                         if workers is None:  # below min_workers: the failure as it was, not retried
@@ -222,7 +244,6 @@ class SparkRunner:
                     continue
                 report.succeeded = True
                 return result
-            raise AssertionError("unreachable")  # pragma: no cover
         finally:
             for item in staged:
                 data_module.remove(item)
@@ -272,12 +293,14 @@ class SparkRunner:
         return new_args, new_kwargs
 
     def _attempt(self, spark: Any, sc: Any, stage: str, plan: TaskPlan, bind_host: str,
-                 deadline: float | None, report: RunReport) -> Any:
+                 deadline: float | None, report: RunReport, attempts: int) -> Any:
         """One barrier stage. Returns the chief's value or raises SparkTrainingError."""
         tag = f"{plan.run_id}-attempt{plan.attempt}"
         state = AttemptState()
 
-        def stop_everything(reason: str) -> None:
+        def stop_everything(reason: str, preempted: bool = False) -> None:
+            if preempted:  # the others stop at the same step: they write their backups and exit 75 first
+                server.wait_for_exits(PREEMPTED_GRACE, until=lambda: state.finished)
             server.abort_all(reason)
             _cancel(spark, sc, tag)
 
@@ -289,7 +312,8 @@ class SparkRunner:
                     return
                 state.failure = task
             threading.Thread(target=stop_everything, name="stratkit-abort", daemon=True,
-                             args=(f"{task.label} failed with exit code {task.exit_code}",)).start()
+                             args=(f"{task.label} failed with exit code {task.exit_code}",
+                                   is_preempted(task.exit_code))).start()
 
         def on_timeout() -> None:
             with state.lock:
@@ -338,6 +362,9 @@ class SparkRunner:
                 timer.cancel()
             exchange.close()
             if error is not None:
+                # A task whose Python worker was told to go (its executor stopping) passed the notice on: its
+                # training process saves at the next step and exits 75; killing it now would lose that backup.
+                server.wait_for_exits(PREEMPTED_GRACE, noticed=True)
                 server.abort_all("the barrier stage failed")
             server.shutdown()
             with state.lock:
@@ -351,7 +378,7 @@ class SparkRunner:
         if error is None:
             _take_task_info(rows, report, server)
             return _assemble_result(rows)
-        raise explain(error, state, server, list(plan.roles), plan.attempt, self.max_retries + 1, self.timeout) from None
+        raise explain(error, state, server, list(plan.roles), plan.attempt, attempts, self.timeout) from None
 
 
 # -- helpers ------------------------------------------------------------------------------------

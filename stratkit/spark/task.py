@@ -14,16 +14,24 @@ Steps, in order:
      serve the task's BarrierTaskContext to the process (`stratkit.spark.context`);
   6. have the standby fork the run's training process (environment,
      payload), stream every line to the driver; kill the process group on
-     ABORT from the driver;
-  7. report the exit code; on the chief, send the pickled return value back
-     as output rows, in chunks; every task also returns one info row (its
-     timeline, and its last lines when the driver could not see them live);
+     ABORT from the driver; pass SIGTERM or SIGHUP to this Python worker (an
+     executor stopping) on to the training process as a preemption notice,
+     and tell the driver;
+  7. report the exit code (after an exit 75, wait for the driver's word, so
+     Spark does not kill the other tasks while they write their backups); on
+     the chief, send the pickled return value back as output rows, in chunks;
+     every task also returns one info row (its timeline, and its last lines
+     when the driver could not see them live);
   8. keep the standby for the next run (unless spark.stratkit.standby=false):
      it forks that run's process too, so no TensorFlow import runs beside
      training and none is left to wait for.
 
 The task's port is held until TensorFlow binds it (`stratkit.process.ports`
 says why and how).
+
+Size: over 400 lines because the task body (`run_task`) and the executor's
+warm standby it takes and keeps read best beside each other; the process
+itself is `spark/process.py`, the wire format `spark/logprotocol.py`.
 """
 
 from __future__ import annotations
@@ -32,17 +40,21 @@ import collections
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from stratkit import timeline
+from stratkit import status, timeline
 from stratkit.cluster.detect import LAUNCHER_VAR
 from stratkit.process import ports
+from stratkit.process.children import passing_on_notices
+from stratkit.process.report import PREEMPTED_GRACE, describe_returncode, is_preempted, signal_name
 from stratkit.spark import child as child_module
 from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
@@ -58,6 +70,10 @@ INFO_SEQ = -1
 LOG_CONNECT_SECONDS = 5.0
 #: Starts the task failure record at the end of a failed task's error message (see `failure_record`).
 FAILURE_MARKER = "[stratkit-task-failure] "
+#: Signals that tell this task's Python worker to go, passed on to the training process as a preemption notice:
+#: SIGTERM (to the worker), SIGHUP (what Spark's Python daemon sends its workers when the executor stops, after
+#: the executor's own SIGTERM) and STRATKIT_PREEMPTION_SIGNAL (read when the task runs).
+NOTICES = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -137,8 +153,11 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     events.append({"event": "standby spawned", "t": standby.spawned_at})
     process = None
 
+    told = threading.Event()  # the driver's word (ABORT, or the connection closed)
+
     def abort(reason: str) -> None:
         aborted.append(reason)
+        told.set()
         if process is not None:
             process.kill(reason)
 
@@ -183,13 +202,26 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
              f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}, attempt {plan.attempt})")
         if aborted:
             raise TaskFailed(f"stratkit task {role.label} was stopped before training: {aborted[0]}")
-        process = standby.start(workdir, env, line)
-        note("run handed to the process")
-        if aborted:  # ABORT arrived while the process was being started
-            process.kill(aborted[0])
-        code = process.stream()
+
+        def tell_driver(signum: int) -> None:  # from a signal handler: the client's lock may be held here
+            threading.Thread(target=client.notice, args=(signal_name(signum),), daemon=True).start()
+
+        with passing_on_notices(lambda: process.pid if process is not None else None,
+                                (*NOTICES, *status.preemption_signals()), tell_driver) as notices:
+            process = standby.start(workdir, env, line)
+            note("run handed to the process")
+            if aborted:  # ABORT arrived while the process was being started
+                process.kill(aborted[0])
+            code = process.stream()
         note("process exited")
+        if notices:
+            line(f"[stratkit] {role.label}: this task's Python worker got {signal_name(notices[0])}: passed on to "
+                 f"its training process as a preemption notice (SIGTERM); it {describe_returncode(code)}")
         client.exit_code(code)
+        if is_preempted(code) and client.connected:
+            # The other tasks stop at the same step and write their backups too: Spark must not kill them (it
+            # kills a barrier stage's other tasks when one fails) before the driver has heard every exit.
+            told.wait(PREEMPTED_GRACE)
         if process.killed_because and code != 0:
             raise TaskFailed(f"stratkit task {role.label} was stopped: {process.killed_because}"
                              + failure_record(role, code, lines))

@@ -170,3 +170,33 @@ def test_a_child_can_be_handed_its_work_on_stdin_after_it_started():
                         child_env(), stdin=subprocess.PIPE, stderr=None)
     out, _ = child.communicate(b"the run\n", timeout=60)
     assert out == b"THE RUN\n" and child.returncode == 0
+
+
+# A parent that waits for its child (as a Spark task waits for its training process) while passing notices on.
+PASSING_ON = textwrap.dedent("""
+    import signal, sys
+    from stratkit.process.children import passing_on_notices, start_child
+    child = start_child([sys.executable, "-c", "import signal, sys, time\\n"
+                         "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(75))\\n"
+                         "print('ready', flush=True); time.sleep(300)"], dict(__import__('os').environ),
+                        stderr=None)
+    with passing_on_notices(lambda: child.pid, (signal.SIGTERM, signal.SIGHUP)) as notices:
+        print(child.stdout.readline().decode().strip(), flush=True)
+        code = child.wait()
+    print(f"child exited {code} after {[signal.Signals(s).name for s in notices]}", flush=True)
+    sys.exit(0 if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL else 1)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_waiting_parent_passes_a_notice_on_to_its_child_in_its_own_session_as_sigterm(sig):
+    parent = subprocess.Popen([sys.executable, "-c", PASSING_ON], env=child_env(None), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        parent.send_signal(sig)  # the child is in its own session: only the parent's handler can reach it
+        out, _ = parent.communicate(timeout=60)
+    finally:
+        parent.kill()
+    assert parent.returncode == 0, out  # the parent lived on, waited, and put its own handlers back
+    assert out.strip() == f"child exited 75 after ['{sig.name}']", out

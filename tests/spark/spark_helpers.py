@@ -39,7 +39,10 @@ def start_session(master: str, confs: Mapping[str, str] = ()) -> Iterator:
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.master(master).appName("stratkit-tests")
-    for key, value in {**BASE_CONFS, **dict(confs)}.items():
+    # The executors' Python imports this checkout's stratkit, not the one installed in the venv (which may be
+    # another worktree's): without it a worktree's tests ran the tasks' side of its change from main.
+    executor_path = {"spark.executorEnv.PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    for key, value in {**BASE_CONFS, **executor_path, **dict(confs)}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")

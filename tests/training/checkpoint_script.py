@@ -8,12 +8,15 @@ arrays. Environment:
   BACKUP_EVERY          Trainer.fit's backup_every (default 7; "" for epoch backups)
   KILL_AT, KILL_RANK    on the first attempt only (STRATKIT_RESTART_COUNT 0, or FIRST=1 for plain
   KILL_SIGNAL           processes), this rank signals itself before global step KILL_AT runs: KILL, or
-                        TERM followed by a SIGKILL 5 s later (as a platform does)
+                        TERM followed by a SIGKILL 5 s later (as a platform does); or EXTERNAL: it writes
+                        ready-<rank>.json (its pid) and waits there (up to 120 s) for the file `sent`, which
+                        the test writes after it signalled this process from outside (an engine's tests)
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
   STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
-after the step), result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
+after the step; times-<rank>.log the same with the time it ended),
+result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
 the signal was sent), best.weights.h5 and log.csv (the chief's).
 """
 
@@ -64,6 +67,13 @@ class Evidence(keras.callbacks.Callback):
                 and RANK == int(os.environ.get("KILL_RANK", "0"))):
             if os.environ.get("KILL_SIGNAL", "KILL") == "KILL":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if os.environ["KILL_SIGNAL"] == "EXTERNAL":
+                with open(os.path.join(OUT, f"ready-{RANK}.json"), "w") as handle:
+                    json.dump({"pid": os.getpid(), "step": step}, handle)
+                sent, waited = os.path.join(OUT, "sent"), time.monotonic()
+                while not os.path.exists(sent) and time.monotonic() - waited < 120:
+                    time.sleep(0.02)
+                return
             with open(os.path.join(OUT, f"signal-{RANK}.json"), "w") as handle:
                 json.dump({"time": time.time(), "step": step}, handle)
             deadline = threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL))  # the platform's deadline
@@ -74,11 +84,14 @@ class Evidence(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         with open(os.path.join(OUT, f"steps-{RANK}.log"), "a") as handle:
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch}\n")
+        with open(os.path.join(OUT, f"times-{RANK}.log"), "a") as handle:  # when each step ended (time.time())
+            handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch} {time.time():.3f}\n")
         time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
 
 
 stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.25)
-callbacks = [Evidence(), stopper,
+# EXTRA_CALLBACKS: passed by a caller that runs this file with runpy (Ray Train's RayReportCallback).
+callbacks = [*globals().get("EXTRA_CALLBACKS", []), Evidence(), stopper,
              keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.6),
              keras.callbacks.ModelCheckpoint(os.path.join(OUT, "best.weights.h5"), monitor="loss", save_best_only=True,
                                              save_weights_only=True),

@@ -19,6 +19,9 @@ class (put it last in `callbacks`, see `Backup`). When it acts:
   name and place today's epoch backups have); the callbacks' state of that
   epoch's end is added at the next `on_epoch_begin`, when every callback ran;
 * `on_train_end`: a finished run's backups are removed (Keras semantics).
+
+A complete backup is told to the callbacks defining `on_backup_written(position=, global_step=, reason=,
+directory=)` (reason "epoch", the `backup_every` text or "preemption"): Ray Train's `RayReportCallback`.
 """
 
 from __future__ import annotations
@@ -347,7 +350,11 @@ class Backup(keras.callbacks.Callback):
         store.write_backup(self.model, self.directory, position, content, arrays, keep=self.keep, weights=weights)
         self._last = max(self._last, position)
         self._clock.restart()
-        return time.monotonic() - started
+        seconds = time.monotonic() - started
+        for told in [getattr(c, "on_backup_written", None) for c in self._siblings] if state else []:
+            if callable(told):  # a complete backup: the callbacks that carry it elsewhere (Ray Train's report)
+                told(position=position, global_step=global_step, reason=reason, directory=self.directory)
+        return seconds
 
     def _preempted(self, position: Position, global_step: int) -> None:
         """Write the preemption backup at this boundary (unless it is the newest one already) and exit."""

@@ -52,6 +52,19 @@ SIGNAL_VAR = status.PREEMPTION_SIGNAL_VAR
 EXIT_DEADLINE = 1.0
 
 
+#: Runs a function in this process's main thread and returns when it ran, for a `fit` in another thread (Ray
+#: Train runs `train_loop_per_worker` in a thread of its worker actor, whose main thread runs the actor's calls:
+#: `stratkit.ray.train.RayReportCallback` sets it). None: such a fit catches no notice, and says so.
+_main_thread_caller: Callable[[Callable[[], None]], None] | None = None
+
+
+def set_main_thread_caller(caller: Callable[[Callable[[], None]], None] | None) -> Any:
+    """Set how `Notice` installs its handlers when `fit` runs outside the main thread; returns the previous."""
+    global _main_thread_caller
+    previous, _main_thread_caller = _main_thread_caller, caller
+    return previous
+
+
 class Preempted(SystemExit):
     """Raised out of `fit` after the preemption backup was written: the process exits with status 75."""
 
@@ -79,17 +92,32 @@ class Notice:
         return self.signum is not None
 
     def install(self) -> bool:
-        """Catch the signals (main thread only: Python runs handlers there); False where it cannot."""
+        """Catch the signals (Python runs handlers in the main thread, and only it may set them: from another
+        thread through the main-thread caller, see `set_main_thread_caller`); False where it cannot."""
         if threading.current_thread() is not threading.main_thread():
-            log.warning("fit runs outside the main thread: preemption notices (%s) are not caught here, so a "
-                        "preempted run resumes from its last backup", ", ".join(map(_name, self.signals)))
-            return False
+            if _main_thread_caller is None:
+                log.warning("fit runs outside the main thread: preemption notices (%s) are not caught here, so a "
+                            "preempted run resumes from its last backup", ", ".join(map(_name, self.signals)))
+                return False
+            _main_thread_caller(self._install_here)
+            return True
+        self._install_here()
+        return True
+
+    def _install_here(self) -> None:
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-        return True
 
     def uninstall(self) -> None:
+        if not self._previous:
+            return
+        if threading.current_thread() is not threading.main_thread() and _main_thread_caller is not None:
+            _main_thread_caller(self._uninstall_here)
+        else:
+            self._uninstall_here()
+
+    def _uninstall_here(self) -> None:
         for sig, previous in self._previous.items():
             try:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
