@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from stratkit import tf_logging
+from stratkit import tf_logging, timeline
 from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.console import Console
@@ -170,6 +170,7 @@ class AttemptRunner:
             raise ConfigError(f"could not start {child.task.name} with {plan.command[0]!r}: {exc}. Fix: check "
                               "the command after --") from None
         self.reaper.add(child.pid)
+        timeline.mark("task started")
         where = f" at {child.address}" if child.address else ""
         gpu = self.plan.gpu_assignments()[child.task.name]
         devices = f", {gpu.describe()}" if gpu.visible is not None else ""  # nothing said (or set) on a CPU host
@@ -251,7 +252,7 @@ class AttemptRunner:
             return "timed_out", culprit, chief_done
         return None  # (5. a signal to the launcher is checked first, in `_watch`)
 
-    def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, int]:
+    def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, bool, int]:
         """Order failures seen within `SETTLE` s of the first one: the smallest is the root cause.
 
         A death by signal (OOM kill, segfault) beats an exit code: a crash is a
@@ -259,12 +260,14 @@ class AttemptRunner:
         worker's collective aborting). In a parameter-server cluster the chief
         beats the servers, which exit 1 as soon as the chief reports its own
         failure -- possibly before the chief's process has finished exiting.
+        A preemption (exit 75, the task saved its backup) ranks after any
+        other failure: it is not counted, a failure beside it is.
         Then: the first observed.
         """
         code = child.returncode or 0
         crashed = code < 0 or 128 < code < 160
         ps_chief = child.task.role == "chief" and any(t.role == "ps" for t in self.plan.tasks)
-        return not crashed, not ps_chief, child.failed_order
+        return not crashed, is_preempted(code), not ps_chief, child.failed_order
 
     def _release_listening(self, children: list[TaskProcess]) -> None:
         """Close each held port whose task's server now listens on it."""
@@ -278,8 +281,9 @@ class AttemptRunner:
                                        reason="listening")
 
     # -- stop -------------------------------------------------------------------------------------
-    def _stop(self, children: list[TaskProcess], why: str) -> None:
-        """SIGTERM every running task's group; SIGKILL what is left after --stop-grace (or a second signal).
+    def _stop(self, children: list[TaskProcess], why: str, grace: float | None = None) -> None:
+        """SIGTERM every running task's group; SIGKILL what is left after --stop-grace (or `grace` s, or a
+        second signal).
 
         Note that in MultiWorkerMirrored tasks TensorFlow's coordination agent
         catches SIGTERM as a preemption notice ("SIGTERM caught at ...", tsl's
@@ -291,7 +295,8 @@ class AttemptRunner:
         for child in running:
             child.stopped = why
         signals_before = len(self.signals)
-        stop_groups([c.proc for c in running if c.proc is not None], self.plan.stop_grace,
+        stop_groups([c.proc for c in running if c.proc is not None],
+                    self.plan.stop_grace if grace is None else grace,
                     hurry=lambda: len(self.signals) != signals_before)
         for child in started:
             if child.returncode is None:
