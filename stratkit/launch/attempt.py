@@ -164,8 +164,7 @@ class AttemptRunner:
             child.log_path = os.path.join(plan.log_dir, child.task.log_name)
             child.log = open(child.log_path, "ab", buffering=0)  # noqa: SIM115 - open for the task's lifetime
         try:
-            child.proc = start_child(plan.command, env,
-                                     enter=self.network.enter if self.network is not None else None)
+            child.proc = self._start_process(env)
         except OSError as exc:
             raise ConfigError(f"could not start {child.task.name} with {plan.command[0]!r}: {exc}. Fix: check "
                               "the command after --") from None
@@ -174,10 +173,13 @@ class AttemptRunner:
         where = f" at {child.address}" if child.address else ""
         gpu = self.plan.gpu_assignments()[child.task.name]
         devices = f", {gpu.describe()}" if gpu.visible is not None else ""  # nothing said (or set) on a CPU host
+        forked = " (forked from the node's standby: TensorFlow already imported)" if getattr(
+            child.proc, "forked", False) else ""
         self.console.say(f"attempt {self.number + 1} of {total}: {child.task.name} started: pid {child.pid}{where}"
-                         f"{devices}")
+                         f"{devices}{forked}")
         self.console.event("start", attempt=self.number, task=child.task.name, pid=child.pid, address=child.address,
-                           **({"gpus": gpu.visible} if gpu.visible is not None else {}))
+                           **({"gpus": gpu.visible} if gpu.visible is not None else {}),
+                           **({"forked": True} if forked else {}))
         if child.log is not None:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             child.log.write(f"===== stratkit launch: {child.task.name}, attempt {self.number + 1} of {total}, "
@@ -188,6 +190,10 @@ class AttemptRunner:
         child.pump = OutputPump({"stdout": child.proc.stdout, "stderr": child.proc.stderr},
                                 lambda line: self.console.task_line(name, line, child.log),
                                 name=f"stratkit-{name}", keep=noise.keep).start()
+
+    def _start_process(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The task's process, a new one (`NodeAttemptRunner` forks it from its node's standby when it can)."""
+        return start_child(self.plan.command, env, enter=self.network.enter if self.network is not None else None)
 
     # -- watch ------------------------------------------------------------------------------------
     def _watch(self, children: list[TaskProcess], watch: _Watch) -> tuple[str, TaskProcess | None, bool]:

@@ -65,6 +65,7 @@ from stratkit.launch.nodeflags import (  # noqa: F401 - DEFAULT_*, parse_*: this
 from stratkit.launch.nodelink import NodeLink
 from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, RendezvousServer
 from stratkit.launch.results import Attempt, saved_and_exited
+from stratkit.launch.standby import STANDBY_VAR, TaskStandby, shared_env
 from stratkit.launch.supervisor import Supervisor
 from stratkit.process.reaper import Reaper
 from stratkit.process.report import TaskFailure, is_preempted, signal_name
@@ -76,6 +77,9 @@ from stratkit.strategy.server import RUN_DIR_VAR
 #: save there: the grace only lets a backup write already under way finish (a write is local once the replica
 #: check's collective passed; measured 0.3-1.3 s). The full --stop-grace would be waited out for nothing.
 VANISHED_GRACE = 2.0
+#: Longest wait for the standby's imports before this node joins anyway (its tasks then start as new processes
+#: until it is ready).
+STANDBY_WAIT = 120.0
 
 
 class _Remote:
@@ -98,6 +102,11 @@ class NodeAttemptRunner(AttemptRunner):
     link: NodeLink | None = None
     holds: Sequence[socket.socket] = ()
     reported: TaskFailure | None = None
+    standby: TaskStandby | None = None
+
+    def _start_process(self, env: dict[str, str]):  # type: ignore[no-untyped-def]
+        forked = self.standby.fork(env) if self.standby is not None else None
+        return forked if forked is not None else super()._start_process(env)
 
     def _place_tasks(self) -> list[TaskProcess]:
         assert self.link is not None
@@ -152,9 +161,13 @@ class NodeSupervisor(Supervisor):
         super().__init__(plan)
         self.settings = settings
         self.server: RendezvousServer | None = None
+        self.standby: TaskStandby | None = None
 
     def run(self):  # type: ignore[no-untyped-def]
         s = self.settings
+        # elastic: TensorFlow imported once, while this node connects, and every round's tasks forked from it
+        self.standby = TaskStandby.start(self.plan.command, shared_env(self.plan.env, self.plan.extra_env)) \
+            if s.elastic else None
         try:
             if s.elastic:  # the survivors stop their tasks (up to --stop-grace) before they rejoin
                 self.server = ElasticRendezvous(s.host, s.port, s.token, s.min_nodes, s.nnodes, s.workers_per_node,
@@ -172,6 +185,8 @@ class NodeSupervisor(Supervisor):
         finally:
             if self.server is not None:
                 self.server.close()
+            if self.standby is not None:
+                self.standby.close()
 
     def _open_network(self) -> PrivateNetwork | None:
         role = (f"serving the rendezvous on {self.settings.endpoint}" if self.server is not None
@@ -229,6 +244,7 @@ class NodeSupervisor(Supervisor):
         try:
             address = link.connect(number)
             holds = reserve_ports(address, s.slots)
+            self._await_standby()
             link.join([h.getsockname()[1] for h in holds])
             if isinstance(link.decision, TaskFailure):  # an elastic rendezvous ended below MIN before forming
                 self.console.event("attempt_end", attempt=number, outcome="failed", seconds=0.0, tasks=[])
@@ -245,7 +261,8 @@ class NodeSupervisor(Supervisor):
                 self._membership(link)
             self.console.say(f"node {link.node} of {len(link.hosts)} ({address}): "
                              f"{', '.join(t.name for t in tasks)}")
-            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
+            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds,
+                                       standby=self.standby)
             attempt = self._decided(runner.run(), runner, link)
             return attempt, link.restart and attempt.outcome != "succeeded"
         finally:
@@ -254,6 +271,23 @@ class NodeSupervisor(Supervisor):
             link.close()
             if link.run_dir:
                 shutil.rmtree(link.run_dir, ignore_errors=True)
+
+    def _await_standby(self) -> None:
+        """Before this node joins a round: its standby's imports done, so the round's tasks fork at once (an
+        arriving node keeps the running ones training meanwhile). A standby that failed is dropped, said once."""
+        standby = self.standby
+        if standby is None or standby.ready:
+            return
+        if standby.error is None:
+            self.console.say("importing TensorFlow in this node's standby before joining (every round's tasks are "
+                             f"forked from it; {STANDBY_VAR}=0 starts each task as a new process instead)")
+        if standby.wait_ready(STANDBY_WAIT):
+            self.console.event("standby", pid=standby.pid, import_seconds=standby.import_seconds)
+        elif standby.error is not None:
+            self.console.say(f"this node's standby cannot fork tasks: {standby.error}; starting each task as a new "
+                             "process")
+            standby.close()
+            self.standby = None
 
     def _membership(self, link: NodeLink) -> None:
         """Say (and record) the membership change that led to this round, on every node alike."""
