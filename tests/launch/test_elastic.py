@@ -314,6 +314,7 @@ def test_a_node_arriving_mid_epoch_is_admitted_at_a_step_boundary_and_no_step_is
     assert "root cause" not in first.stderr
     for node in (first, second):
         assert f"world size 1 -> 2: node h2 ({h2.address}) arrived" in node.stderr, node.stderr[-3000:]
+        assert "(forked from the node's standby: TensorFlow already imported)" in node.stderr, node.stderr[-3000:]
     for rank in (0, 1):
         _assert_equal(one_process, tmp_path / "result" / f"result-{rank}.json")
 
@@ -326,17 +327,55 @@ def test_a_node_lost_mid_epoch_costs_at_most_backup_every_steps_and_the_survivor
     with _two_hosts_training(tmp_path, "0", late=1, script=_step_script(tmp_path), fast=False) \
             as (h1, h2, first, second):
         _wait_for_step(tmp_path, STEPS_PER_EPOCH + 5, 2, first, 120)  # mid-epoch 2, both hosts
-        lost = time.monotonic()
+        lost, lost_at = time.monotonic(), time.time()
         h2.kill_all()  # the host dies: every process on it, at once
         code = first.finish(150)
         took = time.monotonic() - lost
         second.finish(10)
     assert code == 0, first.stderr[-4000:]
     again = _trained_again(tmp_path)
-    print(f"trained again: {again}; the survivor finished {took:.1f} s after the loss")
+    # Its old task waits on a peer that is gone: stopped after SETTLE (1 s) and the 2 s grace for a vanished peer,
+    # not the default --stop-grace of 10 s (on main: 11 s after the loss).
+    ended = min(e["time"] for e in _events(tmp_path / "log1") if e["event"] in ("stopped", "exit")
+                and e.get("task") == "worker:0" and e["time"] >= lost_at)
+    print(f"trained again: {again}; the old task ended {ended - lost_at:.1f} s and the survivor finished "
+          f"{took:.1f} s after the loss")
     assert again <= EVERY, _steps(tmp_path)
+    assert ended - lost_at < 7, ended - lost_at
     assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost" in first.stderr, first.stderr[-3000:]
     _assert_equal(one_process, tmp_path / "result" / "result-0.json")
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_a_host_whose_launcher_is_preempted_leaves_after_every_worker_saved_and_the_other_goes_on_from_there(
+        tmp_path, one_process):
+    """SIGTERM to host 2's launcher (its machine is being taken): every worker, host 1's too, stops at one step
+    boundary and saves; host 2 leaves with 75, and host 1 goes on alone from that step: nothing is trained again."""
+    with _two_hosts_training(tmp_path, "0", late=1, script=_step_script(tmp_path), fast=False) \
+            as (h1, h2, first, second):
+        _wait_for_step(tmp_path, STEPS_PER_EPOCH + 5, 2, first, 120)  # mid-epoch 2, both hosts
+        os.kill(_launcher_pid(h2), signal.SIGTERM)
+        codes = [first.finish(150), second.finish(60)]
+    assert codes == [0, 75], (first.stderr[-3000:], second.stderr[-3000:])
+    assert _trained_again(tmp_path) == 0, _steps(tmp_path)
+    assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost (its launcher was preempted by SIGTERM" \
+        in first.stderr, first.stderr[-3000:]
+    assert "root cause" not in first.stderr
+    _assert_equal(one_process, tmp_path / "result" / "result-0.json")
+
+
+def _launcher_pid(host) -> int:
+    """The pid of the `stratkit launch` process on `host`."""
+    for pid in host.pids():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"stratkit.cli" in command and b"launch" in command:
+            return pid
+    raise AssertionError(f"no launcher on {host.name}")
 
 
 SLEEP = "import time; print('up', flush=True); time.sleep(300)"
