@@ -24,6 +24,10 @@ h1's old tasks stopped, the new round formed, the new task started,
 TensorFlow imported, the strategy up (every worker connected), the backup
 loaded, the first step. A stratkit that writes fewer marks (`--baseline`, an
 older tree) gets what its output lines show: the line's arrival time here.
+From worker 0's step log, version-blind: how long training paused (its last
+step at the old size done -> its first at the new size done; for an arrival
+that is the running cluster's cost, while the total also holds the new
+host's own start-up) and how many steps the new world trained again.
 
 `--baseline DIR` measures another stratkit source tree too (e.g. main's:
 `git archive main | tar -x -C DIR`), alternating with this one round by round
@@ -141,6 +145,28 @@ def _wait_for_step(workdir: Path, replicas: int, launcher: _Launcher, timeout: f
     raise RuntimeError(f"no step {AT_STEP} at {replicas} replica(s) within {timeout} s:\n{launcher.text()[-3000:]}")
 
 
+def _steps(workdir: Path) -> list[tuple[int, int, float]]:
+    """(global step, replicas, time) of each step worker 0 trained (tests/launch/elastic_train.py --steps-log)."""
+    path = workdir / "steps.log"
+    words = [line.split() for line in (path.read_text().splitlines() if path.exists() else [])]
+    return [(int(w[1]), int(w[3]), float(w[7])) for w in words if len(w) >= 8 and w[0] == "STEP"]
+
+
+def _training(workdir: Path, old: int, new: int, timeout: float = 20.0) -> dict[str, float | int | None]:
+    """How long training paused (the last step at `old` replicas done -> the first at `new` done) and how many
+    steps the new world trained again, from worker 0's step log (waits for the new size's first step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(n == new for _, n, _ in _steps(workdir)):
+        time.sleep(0.05)
+    steps = _steps(workdir)
+    first_new = next((i for i, (_, n, _) in enumerate(steps) if n == new), None)
+    if first_new is None or first_new == 0 or steps[first_new - 1][1] != old:
+        return {"paused": None, "trained again": None}
+    before = {s for s, _, _ in steps[:first_new]}
+    again = sum(1 for s, _, _ in steps[first_new:] if s in before)
+    return {"paused": round(steps[first_new][2] - steps[first_new - 1][2], 3), "trained again": again}
+
+
 def _phases(first: _Launcher, since: float, step: float) -> dict[str, float | None]:
     """Each phase's time, seconds after `since`: h1's timeline mark, else its output line, else None."""
     marks = [m for m in _read_marks(first.timeline) if m["t"] >= since]
@@ -177,7 +203,8 @@ def loss_once(tree: Path, flags: list[str]) -> dict:
             killed = time.time()
             h2.kill_all()  # every process of h2 at once (tests/hosts.py, as the elastic tests kill a host)
             step = float(first.wait_for(r"FIRST_STEP (\d+\.\d+) replicas 1 ", 120).group(1))
-            return {"total": round(step - killed, 3), "phases": _phases(first, killed, step)}
+            return {"total": round(step - killed, 3), "phases": _phases(first, killed, step),
+                    **_training(workdir, 2, 1)}
         finally:
             first.stop()
             second.stop()
@@ -192,7 +219,8 @@ def arrival_once(tree: Path, flags: list[str]) -> dict:
             _wait_for_step(workdir, 1, first, 180)
             second = _Launcher(h2, tree, workdir, flags)
             step = float(first.wait_for(r"FIRST_STEP (\d+\.\d+) replicas 2 ", 120).group(1))
-            return {"total": round(step - second.started, 3), "phases": _phases(first, second.started, step)}
+            return {"total": round(step - second.started, 3), "phases": _phases(first, second.started, step),
+                    **_training(workdir, 1, 2)}
         finally:
             first.stop()
             if second is not None:
@@ -203,8 +231,9 @@ def _measure(version: str, tree: Path, event: str, flags: list[str]) -> dict:
     load = os.getloadavg()[0]
     sample = (loss_once if event == "loss" else arrival_once)(tree, flags)
     sample.update(version=version, event=event, load_before=round(load, 2), load_after=round(os.getloadavg()[0], 2))
-    print(f"{version:6} {event:8} {sample['total']:6.2f} s  (load {sample['load_before']:.1f} -> "
-          f"{sample['load_after']:.1f})  " + "  ".join(f"{k} {v}" for k, v in sample["phases"].items()), flush=True)
+    print(f"{version:6} {event:8} {sample['total']:6.2f} s  paused {sample['paused']} s, trained again "
+          f"{sample['trained again']}  (load {sample['load_before']:.1f} -> {sample['load_after']:.1f})  "
+          + "  ".join(f"{k} {v}" for k, v in sample["phases"].items()), flush=True)
     return sample
 
 
@@ -246,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
             values = [s["total"] for s in mine]
             rows.append({"version": version, "event": what, "median s": statistics.median(values),
                          "min s": min(values), "max s": max(values), "runs": len(values), "raw": values,
+                         "paused median s": _median([s["paused"] for s in mine]),
+                         "trained again": [s["trained again"] for s in mine],
                          "load": [s["load_before"] for s in mine]})
     for event in EVENTS:
         for name, _, _ in PHASES:

@@ -10,8 +10,8 @@ after each epoch, and writes OUT/result-<rank>.json with the final weights.
 
     --every K        Trainer.fit(backup_every=K): a backup every K global steps (default: after every epoch)
     --step-pause S   sleep S s before each step (an epoch then lasts long enough to change the membership mid-epoch)
-    --steps-log PATH worker 0 appends `STEP <global step> replicas <n> pid <pid>` to PATH after each step it
-                     trained: the steps a resumed world trains again are the global steps logged twice
+    --steps-log PATH worker 0 appends `STEP <global step> replicas <n> pid <pid> time <unix time>` to PATH
+                     after each step it trained: the steps a resumed world trains again are the ones logged twice
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Marks(keras.callbacks.Callback):
         if args.steps_log and rank == 0:  # `batch` goes on at the backup's step in a resumed epoch
             with open(args.steps_log, "a") as handle:
                 handle.write(f"STEP {self.epoch * STEPS + batch} replicas {trainer.num_replicas} "
-                             f"pid {os.getpid()}\n")
+                             f"pid {os.getpid()} time {time.time():.3f}\n")
 
     def on_epoch_end(self, epoch, logs=None):  # after the Trainer's backup of this epoch
         print(f"EPOCH {epoch + 1} replicas {trainer.num_replicas}", flush=True)
