@@ -35,6 +35,7 @@ import dataclasses
 import os
 import shutil
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -165,9 +166,6 @@ class NodeSupervisor(Supervisor):
 
     def run(self):  # type: ignore[no-untyped-def]
         s = self.settings
-        # elastic: TensorFlow imported once, while this node connects, and every round's tasks forked from it
-        self.standby = TaskStandby.start(self.plan.command, shared_env(self.plan.env, self.plan.extra_env)) \
-            if s.elastic else None
         try:
             if s.elastic:  # the survivors stop their tasks (up to --stop-grace) before they rejoin
                 self.server = ElasticRendezvous(s.host, s.port, s.token, s.min_nodes, s.nnodes, s.workers_per_node,
@@ -181,6 +179,9 @@ class NodeSupervisor(Supervisor):
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
+            # elastic: TensorFlow imported once, while this node connects, and every round's tasks forked from it
+            if s.elastic:
+                self.standby = TaskStandby.start(self.plan.command, shared_env(self.plan.env, self.plan.extra_env))
             return super().run()
         finally:
             if self.server is not None:
@@ -245,6 +246,8 @@ class NodeSupervisor(Supervisor):
             address = link.connect(number)
             holds = reserve_ports(address, s.slots)
             self._await_standby()
+            if self.signals:  # stopped while the standby imported: nothing started yet
+                return Attempt(number, "interrupted", (), 0.0), False
             link.join([h.getsockname()[1] for h in holds])
             if isinstance(link.decision, TaskFailure):  # an elastic rendezvous ended below MIN before forming
                 self.console.event("attempt_end", attempt=number, outcome="failed", seconds=0.0, tasks=[])
@@ -281,7 +284,11 @@ class NodeSupervisor(Supervisor):
         if standby.error is None:
             self.console.say("importing TensorFlow in this node's standby before joining (every round's tasks are "
                              f"forked from it; {STANDBY_VAR}=0 starts each task as a new process instead)")
-        if standby.wait_ready(STANDBY_WAIT):
+        deadline = time.monotonic() + STANDBY_WAIT
+        while not standby.wait_ready(0.2) and standby.error is None and not self.signals \
+                and time.monotonic() < deadline:
+            pass  # (in slices: a signal to the launcher is not kept waiting)
+        if standby.ready:
             self.console.event("standby", pid=standby.pid, import_seconds=standby.import_seconds)
         elif standby.error is not None:
             self.console.say(f"this node's standby cannot fork tasks: {standby.error}; starting each task as a new "

@@ -315,8 +315,8 @@ def test_a_node_arriving_mid_epoch_is_admitted_at_a_step_boundary_and_no_step_is
     for node in (first, second):
         assert f"world size 1 -> 2: node h2 ({h2.address}) arrived" in node.stderr, node.stderr[-3000:]
         assert "(forked from the node's standby: TensorFlow already imported)" in node.stderr, node.stderr[-3000:]
-    for rank in (0, 1):
-        _assert_equal(one_process, tmp_path / "result" / f"result-{rank}.json")
+    worst = [_assert_equal(one_process, tmp_path / "result" / f"result-{rank}.json") for rank in (0, 1)]
+    print(f"largest weight difference from one process: {max(worst):.1e}")
 
 
 @pytest.mark.slow
@@ -343,7 +343,8 @@ def test_a_node_lost_mid_epoch_costs_at_most_backup_every_steps_and_the_survivor
     assert again <= EVERY, _steps(tmp_path)
     assert ended - lost_at < 7, ended - lost_at
     assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost" in first.stderr, first.stderr[-3000:]
-    _assert_equal(one_process, tmp_path / "result" / "result-0.json")
+    print(f"largest weight difference from one process: "
+          f"{_assert_equal(one_process, tmp_path / 'result' / 'result-0.json'):.1e}")
 
 
 @pytest.mark.slow
@@ -363,7 +364,8 @@ def test_a_host_whose_launcher_is_preempted_leaves_after_every_worker_saved_and_
     assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost (its launcher was preempted by SIGTERM" \
         in first.stderr, first.stderr[-3000:]
     assert "root cause" not in first.stderr
-    _assert_equal(one_process, tmp_path / "result" / "result-0.json")
+    print(f"largest weight difference from one process: "
+          f"{_assert_equal(one_process, tmp_path / 'result' / 'result-0.json'):.1e}")
 
 
 def _launcher_pid(host) -> int:
