@@ -373,18 +373,24 @@ def plot_ps(data: dict, path: Path) -> Path:
 
 # -- elastic (written by bench_elastic.py) ------------------------------------------------------
 def plot_elastic(data: dict, path: Path) -> Path:
+    """Median seconds per event (dots: each run); with a baseline, its rows ("before") in grey above each."""
     plt = _pyplot()
-    rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    rows = [dict(r, label=f"before: {r['event']}") for r in data.get("before_rows") or []]
+    rows += [dict(r, label=(f"after: {r['event']}" if rows else r["event"])) for r in data["rows"]]
+    rows.sort(key=lambda r: (r["event"], not r["label"].startswith("before")))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.5 * len(rows)))
     for i, row in enumerate(rows):
-        ax.barh(i, row["median s"], 0.5, color=[BLUE, ORANGE][i % 2], alpha=0.7)
+        color = GREY if row["label"].startswith("before") else [BLUE, ORANGE][(i // (2 if len(rows) > 2 else 1)) % 2]
+        ax.barh(i, row["median s"], 0.5, color=color, alpha=0.7)
         ax.scatter(row["raw"], [i] * len(row["raw"]), color="black", s=12, zorder=3)
         ax.text(row["max s"] + 0.3, i, f"median {row['median s']:.1f} s", va="center", fontsize=8)
     ax.axvline(data["goal_seconds"], color="black", ls="--", lw=1, label=f"goal {data['goal_seconds']:g} s")
-    ax.set_yticks(range(len(rows)), [_wrap(r["event"], 30) for r in rows], fontsize=8)
+    ax.set_yticks(range(len(rows)), [_wrap(r["label"], 34) for r in rows], fontsize=7)
     ax.set_xlabel("seconds (dots: each run)")
-    ax.legend(fontsize=7, frameon=False, loc="lower right")
-    return _finish(plt, fig, data, f"Elastic launch on two test hosts ({' '.join(data['flags'][:4])})", path)
+    ax.set_xlim(0, max(max(r["max s"] for r in rows) + 6, data["goal_seconds"] + 2))
+    ax.legend(fontsize=7, frameon=False, loc="center right")
+    flags = " ".join(data["flags"][:4]) if "--stop-grace" in data["flags"] else "default flags"
+    return _finish(plt, fig, data, f"Elastic launch on two test hosts ({flags})", path)
 
 
 # -- ray (written by bench_ray.py) --------------------------------------------------------------

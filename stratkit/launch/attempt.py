@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from stratkit import tf_logging
+from stratkit import tf_logging, timeline
 from stratkit.cluster.layout import build_cluster, format_address
 from stratkit.errors import ConfigError
 from stratkit.launch.console import Console
@@ -164,19 +164,22 @@ class AttemptRunner:
             child.log_path = os.path.join(plan.log_dir, child.task.log_name)
             child.log = open(child.log_path, "ab", buffering=0)  # noqa: SIM115 - open for the task's lifetime
         try:
-            child.proc = start_child(plan.command, env,
-                                     enter=self.network.enter if self.network is not None else None)
+            child.proc = self._start_process(env)
         except OSError as exc:
             raise ConfigError(f"could not start {child.task.name} with {plan.command[0]!r}: {exc}. Fix: check "
                               "the command after --") from None
         self.reaper.add(child.pid)
+        timeline.mark("task started")
         where = f" at {child.address}" if child.address else ""
         gpu = self.plan.gpu_assignments()[child.task.name]
         devices = f", {gpu.describe()}" if gpu.visible is not None else ""  # nothing said (or set) on a CPU host
+        forked = " (forked from the node's standby: TensorFlow already imported)" if getattr(
+            child.proc, "forked", False) else ""
         self.console.say(f"attempt {self.number + 1} of {total}: {child.task.name} started: pid {child.pid}{where}"
-                         f"{devices}")
+                         f"{devices}{forked}")
         self.console.event("start", attempt=self.number, task=child.task.name, pid=child.pid, address=child.address,
-                           **({"gpus": gpu.visible} if gpu.visible is not None else {}))
+                           **({"gpus": gpu.visible} if gpu.visible is not None else {}),
+                           **({"forked": True} if forked else {}))
         if child.log is not None:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             child.log.write(f"===== stratkit launch: {child.task.name}, attempt {self.number + 1} of {total}, "
@@ -187,6 +190,10 @@ class AttemptRunner:
         child.pump = OutputPump({"stdout": child.proc.stdout, "stderr": child.proc.stderr},
                                 lambda line: self.console.task_line(name, line, child.log),
                                 name=f"stratkit-{name}", keep=noise.keep).start()
+
+    def _start_process(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The task's process, a new one (`NodeAttemptRunner` forks it from its node's standby when it can)."""
+        return start_child(self.plan.command, env, enter=self.network.enter if self.network is not None else None)
 
     # -- watch ------------------------------------------------------------------------------------
     def _watch(self, children: list[TaskProcess], watch: _Watch) -> tuple[str, TaskProcess | None, bool]:
@@ -251,7 +258,7 @@ class AttemptRunner:
             return "timed_out", culprit, chief_done
         return None  # (5. a signal to the launcher is checked first, in `_watch`)
 
-    def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, int]:
+    def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, bool, int]:
         """Order failures seen within `SETTLE` s of the first one: the smallest is the root cause.
 
         A death by signal (OOM kill, segfault) beats an exit code: a crash is a
@@ -259,12 +266,14 @@ class AttemptRunner:
         worker's collective aborting). In a parameter-server cluster the chief
         beats the servers, which exit 1 as soon as the chief reports its own
         failure -- possibly before the chief's process has finished exiting.
+        A preemption (exit 75, the task saved its backup) ranks after any
+        other failure: it is not counted, a failure beside it is.
         Then: the first observed.
         """
         code = child.returncode or 0
         crashed = code < 0 or 128 < code < 160
         ps_chief = child.task.role == "chief" and any(t.role == "ps" for t in self.plan.tasks)
-        return not crashed, not ps_chief, child.failed_order
+        return not crashed, is_preempted(code), not ps_chief, child.failed_order
 
     def _release_listening(self, children: list[TaskProcess]) -> None:
         """Close each held port whose task's server now listens on it."""
@@ -278,8 +287,9 @@ class AttemptRunner:
                                        reason="listening")
 
     # -- stop -------------------------------------------------------------------------------------
-    def _stop(self, children: list[TaskProcess], why: str) -> None:
-        """SIGTERM every running task's group; SIGKILL what is left after --stop-grace (or a second signal).
+    def _stop(self, children: list[TaskProcess], why: str, grace: float | None = None) -> None:
+        """SIGTERM every running task's group; SIGKILL what is left after --stop-grace (or `grace` s, or a
+        second signal).
 
         Note that in MultiWorkerMirrored tasks TensorFlow's coordination agent
         catches SIGTERM as a preemption notice ("SIGTERM caught at ...", tsl's
@@ -291,7 +301,8 @@ class AttemptRunner:
         for child in running:
             child.stopped = why
         signals_before = len(self.signals)
-        stop_groups([c.proc for c in running if c.proc is not None], self.plan.stop_grace,
+        stop_groups([c.proc for c in running if c.proc is not None],
+                    self.plan.stop_grace if grace is None else grace,
                     hurry=lambda: len(self.signals) != signals_before)
         for child in started:
             if child.returncode is None:

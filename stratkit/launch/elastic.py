@@ -10,7 +10,8 @@ When a round forms (`ElasticRendezvous._check_open`, every `TICK` s):
     * at once when MAX nodes joined;
     * else when MIN nodes joined, every node that survived the previous round
       rejoined (or `rejoin_grace` s passed: the survivors stop their tasks first,
-      up to --stop-grace), and `last_call` s (--rdzv-last-call) passed since then;
+      up to --stop-grace), and `last_call` s (--rdzv-last-call) passed since the
+      change that ended the previous round (the first round: since MIN joined);
     * below MIN once `rejoin_grace` + `last_call` s passed after a change: every
       waiting node gets END with a failure naming the missing nodes (exit 1).
 
@@ -22,14 +23,22 @@ While a round runs:
       from again) before it is weighed, so a failure caused by a lost host is
       not counted as a failure. A node not back within the next round's last
       call is lost for good: the world shrinks (or ends below MIN).
+    * a node whose launcher was preempted (SIGTERM or --preemption-signal:
+      its tasks, and with them every worker, saved at one step and exited 75)
+      reports so and leaves: a membership change like a loss, and the next
+      round resumes at that step.
     * a node arriving with another GPU count than the running nodes is refused
       (they go on); else a node arriving (fewer than MAX running) ends the
-      round at once as a membership change (the tasks resume from the last backup: at most one
-      epoch is trained again); it is in the next round. With MAX running it is
-      refused; once worker 0 finished training it is refused too.
+      round as a membership change after `SETTLE` s; it is in the next round.
+      Every node stops its tasks with SIGTERM, their preemption notice: they
+      save at the next step boundary and exit 75, and the next round resumes
+      there (nothing is trained again; at most backup_every steps when a save
+      does not finish within --stop-grace). With MAX running it is refused;
+      once worker 0 finished training it is refused too.
     * a task failure is decided as with `--nnodes N`; it restarts the cluster
-      while --max-restarts allows. Membership changes do not count against
-      --max-restarts (torchrun counts both).
+      while --max-restarts allows; a preemption (exit 75) restarts it without
+      counting. Membership changes do not count against --max-restarts
+      (torchrun counts both).
 
 If the serving node itself is lost, the run cannot go on (the rendezvous is
 gone): the other nodes end non-zero, as with torchrun's c10d backend.
@@ -55,7 +64,8 @@ from stratkit.launch.rendezvous import (
     failure_to_json,
     message,
 )
-from stratkit.process.report import TaskFailure
+from stratkit import timeline
+from stratkit.process.report import TaskFailure, is_preempted
 
 #: How often the open round is checked (last call, rejoin grace, below MIN).
 TICK = 0.2
@@ -77,13 +87,18 @@ def key(node: _Node) -> str:
 
 @dataclass(frozen=True)
 class Change:
-    """One membership change: `kind` "lost" or "arrived", the node, and why (lost)."""
+    """One membership change: `kind` "lost" or "arrived", the node, and why (lost).
+
+    `saved`: a node that left after its tasks saved at one step (its launcher was preempted), not one that
+    vanished: the others' tasks then reach that step boundary too, instead of waiting on a peer that is gone.
+    """
 
     kind: str
     node: str  # who()
     key: str = ""  # key()
     rank: int | None = None
     why: str = ""
+    saved: bool = False
 
     def __str__(self) -> str:
         rank = "" if self.rank is None else f"{self.rank} "
@@ -101,6 +116,7 @@ class _Membership:
     enough_since: float | None = None  # when MIN nodes (and every survivor) were first in
     during: list[Change] = field(default_factory=list)  # changes while this round ran
     chief_done: bool = False  # node 0's tasks finished (training is over)
+    restart: str = "a failure restart"  # why the previous round restarted, when no membership changed
 
 
 class ElasticRendezvous(RendezvousServer):
@@ -158,6 +174,7 @@ class ElasticRendezvous(RendezvousServer):
                     node.send(f"REFUSED {refuse}\n".encode())
                     return
         if running is not None:  # admitted: the running round ends now; every node starts again, larger
+            timeline.mark("rdzv: node arrived")
             threading.Timer(SETTLE, self._settle, args=(running,)).start()
         self._check_open()
 
@@ -182,7 +199,9 @@ class ElasticRendezvous(RendezvousServer):
                 form = True
             elif serving and joined >= self.min_nodes and back:
                 info.enough_since = info.enough_since or now
-                form = now >= info.enough_since + self.last_call
+                # After a change, the last call runs from the change, while the survivors stop their tasks and
+                # rejoin (it still gives a replacement that long to join); at the start, from MIN nodes in.
+                form = now >= (info.opened if info.previous else info.enough_since) + self.last_call
             else:
                 info.enough_since = None
                 if info.previous and now >= info.opened + self.rejoin_grace + self.last_call:
@@ -201,7 +220,7 @@ class ElasticRendezvous(RendezvousServer):
             back = self._returned(round_, info)
             why = [f"{c} and back" if c in back else str(c) for c in info.changes]
             change = (f"world size {info.previous * self.workers_per_node} -> "
-                      f"{len(round_.nodes) * self.workers_per_node}: {'; '.join(why) or 'a failure restart'}")
+                      f"{len(round_.nodes) * self.workers_per_node}: {'; '.join(why) or info.restart}")
         return {"change": change, "min": self.min_nodes, "max": self.nnodes}
 
     def _returned(self, round_: _Round, info: _Membership) -> list[Change]:
@@ -237,6 +256,7 @@ class ElasticRendezvous(RendezvousServer):
             info = self._member(round_.number)
             info.during.append(Change("lost", who(node), key(node), node.rank, why))
             first = sum(c.kind == "lost" for c in info.during) == 1
+        timeline.mark("rdzv: node lost")
         if first:  # other losses within SETTLE s are the same change
             threading.Timer(SETTLE, self._settle, args=(round_,)).start()
 
@@ -244,6 +264,14 @@ class ElasticRendezvous(RendezvousServer):
         if rank == 0 and failure is None:
             with self._lock:
                 self._member(round_.number).chief_done = True
+        if rank != 0 and final and failure is not None and is_preempted(failure.returncode):
+            # A node whose launcher was preempted leaves, after every task saved at one step: the others go on
+            # without it from that step (node 0 cannot leave: the rendezvous goes with it).
+            with self._lock:
+                node = next((n for n in round_.nodes if n.rank == rank), None)
+                if node is not None and self._still_running(round_, node):
+                    self._member(round_.number).during.append(Change("lost", who(node), key(node), rank,
+                                                                     failure.reason, saved=True))
         super()._finished(round_, rank, failure, final)
 
     def _settle(self, round_: _Round) -> None:
@@ -263,11 +291,16 @@ class ElasticRendezvous(RendezvousServer):
             return
         info = self._member(round_.number)
         if info.during and not info.chief_done:
-            round_.decision = {"failure": None, "restart": True, "resize": "; ".join(map(str, info.during))}
+            # "vanished": a peer of the running tasks is gone without a save; they cannot reach a step boundary
+            vanished = any(c.kind == "lost" and not c.saved for c in info.during)
+            round_.decision = {"failure": None, "restart": True, "resize": "; ".join(map(str, info.during)),
+                               "vanished": vanished}
         else:
             failure = min(round_.failures, key=_rank)[1] if round_.failures else None
-            restart = failure is not None and not round_.final and self.failure_restarts < self.max_restarts
-            self.failure_restarts += restart
+            preempted = failure is not None and is_preempted(failure.returncode)  # (not counted)
+            restart = failure is not None and not round_.final and (preempted or
+                                                                   self.failure_restarts < self.max_restarts)
+            self.failure_restarts += restart and not preempted
             round_.decision = {"failure": None if failure is None else failure_to_json(failure), "restart": restart,
                                "resize": None}
         end = message("END", round_.decision)
@@ -279,5 +312,7 @@ class ElasticRendezvous(RendezvousServer):
             lost = Counter(c.key for c in info.during if c.kind == "lost")
             nxt = self._member(self._open)
             nxt.opened, nxt.previous, nxt.changes = time.monotonic(), len(round_.nodes), list(info.during)
+            if round_.decision["failure"] is not None and is_preempted(round_.decision["failure"].get("returncode")):
+                nxt.restart = "a restart after a preemption (every task saved at one step; not counted)"
             nxt.survivors = list((Counter(key(n) for n in round_.nodes) - lost).elements())
 

@@ -20,6 +20,11 @@ The tasks run on the machine's network (they must reach the other hosts), so
 the private network is off, and the launcher says once what that exposes.
 With `--max-restarts R` every node joins the next round after a task failed
 (each node's own attempt counter; the rendezvous decides for all of them).
+A preemption is not counted (as locally, `stratkit.launch.supervisor`): tasks
+that saved at one step and exited 75 restart every node; a node whose own
+launcher got the preemption signal reports it once its tasks saved, and
+every node then ends with 75 (elastic: that node leaves, the others resume at
+that step).
 
 Imports no TensorFlow.
 """
@@ -30,13 +35,14 @@ import dataclasses
 import os
 import shutil
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from stratkit import timeline
 from stratkit.cluster import layout
 from stratkit.cluster.environments.tf_config import ELASTIC_VAR
-from stratkit.errors import ConfigError
 from stratkit.launch.attempt import AttemptRunner, TaskProcess, _Watch
 from stratkit.launch.elastic import ElasticRendezvous
 from stratkit.launch.isolation import PrivateNetwork
@@ -49,70 +55,32 @@ from stratkit.launch.plan import (
     resolve_workers,
     thread_env,
 )
+from stratkit.launch.nodeflags import (  # noqa: F401 - DEFAULT_*, parse_*: this module's API too
+    DEFAULT_LAST_CALL,
+    DEFAULT_RDZV_TIMEOUT,
+    NodeSettings,
+    node_settings,
+    parse_endpoint,
+    parse_nnodes,
+)
 from stratkit.launch.nodelink import NodeLink
-from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, TOKEN_VAR, RendezvousServer, check_token
-from stratkit.launch.results import Attempt
+from stratkit.launch.rendezvous import LOST_AFTER, SETTLE, RendezvousServer
+from stratkit.launch.results import Attempt, saved_and_exited
+from stratkit.launch.standby import STANDBY_VAR, TaskStandby, shared_env
 from stratkit.launch.supervisor import Supervisor
 from stratkit.process.reaper import Reaper
-from stratkit.process.report import TaskFailure, signal_name
+from stratkit.process.report import TaskFailure, is_preempted, signal_name
+from stratkit.status import EXIT_PREEMPTED
 from stratkit.strategy.server import RUN_DIR_VAR
 
-DEFAULT_RDZV_TIMEOUT = 300.0
-#: --rdzv-last-call: seconds an elastic rendezvous waits for more nodes once MIN are in.
-DEFAULT_LAST_CALL = 3.0
-
-
-@dataclass(frozen=True)
-class NodeSettings:
-    """The multi-node flags, checked."""
-
-    nnodes: int
-    host: str
-    port: int
-    workers_per_node: int
-    join_timeout: float
-    token: bytes
-    chief: bool = False
-    ps: int = 0
-    min_nodes: int = 0  # --nnodes MIN:MAX's MIN (nnodes is MAX); 0: a fixed --nnodes N
-    last_call: float = DEFAULT_LAST_CALL
-
-    @property
-    def elastic(self) -> bool:
-        return 0 < self.min_nodes < self.nnodes
-
-    @property
-    def slots(self) -> int:
-        """Ports each node holds: as many tasks as the busiest node runs (`layout.node_tasks`)."""
-        return max(len(tasks) for tasks in layout.node_tasks(self.nnodes, self.workers_per_node, self.chief, self.ps))
-
-    @property
-    def endpoint(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def parse_nnodes(value: int | str) -> tuple[int, int]:
-    """--nnodes N or MIN:MAX as (MIN, MAX); a ConfigError naming the flag otherwise."""
-    text = str(value).strip()
-    low, sep, high = text.partition(":")
-    fix = "Fix: the number of machines, e.g. --nnodes 2, or a range --nnodes 1:4 (elastic: MIN <= MAX)"
-    if isinstance(value, bool) or not low.isdigit() or (sep and not high.isdigit()):
-        raise ConfigError(f"--nnodes must be a whole number >= 1 or MIN:MAX, got {text or value!r}. {fix}")
-    nmin, nmax = int(low), int(high) if sep else int(low)
-    if nmin < 1 or nmax < nmin:
-        raise ConfigError(f"--nnodes must be a whole number >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {text}. {fix}")
-    return nmin, nmax
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """HOST:PORT (or [IPv6]:PORT) of --rdzv-endpoint; a ConfigError naming the flag otherwise."""
-    host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT. Fix: the address of the node that serves "
-                          "the rendezvous and a free port, the same on every node, e.g. --rdzv-endpoint "
-                          "10.0.0.1:29400")
-    return host, int(port)
+#: After a node vanished, seconds this node's tasks get between SIGTERM and SIGKILL (at most --stop-grace).
+#: Their peer is gone, so they cannot reach the next step boundary (its agreement is a collective) and cannot
+#: save there: the grace only lets a backup write already under way finish (a write is local once the replica
+#: check's collective passed; measured 0.3-1.3 s). The full --stop-grace would be waited out for nothing.
+VANISHED_GRACE = 2.0
+#: Longest wait for the standby's imports before this node joins anyway (its tasks then start as new processes
+#: until it is ready).
+STANDBY_WAIT = 120.0
 
 
 class _Remote:
@@ -135,6 +103,11 @@ class NodeAttemptRunner(AttemptRunner):
     link: NodeLink | None = None
     holds: Sequence[socket.socket] = ()
     reported: TaskFailure | None = None
+    standby: TaskStandby | None = None
+
+    def _start_process(self, env: dict[str, str]):  # type: ignore[no-untyped-def]
+        forked = self.standby.fork(env) if self.standby is not None else None
+        return forked if forked is not None else super()._start_process(env)
 
     def _place_tasks(self) -> list[TaskProcess]:
         assert self.link is not None
@@ -150,14 +123,19 @@ class NodeAttemptRunner(AttemptRunner):
         verdict = super()._verdict(running, watch, now)
         if verdict is not None:
             outcome, culprit, _ = verdict
-            if outcome in ("failed", "timed_out") and culprit is not None and self.reported is None:
+            if outcome in ("failed", "timed_out", "preempted") and culprit is not None and self.reported is None:
                 failure = culprit.failure(self.number, self.plan.timeout if outcome == "timed_out" else None)
                 self.reported = self.named(failure)
-                # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished)
+                # now, before the stop grace: the other nodes stop at once (final: worker 0 had finished);
+                # a preemption (75) too: the rendezvous restarts every node without counting it
                 self.link.report(self.reported, final=verdict[2])
             return verdict
         if self.link.resize:  # the membership changed: stop this round's tasks; every node joins the next one
-            self._stop(running, "resize")
+            # SIGTERM is their preemption notice: they save at the next step boundary and exit 75, and the next
+            # round resumes there (after a node vanished they cannot: see VANISHED_GRACE)
+            self._stop(running, "resize", grace=min(VANISHED_GRACE, self.plan.stop_grace) if self.link.vanished
+                       else None)
+            timeline.mark("tasks stopped")
             return "resized", None, False
         if self.link.decision is False:  # node 0's worker 0 finished and the rest had --exit-grace: stop, a success
             names = ", ".join(c.task.name for c in running)
@@ -184,6 +162,7 @@ class NodeSupervisor(Supervisor):
         super().__init__(plan)
         self.settings = settings
         self.server: RendezvousServer | None = None
+        self.standby: TaskStandby | None = None
 
     def run(self):  # type: ignore[no-untyped-def]
         s = self.settings
@@ -200,10 +179,15 @@ class NodeSupervisor(Supervisor):
         except OSError:
             self.server = None  # the endpoint is another machine's address (or another launcher's here): join it
         try:
+            # elastic: TensorFlow imported once, while this node connects, and every round's tasks forked from it
+            if s.elastic:
+                self.standby = TaskStandby.start(self.plan.command, shared_env(self.plan.env, self.plan.extra_env))
             return super().run()
         finally:
             if self.server is not None:
                 self.server.close()
+            if self.standby is not None:
+                self.standby.close()
 
     def _open_network(self) -> PrivateNetwork | None:
         role = (f"serving the rendezvous on {self.settings.endpoint}" if self.server is not None
@@ -221,9 +205,8 @@ class NodeSupervisor(Supervisor):
     def _attempts(self, reaper: Reaper) -> list[Attempt]:
         """Join the round of each attempt, run this node's tasks, follow the decision (restart or end)."""
         attempts: list[Attempt] = []
-        total = self.plan.attempts
         number = 0
-        while number < total or self.settings.elastic:
+        while number < self.plan.attempts or self.settings.elastic:
             if self.signals:
                 break
             attempt, restart = self._attempt(number, reaper)
@@ -235,12 +218,20 @@ class NodeSupervisor(Supervisor):
                 continue
             failure = attempt.failure
             assert failure is not None
-            restarts = sum(a.outcome != "resized" for a in attempts)
-            of = "" if self.settings.elastic else f" of {total}"
+            if attempt.outcome == "preempted":  # every task saved at one step: not counted either
+                if not self.settings.elastic:  # one more round (the rendezvous allows it too)
+                    self.plan = dataclasses.replace(self.plan, max_restarts=self.plan.max_restarts + 1)
+                self.console.say(f"attempt {len(attempts)} was preempted: {failure.task} {failure.reason}")
+                self.console.say("restarting the whole cluster on every node (a preemption is not counted against "
+                                 "--max-restarts); it resumes at the step its preemption backup holds")
+                self.console.event("preempted", attempt=attempt.number, task=failure.task)
+                continue
+            restarts = sum(a.outcome not in ("resized", "preempted") for a in attempts)
+            of = "" if self.settings.elastic else f" of {self.plan.attempts}"
             self.console.say(f"attempt {len(attempts)}{of} failed: {failure.task} {failure.reason}")
             self.console.say(f"restarting the whole cluster on every node (restart {restarts} of "
                              f"{self.plan.max_restarts}); a script using Trainer.fit(backup_dir=...) on storage "
-                             "every node shares resumes at the epoch reached")
+                             "every node shares resumes at its newest backup (epoch, or step with backup_every)")
         if self.settings.elastic:  # the final "attempt N of M" counts the rounds this node ran
             self.plan = dataclasses.replace(self.plan, max_restarts=max(self.plan.max_restarts, len(attempts) - 1))
         return attempts
@@ -254,6 +245,9 @@ class NodeSupervisor(Supervisor):
         try:
             address = link.connect(number)
             holds = reserve_ports(address, s.slots)
+            self._await_standby()
+            if self.signals:  # stopped while the standby imported: nothing started yet
+                return Attempt(number, "interrupted", (), 0.0), False
             link.join([h.getsockname()[1] for h in holds])
             if isinstance(link.decision, TaskFailure):  # an elastic rendezvous ended below MIN before forming
                 self.console.event("attempt_end", attempt=number, outcome="failed", seconds=0.0, tasks=[])
@@ -270,7 +264,8 @@ class NodeSupervisor(Supervisor):
                 self._membership(link)
             self.console.say(f"node {link.node} of {len(link.hosts)} ({address}): "
                              f"{', '.join(t.name for t in tasks)}")
-            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds)
+            runner = NodeAttemptRunner(plan, number, self.console, reaper, None, self.signals, link=link, holds=holds,
+                                       standby=self.standby)
             attempt = self._decided(runner.run(), runner, link)
             return attempt, link.restart and attempt.outcome != "succeeded"
         finally:
@@ -279,6 +274,27 @@ class NodeSupervisor(Supervisor):
             link.close()
             if link.run_dir:
                 shutil.rmtree(link.run_dir, ignore_errors=True)
+
+    def _await_standby(self) -> None:
+        """Before this node joins a round: its standby's imports done, so the round's tasks fork at once (an
+        arriving node keeps the running ones training meanwhile). A standby that failed is dropped, said once."""
+        standby = self.standby
+        if standby is None or standby.ready:
+            return
+        if standby.error is None:
+            self.console.say("importing TensorFlow in this node's standby before joining (every round's tasks are "
+                             f"forked from it; {STANDBY_VAR}=0 starts each task as a new process instead)")
+        deadline = time.monotonic() + STANDBY_WAIT
+        while not standby.wait_ready(0.2) and standby.error is None and not self.signals \
+                and time.monotonic() < deadline:
+            pass  # (in slices: a signal to the launcher is not kept waiting)
+        if standby.ready:
+            self.console.event("standby", pid=standby.pid, import_seconds=standby.import_seconds)
+        elif standby.error is not None:
+            self.console.say(f"this node's standby cannot fork tasks: {standby.error}; starting each task as a new "
+                             "process")
+            standby.close()
+            self.standby = None
 
     def _membership(self, link: NodeLink) -> None:
         """Say (and record) the membership change that led to this round, on every node alike."""
@@ -300,8 +316,18 @@ class NodeSupervisor(Supervisor):
             return self._resized(attempt, link)
         if attempt.outcome == "interrupted":
             signum = self.signals[0] if self.signals else 0
-            link.report(TaskFailure(f"node {link.node} ({link.address})", None,
-                                    ended=f"its launcher was stopped by {signal_name(signum)}"), final=True)
+            node = f"node {link.node} ({link.address})"
+            if signum in self.plan.preemption_signals and saved_and_exited(attempt):
+                # The machine is being taken: every worker saved at one step. Elastic: this node leaves and the
+                # others go on from that step; else every node ends with 75 and the job's restart resumes there.
+                link.report(TaskFailure(node, EXIT_PREEMPTED, ended=f"its launcher was preempted by "
+                                        f"{signal_name(signum)}: every task saved at one step and exited "
+                                        f"{EXIT_PREEMPTED}"), final=True)
+                if self.server is not None:  # the decision must reach the others before this rendezvous closes
+                    link.wait(SETTLE + 2.0)
+            else:
+                link.report(TaskFailure(node, None, ended=f"its launcher was stopped by {signal_name(signum)}"),
+                            final=True)
             return attempt
         if runner.reported is None and link.decision is None and not link.lost:
             link.report(None, final=attempt.after_success)  # this node's tasks succeeded
@@ -320,36 +346,11 @@ class NodeSupervisor(Supervisor):
             link.lost_failure() if link.lost else (runner.reported or attempt.failure))
         if failure is None:  # no decision (e.g. stopped while waiting): as this node saw it
             return attempt
-        outcome = "timed_out" if failure.timed_out_after is not None else "failed"
+        outcome = ("timed_out" if failure.timed_out_after is not None else
+                   "preempted" if is_preempted(failure.returncode) else "failed")
         # This node's own root cause is the report's head, not one of its "other tasks".
         others = tuple(t for t in attempt.tasks if not (t.pid == failure.pid and failure.task.startswith(t.task + " ")))
         return dataclasses.replace(attempt, outcome=outcome, failure=failure, tasks=others)
-
-
-def node_settings(nnodes: int | str, endpoint: str | None, workers_per_node: int, join_timeout: float,
-                  environ: Mapping[str, str], chief: bool = False, ps: int = 0,
-                  last_call: float = DEFAULT_LAST_CALL) -> NodeSettings:
-    """The multi-node flags checked, with the token from STRATKIT_RDZV_TOKEN (ConfigErrors name the flag)."""
-    min_nodes, nnodes = parse_nnodes(nnodes)
-    if not (isinstance(last_call, (int, float)) and not isinstance(last_call, bool) and 0 <= last_call < 3600):
-        raise ConfigError(f"--rdzv-last-call must be seconds in 0..3600, got {last_call!r}. Fix: e.g. "
-                          f"--rdzv-last-call {DEFAULT_LAST_CALL:g}")
-    if min_nodes < nnodes and (chief or ps):
-        raise ConfigError(f"--nnodes {min_nodes}:{nnodes} with --chief/--ps: a parameter-server layout does not "
-                          "change size between rounds. Fix: a fixed --nnodes N with --chief --ps, or drop --chief/--ps "
-                          "(workers only) to be elastic")
-    if not endpoint:
-        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of the node that serves "
-                          "the rendezvous. Fix: e.g. --rdzv-endpoint 10.0.0.1:29400 on every node")
-    if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) or workers_per_node < 1:
-        raise ConfigError(f"--workers-per-node must be a whole number >= 1, got {workers_per_node!r}. Fix: e.g. "
-                          "--workers-per-node 1 (the default)")
-    if not join_timeout > 0:
-        raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {join_timeout!r}. Fix: e.g. --rdzv-timeout "
-                          f"{DEFAULT_RDZV_TIMEOUT:g}")
-    host, port = parse_endpoint(endpoint)
-    return NodeSettings(nnodes, host, port, workers_per_node, float(join_timeout), check_token(environ.get(TOKEN_VAR)),
-                        bool(chief), int(ps), min_nodes=min_nodes, last_call=float(last_call))
 
 
 def launch_node(command: Sequence[str], *, nnodes: int | str, rdzv_endpoint: str | None,

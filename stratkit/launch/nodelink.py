@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from stratkit import timeline
 from stratkit.cluster import layout
 from stratkit.errors import ConfigError
 from stratkit.launch.rendezvous import (
@@ -69,6 +70,8 @@ class NodeLink:
         self.round = 0
         self.change: str | None = None
         self.resize: str | None = None
+        #: The change includes a node that vanished (lost without saving): the tasks wait on a peer that is gone.
+        self.vanished = False
         #: This launcher's identity for the rendezvous (the same in each of its rounds).
         self.uid = f"{socket.gethostname()[:32]}-{os.getpid()}"
         self._send_lock = threading.Lock()
@@ -143,6 +146,7 @@ class NodeLink:
                     self.tasks = [layout.Task(str(role), int(index)) for role, index in data["tasks"]]
                     self.run_dir = str(data["run_dir"])
                     self.round, self.change = int(data.get("round") or 0), data.get("change")
+                    timeline.mark("rdzv: round formed")
                     break
                 if kind == "END":  # an elastic rendezvous ended below MIN before this round formed
                     self._decide(data)
@@ -183,10 +187,12 @@ class NodeLink:
         self._decided.set()
 
     def _decide(self, data: Any) -> None:
+        timeline.mark("rdzv: round ended")
         failure = data.get("failure")
         self.decision = False if failure is None else failure_from_json(failure)
         self.restart = bool(data.get("restart"))
         self.resize = data.get("resize") or None
+        self.vanished = bool(data.get("vanished"))
         self._decided.set()
 
     def lost_failure(self) -> TaskFailure:

@@ -33,13 +33,16 @@ ports as the busiest node needs; a node whose layout flags (--workers-per-node,
 A node is lost when its connection closes (its launcher died: at once) or it
 is silent for `LOST_AFTER` s (its host is gone); that is a failure of the run.
 The decision: the first failure reported, or a crash reported within `SETTLE`
-s of it (the launcher's root-cause rule); every node then stops its tasks and
+s of it (the launcher's root-cause rule; a preemption, exit 75, ranks after
+any other failure); every node then stops its tasks and
 ends with that failure's exit status; once node 0 (worker 0) finished, the
 others get its --exit-grace, then every node stops what still runs, as a
 success (as locally). Or, with --max-restarts, every node
 joins the next round (the attempt number is the HELLO's number) and starts
-its tasks again on new ports. No restart after a node was lost, after worker 0
-finished training, or after a node was interrupted (the node says "final").
+its tasks again on new ports. A preemption (the tasks saved at one step and
+exited 75) restarts every node too, without counting against --max-restarts.
+No restart after a node was lost, after worker 0 finished training, or after
+a node was interrupted or its launcher preempted (the node says "final").
 
 Imports no TensorFlow.
 """
@@ -59,7 +62,7 @@ from typing import Any
 from stratkit.cluster import layout
 from stratkit.errors import ConfigError
 from stratkit.process import listener
-from stratkit.process.report import TaskFailure
+from stratkit.process.report import TaskFailure, is_preempted
 
 TOKEN_VAR = "STRATKIT_RDZV_TOKEN"
 #: Seconds between heartbeats, both ways.
@@ -111,11 +114,12 @@ def failure_from_json(data: Any) -> TaskFailure:
     return TaskFailure(**values)
 
 
-def _rank(item: tuple[int, TaskFailure]) -> tuple[bool, int]:
-    """A crash (a death by signal) beats an exit code; then the first reported (as `AttemptRunner.root_cause_rank`)."""
+def _rank(item: tuple[int, TaskFailure]) -> tuple[bool, bool, int]:
+    """A crash (a death by signal) beats an exit code, any failure beats a preemption (exit 75: every task
+    saved at one step and left); then the first reported (as `AttemptRunner.root_cause_rank`)."""
     order, failure = item
     code = failure.returncode or 0
-    return not (code < 0 or 128 < code < 160), order
+    return not (code < 0 or 128 < code < 160), is_preempted(code), order
 
 
 def gpu_mismatch(nodes: list[_Node]) -> str:
@@ -195,11 +199,13 @@ class RendezvousServer:
         self.placement = layout.node_tasks(nnodes, workers_per_node, chief, ps)
         self.slots = max(len(tasks) for tasks in self.placement)
         self.exit_grace = exit_grace
+        #: Rounds started again after a preemption (exit 75): not counted against --max-restarts.
+        self.preemptions = 0
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
         self._connections = 0  # authenticated connections (one thread each), capped at 2 * nnodes
         self._closing = threading.Event()
-        self._listener = listener.AuthListener(host, port, token, self._admit, max_number=attempts)
+        self._listener = listener.AuthListener(host, port, token, self._admit)
         threading.Thread(target=self._heartbeats, name="stratkit-rdzv-heartbeat", daemon=True).start()
 
     @property
@@ -215,6 +221,9 @@ class RendezvousServer:
         return self.round(attempt)
 
     def _admit(self, conn: socket.socket, attempt: int, label: str, rest: bytes) -> None:
+        if attempt >= self.attempts + self.preemptions:  # a round this rendezvous will never hold
+            self._listener.reject(conn)
+            return
         round_ = self._round_for(attempt)
         with self._lock:
             full = len(round_.nodes) >= self.nnodes or round_.formed
@@ -364,7 +373,11 @@ class RendezvousServer:
         if round_.decision is not None:
             return
         failure = min(round_.failures, key=_rank)[1] if round_.failures else None
-        restart = failure is not None and not round_.final and round_.number + 1 < self.attempts
+        preempted = failure is not None and is_preempted(failure.returncode)
+        # (with p preemptions before it, round n has had n - p failure restarts)
+        restart = failure is not None and not round_.final and (
+            preempted or round_.number - self.preemptions + 1 < self.attempts)
+        self.preemptions += preempted and restart
         round_.decision = {"failure": None if failure is None else failure_to_json(failure), "restart": restart}
         end = message("END", round_.decision)
         for node in round_.nodes:

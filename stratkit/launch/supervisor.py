@@ -166,6 +166,15 @@ class Supervisor:
             self.console.say(preempted_note(attempts[-1], signal_name(self.signals[0]), seconds))
             self.console.event("done", returncode=EXIT_PREEMPTED, signal=signal_name(self.signals[0]), preempted=True)
             return LaunchResult(EXIT_PREEMPTED, tuple(attempts), interrupted_by=self.signals[0])
+        if attempts and attempts[-1].outcome == "preempted" and not self.signals:
+            # --nnodes: another node's launcher was preempted, and every task saved at one step; no restart
+            # (that node is gone): this node ends with 75 as well, so the job is started again and resumes there.
+            failure = attempts[-1].failure
+            assert failure is not None
+            self.console.say(f"preempted: {failure.task} {failure.reason}; exiting {EXIT_PREEMPTED} (preempted) "
+                             f"after {seconds:.1f} s so the job is started again, and it resumes from the backup")
+            self.console.event("done", returncode=EXIT_PREEMPTED, preempted=True, task=failure.task)
+            return LaunchResult(EXIT_PREEMPTED, tuple(attempts))
         if self.signals:
             signum = self.signals[0]
             self.console.say(f"stopped every task after {signal_name(signum)} ({seconds:.1f} s)")

@@ -90,6 +90,11 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
     from stratkit.strategy import keras_compat
 
     keras_compat.check_supported()  # below the Keras floor nothing is supported, one device and ps servers included
+    from stratkit import timeline
+
+    if timeline.enabled():  # (every builder imports it anyway) TensorFlow's import apart from the strategy's start
+        _tf()
+        timeline.mark("tensorflow imported")
     result = build(spec, **options)
     # One device never reaches the buggy cross-replica code, so an untested Keras
     # version is no reason to refuse it.
@@ -102,8 +107,6 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
         # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
         keras_compat.install_fit_guards()
     compression.configure(result, spec.strategy, gradient_compression)
-    from stratkit import timeline
-
     timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result
 

@@ -165,10 +165,12 @@ class _Node:
         return "".join(self.err)
 
 
-def _launcher(nnodes: str, endpoint: str, script: list[str], log_dir: Path, *extra: str) -> list[str]:
+def _launcher(nnodes: str, endpoint: str, script: list[str], log_dir: Path, *extra: str,
+              fast: bool = True) -> list[str]:
+    """The launcher's command line; `fast`: --stop-grace 2 --rdzv-last-call 2 (else the defaults)."""
+    flags = ["--stop-grace", "2", "--rdzv-last-call", "2"] if fast else []
     return [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", nnodes, "--rdzv-endpoint", endpoint,
-            "--stop-grace", "2", "--rdzv-timeout", "60", "--rdzv-last-call", "2", "--log-dir", str(log_dir), *extra,
-            "--", *script]
+            *flags, "--rdzv-timeout", "60", "--log-dir", str(log_dir), *extra, "--", *script]
 
 
 def _assert_equal(want: list[float], result: Path) -> float:
@@ -188,17 +190,20 @@ def _train(tmp_path: Path) -> list[str]:
 
 
 @contextmanager
-def _two_hosts_training(tmp_path: Path, pause: str, late: float) -> Iterator[tuple[Any, Any, _Node, _Node]]:
-    """Test hosts h1, h2 with `--nnodes 1:2` launchers of the training (`pause` s after each epoch): h1's, then
-    `late` s later h2's, as two machines would start (the two-host tests differ only in what happens next)."""
+def _two_hosts_training(tmp_path: Path, pause: str, late: float, script: list[str] | None = None,
+                        fast: bool = True) -> Iterator[tuple[Any, Any, _Node, _Node]]:
+    """Test hosts h1, h2 with `--nnodes 1:2` launchers of the training (`pause` s after each epoch, or `script`):
+    h1's, then `late` s later h2's, as two machines would start (the two-host tests differ only in what happens
+    next); `fast`: --stop-grace 2 --rdzv-last-call 2, else the defaults."""
     import hosts
 
     env = child_env(None, {TOKEN_VAR: TOKEN})
+    script = script or [*_train(tmp_path), pause]
     with hosts.make_hosts(2) as (h1, h2):
         endpoint = f"{h1.address}:29400"
-        first = _Node(h1, _launcher("1:2", endpoint, [*_train(tmp_path), pause], tmp_path / "log1"), env)
+        first = _Node(h1, _launcher("1:2", endpoint, script, tmp_path / "log1", fast=fast), env)
         time.sleep(late)
-        second = _Node(h2, _launcher("1:2", endpoint, [*_train(tmp_path), pause], tmp_path / "log2"), env)
+        second = _Node(h2, _launcher("1:2", endpoint, script, tmp_path / "log2", fast=fast), env)
         yield h1, h2, first, second
 
 
@@ -239,6 +244,140 @@ def test_host_two_starting_20_s_late_is_admitted_and_both_end_as_one_process(tmp
     for rank in (0, 1):
         _assert_equal(one_process, tmp_path / "result" / f"result-{rank}.json")
     assert [e["world_size"] for e in _events(tmp_path / "log2") if e["event"] == "membership"] == [2]
+
+
+#: Step backups in the mid-epoch tests: every EVERY global steps (12 steps an epoch, so most fall mid-epoch).
+EVERY = 5
+STEPS_PER_EPOCH = 12
+
+
+def _step_script(tmp_path: Path) -> list[str]:
+    """The training with step backups, 0.2 s per step (an epoch lasts long enough to change the membership in it),
+    worker 0 logging each global step it trained to tmp_path/steps.log."""
+    return [*_train(tmp_path), "0", "--every", str(EVERY), "--step-pause", "0.2", "--steps-log",
+            str(tmp_path / "steps.log")]
+
+
+def _steps(tmp_path: Path) -> list[tuple[int, int]]:
+    """(global step, replicas) of each step worker 0 trained, in order (every round's worker 0 appends)."""
+    path = tmp_path / "steps.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(line.split()[1]), int(line.split()[3])) for line in lines if line.startswith("STEP ")]
+
+
+def _wait_for_step(tmp_path: Path, step: int, replicas: int, node: _Node, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s >= step and n == replicas for s, n in _steps(tmp_path)):
+            return
+        if node.proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"no step >= {step} at {replicas} replica(s) within {timeout} s: {_steps(tmp_path)[-5:]}\n"
+                         f"{node.stderr[-3000:]}")
+
+
+def _trained_again(tmp_path: Path) -> int:
+    """Steps trained more than once; every step of the run trained at least once."""
+    trained = [s for s, _ in _steps(tmp_path)]
+    assert sorted(set(trained)) == list(range(EPOCHS * STEPS_PER_EPOCH)), trained
+    return len(trained) - len(set(trained))
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_a_node_arriving_mid_epoch_is_admitted_at_a_step_boundary_and_no_step_is_trained_again(tmp_path,
+                                                                                                one_process):
+    """At the default flags, with backup_every: the running worker stops at the next step boundary, saves there
+    and exits as preempted; the world of 2 resumes at that step (at most backup_every steps again if the save
+    could not finish in --stop-grace) and ends as one process."""
+    import hosts
+
+    env = child_env(None, {TOKEN_VAR: TOKEN})
+    with hosts.make_hosts(2) as (h1, h2):
+        endpoint = f"{h1.address}:29400"
+        first = _Node(h1, _launcher("1:2", endpoint, _step_script(tmp_path), tmp_path / "log1", fast=False), env)
+        _wait_for_step(tmp_path, STEPS_PER_EPOCH + 5, 1, first, 120)  # mid-epoch 2, alone
+        second = _Node(h2, _launcher("1:2", endpoint, _step_script(tmp_path), tmp_path / "log2", fast=False), env)
+        codes = [first.finish(180), second.finish(60)]
+    assert codes == [0, 0], (first.stderr[-3000:], second.stderr[-3000:])
+    steps = _steps(tmp_path)
+    again = _trained_again(tmp_path)
+    grown = next(i for i, (_, n) in enumerate(steps) if n == 2)
+    print(f"the world grew before global step {steps[grown][0]}; trained again: {again}")
+    assert again <= EVERY, steps
+    assert "[worker:0] [stratkit] resumed from" in "".join(first.out)
+    stopped = "".join(first.out + first.err)
+    if "backup written in" in stopped:  # the save at the step boundary made it (the usual case): nothing again
+        assert again == 0, steps
+    assert "root cause" not in first.stderr
+    for node in (first, second):
+        assert f"world size 1 -> 2: node h2 ({h2.address}) arrived" in node.stderr, node.stderr[-3000:]
+        assert "(forked from the node's standby: TensorFlow already imported)" in node.stderr, node.stderr[-3000:]
+    worst = [_assert_equal(one_process, tmp_path / "result" / f"result-{rank}.json") for rank in (0, 1)]
+    print(f"largest weight difference from one process: {max(worst):.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_a_node_lost_mid_epoch_costs_at_most_backup_every_steps_and_the_survivor_ends_as_one_process(
+        tmp_path, one_process):
+    with _two_hosts_training(tmp_path, "0", late=1, script=_step_script(tmp_path), fast=False) \
+            as (h1, h2, first, second):
+        _wait_for_step(tmp_path, STEPS_PER_EPOCH + 5, 2, first, 120)  # mid-epoch 2, both hosts
+        lost, lost_at = time.monotonic(), time.time()
+        h2.kill_all()  # the host dies: every process on it, at once
+        code = first.finish(150)
+        took = time.monotonic() - lost
+        second.finish(10)
+    assert code == 0, first.stderr[-4000:]
+    again = _trained_again(tmp_path)
+    # Its old task waits on a peer that is gone: stopped after SETTLE (1 s) and the 2 s grace for a vanished peer,
+    # not the default --stop-grace of 10 s (on main: 11 s after the loss).
+    ended = min(e["time"] for e in _events(tmp_path / "log1") if e["event"] in ("stopped", "exit")
+                and e.get("task") == "worker:0" and e["time"] >= lost_at)
+    print(f"trained again: {again}; the old task ended {ended - lost_at:.1f} s and the survivor finished "
+          f"{took:.1f} s after the loss")
+    assert again <= EVERY, _steps(tmp_path)
+    assert ended - lost_at < 7, ended - lost_at
+    assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost" in first.stderr, first.stderr[-3000:]
+    print(f"largest weight difference from one process: "
+          f"{_assert_equal(one_process, tmp_path / 'result' / 'result-0.json'):.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+@pytest.mark.multiworker
+def test_a_host_whose_launcher_is_preempted_leaves_after_every_worker_saved_and_the_other_goes_on_from_there(
+        tmp_path, one_process):
+    """SIGTERM to host 2's launcher (its machine is being taken): every worker, host 1's too, stops at one step
+    boundary and saves; host 2 leaves with 75, and host 1 goes on alone from that step: nothing is trained again."""
+    with _two_hosts_training(tmp_path, "0", late=1, script=_step_script(tmp_path), fast=False) \
+            as (h1, h2, first, second):
+        _wait_for_step(tmp_path, STEPS_PER_EPOCH + 5, 2, first, 120)  # mid-epoch 2, both hosts
+        os.kill(_launcher_pid(h2), signal.SIGTERM)
+        codes = [first.finish(150), second.finish(60)]
+    assert codes == [0, 75], (first.stderr[-3000:], second.stderr[-3000:])
+    assert _trained_again(tmp_path) == 0, _steps(tmp_path)
+    assert f"world size 2 -> 1: node 1 h2 ({h2.address}) lost (its launcher was preempted by SIGTERM" \
+        in first.stderr, first.stderr[-3000:]
+    assert "root cause" not in first.stderr
+    print(f"largest weight difference from one process: "
+          f"{_assert_equal(one_process, tmp_path / 'result' / 'result-0.json'):.1e}")
+
+
+def _launcher_pid(host) -> int:
+    """The pid of the `stratkit launch` process on `host`."""
+    for pid in host.pids():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"stratkit.cli" in command and b"launch" in command:
+            return pid
+    raise AssertionError(f"no launcher on {host.name}")
 
 
 SLEEP = "import time; print('up', flush=True); time.sleep(300)"

@@ -33,7 +33,7 @@ from typing import Any
 
 import keras
 
-from stratkit import status
+from stratkit import status, timeline
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
 from stratkit.strategy.keras_compat import callback_state as keras_state
@@ -232,6 +232,7 @@ class Backup(keras.callbacks.Callback):
                     raise ConfigError(f"{point.path} is a mid-epoch backup, and this Keras cannot start an epoch "
                                       "at a step. Fix: install a Keras stratkit supports (stratkit info)")
             log.info("resumed from %s at %s", point.path, position)
+            timeline.mark("backup loaded")
             if self.is_chief:
                 for note in (change and f"the run changed since the backup: {change}", self.resume_note,
                              (self.data or DataPosition()).note if position.step else None):
