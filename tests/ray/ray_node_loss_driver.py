@@ -26,9 +26,9 @@ EPOCHS = 6
 GLOBAL_BATCH = 8
 ROWS = 96
 STEPS_PER_EPOCH = ROWS // GLOBAL_BATCH
-#: `Trainer.fit(backup_every=...)`: None backs up after every epoch (all main has today). Once step backups land
-#: (the `checkpoint` branch), set it to e.g. 5: the test then checks the retry resumed at the last step backup.
-BACKUP_EVERY: int | None = None
+#: `Trainer.fit(backup_every=...)`: a step backup every 5 global steps, so the retry resumes at the last one before
+#: the loss (step 15 of 12-step epochs). None would back up after every epoch only.
+BACKUP_EVERY: int | None = 5
 #: Global steps between two backups: a retry resumes at a multiple of it and trains at most that many steps again.
 STEPS_PER_BACKUP = BACKUP_EVERY or STEPS_PER_EPOCH
 

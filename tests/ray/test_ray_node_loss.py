@@ -13,9 +13,9 @@ one uninterrupted process's (the same global batch at either world size). The ev
 writes: every training process logs each step it trains (the optimizer's global step, its replicas, the
 time), and the runner's report and log lines.
 
-Step backups: `ray_node_loss_driver.BACKUP_EVERY` is the one switch. Set to 5 (with `Trainer.fit(backup_every=)`
-from the `checkpoint` branch merged), the same assertions check that the retry resumed at the last step backup
-(step 15, 3 steps trained again); tried so before that branch landed: it passed, the weights within 6e-8.
+Step backups: the driver runs `Trainer.fit(backup_every=5)` (`ray_node_loss_driver.BACKUP_EVERY`), so the
+assertions check that the retry resumed at the last step backup before the loss (step 15, 3 steps trained
+again), not at the epoch's start.
 
 Ray runs with its default health check: it judges the silent node dead about 5 x (10 s + 3 s) = 65 s after
 the loss, well after the survivor has failed (TensorFlow's coordination heartbeat), so the runner's wait for
@@ -98,8 +98,7 @@ def test_a_node_lost_mid_epoch_the_run_goes_on_with_one_worker_from_the_last_bac
     trained = [s["step"] for s in retry]
     resumed_at = trained[0] - 1  # global steps already done when the retry started: where it resumed
     assert trained == list(range(resumed_at + 1, job.EPOCHS * job.STEPS_PER_EPOCH + 1)), trained
-    # It resumed at the last backup written before the loss (epoch backups today: epoch 2's start, step 12;
-    # with step backups, `STEPS_PER_BACKUP` follows BACKUP_EVERY in the driver and this checks the last of those).
+    # It resumed at the last step backup written before the loss (every `STEPS_PER_BACKUP` = BACKUP_EVERY steps).
     assert resumed_at == LOSE_AT_STEP // job.STEPS_PER_BACKUP * job.STEPS_PER_BACKUP, (resumed_at, last_before)
     assert "resumed from" in log, log[-6000:]
     first_step_after = retry[0]["t"] - lost_at
