@@ -103,6 +103,7 @@ def test_a_failing_task_ends_the_step_with_its_error(slurm, tmp_path, kill_on_ba
 def test_example_sbatch_script_runs_on_two_nodes(slurm, tmp_path):
     example = REPO_ROOT / "examples" / "slurm_sbatch.sh"
     (tmp_path / "train.py").write_text(PARITY.read_text())
+    (tmp_path / "input_cases.py").write_text(PARITY.with_name("input_cases.py").read_text())  # parity_cases imports it
     # the example as a user copies it, submitted from the directory of train.py, the venv's python first on PATH
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     job = slurm.run(["sbatch", "--wait", f"--output={tmp_path}/job-%j.out", str(example), "mwms", "trainer_uneven"],

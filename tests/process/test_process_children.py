@@ -176,6 +176,7 @@ def test_a_child_can_be_handed_its_work_on_stdin_after_it_started():
 PASSING_ON = textwrap.dedent("""
     import signal, sys
     from stratkit.process.children import passing_on_notices, start_child
+    before = signal.getsignal(signal.SIGHUP)  # SIG_DFL, or SIG_IGN under nohup
     child = start_child([sys.executable, "-c", "import signal, sys, time\\n"
                          "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(75))\\n"
                          "print('ready', flush=True); time.sleep(300)"], dict(__import__('os').environ),
@@ -184,7 +185,7 @@ PASSING_ON = textwrap.dedent("""
         print(child.stdout.readline().decode().strip(), flush=True)
         code = child.wait()
     print(f"child exited {code} after {[signal.Signals(s).name for s in notices]}", flush=True)
-    sys.exit(0 if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL else 1)
+    sys.exit(0 if signal.getsignal(signal.SIGHUP) == before else 1)
 """)
 
 
