@@ -58,8 +58,8 @@ class Backup(keras.callbacks.Callback):
         rank: this worker's rank, which names its subdirectory (default: `stratkit.detect()`).
         agree_on_epoch: callable(int) -> int, the MIN over all workers (a collective); identity on one worker
             (default: from the model's strategy).
-        agree_flags: callable(list[int]) -> list[int], the SUM over all workers (one collective per step);
-            None on one process (default: from the model's strategy).
+        agree_flags: callable(list[int]) -> list[int], the SUM over all workers (one collective every few
+            steps: `preemption.Agreement`); None on one process (default: from the model's strategy).
         keep: backups kept on disk (at least 2, so a corrupt newest one has a fallback).
         resume_note: a warning the chief gives when it resumes (what a resume does not continue).
         facts: the run's global batch, steps per epoch and dataset size (checked against the backup's).
