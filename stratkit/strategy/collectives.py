@@ -36,6 +36,30 @@ def min_over_workers(strategy: Any, value: int) -> int:
     return int(function(tf.constant(value, tf.int64)))
 
 
+def leave_together(strategy: Any) -> None:
+    """Every worker past this point once every worker has reached it, and none gone while another still reads.
+
+    Two rounds of `min_over_workers`. The first is the barrier. It alone is
+    not enough before a process ends at once (a Spark or Ray task's training
+    process exits right after its function returns): in TensorFlow's ring
+    collectives over gRPC each worker pulls the others' chunks, so a worker
+    is done once it has read theirs, and it may exit while a slower peer has
+    yet to read its own. That peer then fails with UNAVAILABLE "Socket
+    closed" (seen once in CI on 2 Spark workers under load). A worker that
+    finishes the second round knows every peer has finished the first: each
+    peer's chunk of the second round exists only after that. The second round
+    can itself meet a peer that finished and left, which is the only way it
+    fails here. Then the first round has already held, and the error is ignored.
+    """
+    import tensorflow as tf
+
+    min_over_workers(strategy, 0)
+    try:
+        min_over_workers(strategy, 0)
+    except (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError):
+        pass  # a peer finished both rounds and left: every worker is past the barrier
+
+
 def gather_ints(strategy: Any, value: int) -> list[int]:
     """Every worker's `value`, chief first (a collective: every worker must call it)."""
     import tensorflow as tf

@@ -42,7 +42,7 @@ from typing import Any
 
 from stratkit.errors import ConfigError
 from stratkit.strategy import replica_check, scratch
-from stratkit.strategy.collectives import chief_ints, min_over_workers
+from stratkit.strategy.collectives import chief_ints, leave_together, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
@@ -255,7 +255,8 @@ def _guarded(name: str, original: Any) -> Any:
                 # Every worker leaves fit together, after every worker's callbacks (the chief's checkpoint
                 # and TensorBoard files are complete): scripts that then read the chief's checkpoint on every
                 # worker, as TF's tutorials do, otherwise race the chief's write (h5py "unable to lock file").
-                min_over_workers(strategy, 0)
+                # In two rounds, so no worker leaves while a peer still reads its part (`leave_together`).
+                leave_together(strategy)
             return result
         finally:
             _inside_guarded_call.active = False
