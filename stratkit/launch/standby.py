@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from stratkit.launch import standby_child
-from stratkit.process.children import kill_group, start_child
+from stratkit.process.children import kill_group, start_server
 
 #: "0" (or "off", "false", "no"): no standby; every task is started as a new process.
 STANDBY_VAR = "STRATKIT_STANDBY"
@@ -111,17 +111,7 @@ class TaskStandby:
         self._pending: dict[int, ForkedTask] = {}
         self._tasks: dict[int, ForkedTask] = {}
         self._next = 0
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._channel = ours
-        try:
-            # `-c` rather than `-m`: runpy warns when the package already imported the module
-            self.proc = start_child([*interpreter, "-c", _ENTRY], env, stdin=theirs, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        self.proc, self._channel = start_server(_ENTRY, interpreter, env)
         threading.Thread(target=self._read, name="stratkit-standby", daemon=True).start()
 
     @classmethod

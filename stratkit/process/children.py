@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,28 @@ def _before_exec(parent_pid: int, enter: Callable[[], None] | None) -> Callable[
         die_with_parent(parent_pid)
 
     return setup
+
+
+def start_server(code: str, interpreter: Sequence[str], env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start `interpreter -c code` as a child (`start_child`) whose stdin is one end of a SEQPACKET socketpair.
+
+    For the standbys both launchers fork their tasks from (`launch/standby.py`,
+    `spark/process.py`): the child reads one request per message on fd 0 and can
+    receive file descriptors there. `-c` rather than `-m`: runpy warns when the
+    package already imported the module. The child's own output is only its
+    imports' start-up noise (each run's output goes to that run's pipe), so it is
+    discarded. Returns the process and our end of the socket.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        proc = start_child([*interpreter, "-c", code], env, stdin=theirs, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, ours
 
 
 def start_child(argv: Sequence[str], env: Mapping[str, str], *, stdout: int | IO[Any] | None = subprocess.PIPE,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stratkit import tf_logging
-from stratkit.process.children import kill_group, start_child
+from stratkit.process.children import kill_group, start_server
 from stratkit.process.pump import OutputPump
 from stratkit.spark import child as child_module
 
@@ -76,19 +75,8 @@ class Standby:
         if preload:
             env[child_module.PRELOAD_VAR] = "1"
         self.env = env
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._channel = ours
         self.spawned_at = time.time()
-        try:
-            # `-c` rather than `-m stratkit.spark.child`: runpy warns when the package already imported the module.
-            # Its own output is only its imports' start-up noise: each run's output goes to that run's pipe.
-            self.proc = start_child([sys.executable, "-c", _ENTRY], env, stdin=theirs, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        self.proc, self._channel = start_server(_ENTRY, [sys.executable], env)
 
     @classmethod
     def spawn(cls, env: Mapping[str, str], preload: bool = True) -> Standby:
