@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,10 +87,11 @@ class Running:
     """A training started in the background: a process (`script`) or `stratkit launch --workers N`; its output
     is read as it comes (`said` waits for a line)."""
 
-    def __init__(self, out: Path, env: dict, workers: int = 0) -> None:
+    def __init__(self, out: Path, env: dict, workers: int = 0, extra: list[str] = ()) -> None:
         out.mkdir(parents=True, exist_ok=True)
         argv = ([sys.executable, "-m", "stratkit.cli", "launch", "--workers", str(workers), "--max-restarts", "0",
-                 "--no-private-network", "--", sys.executable, SCRIPT] if workers else [sys.executable, SCRIPT])
+                 "--no-private-network", *extra, "--", sys.executable, SCRIPT] if workers else
+                [sys.executable, SCRIPT])
         clean = {k: None for k in os.environ if k.startswith(("STRATKIT_", "SLURM_")) or k == "TF_CONFIG"}
         self.proc = subprocess.Popen(argv, env=child_env(None, {**clean, **env}), cwd=REPO_ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -101,8 +103,7 @@ class Running:
 
     @staticmethod
     def _read(stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line)
+        lines.extend(stream)  # (a line at a time, as the process writes them)
 
     @property
     def out(self) -> str:
@@ -170,6 +171,30 @@ def test_s3_two_workers_without_a_shared_disk_killed_mid_epoch_resume_from_the_s
         assert (tmp_path / f"disk-{rank}").exists()       # staged again on each worker's own disk...
     _equals_reference(tmp_path, reference, ranks=(0, 1))
     assert _committed(server, url) == [] and server.fs().find(url.split("://")[1]) == []  # ...and all removed
+
+
+@pytest.mark.multiworker
+def test_s3_two_workers_preempted_commit_the_final_backup_before_exiting_75(tmp_path, reference, store_server):
+    """A notice on worker 1 at step 23: both stop at the same step, their backup is committed to the store before
+    they exit 75 (inside the 5 s grace), and the restarted attempt resumes from it in the store."""
+    server = store_server("s3")
+    url = server.url(server.make_bucket(_unique("notice")), "run1")
+    logs = tmp_path / "logs"
+    env = _env(server, url, tmp_path, KILL_AT="23", KILL_RANK="1", KILL_SIGNAL="TERM")
+    launch = Running(tmp_path, env, workers=2, extra=["--log-dir", str(logs)])
+    assert launch.finish() == 0, launch.err[-5000:]
+    events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    first = [e for e in events if e["event"] in ("exit", "stopped") and e["attempt"] == 0]
+    assert sorted(e["returncode"] for e in first) == [75, 75], first
+    sent = json.loads((tmp_path / "signal-1.json").read_text())["time"]
+    assert max(e["time"] for e in first) - sent < 5.0, (first, sent)   # inside the grace period
+    text = launch.out + launch.err
+    assert "committed to the store in" in text and "this worker's part is in the store in" in text
+    stopped = re.search(r"stopped at (epoch \d+ \+ \d+ steps)", text)
+    assert stopped and f"resumed from {url}/backups/00000001-" in text and f"at {stopped[1]}\n" in text
+    for rank in (0, 1):
+        assert _retrained(tmp_path, rank) == []   # nothing trained twice
+    _equals_reference(tmp_path, reference, ranks=(0, 1))
 
 
 @pytest.mark.multiworker
@@ -274,7 +299,7 @@ def test_a_store_that_refuses_or_lacks_is_refused_before_step_1(tmp_path, store_
              ["bucket", server.url(_unique("missing"), "run1"), {"AWS_SECRET_ACCESS_KEY": server.secret}],
              ["down", url, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}]]
     out = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
-                         timeout=300, env=server.client_env(child_env()), cwd=tmp_path)
+                         check=False, timeout=300, env=server.client_env(child_env()), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     assert lines["credential"].startswith("ConfigError") and "refused the credentials" in lines["credential"]
