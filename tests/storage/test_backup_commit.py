@@ -187,6 +187,7 @@ def test_a_leftover_of_an_earlier_attempt_can_neither_commit_nor_delete(url, tmp
 
 def test_uploads_go_on_while_the_store_is_down_with_one_warning_and_say_what_never_arrived(use_store, tmp_path,
                                                                                            caplog, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")   # botocore's own retries would hide each failure for ~8 s
     server = use_store("s3")
     url = server.url(server.make_bucket(_unique("down")), "run")
     monkeypatch.setattr("stratkit.training.checkpoint.uploads.RETRY_MAX", 0.5)
@@ -241,4 +242,54 @@ def test_urls_that_are_local_stay_local_and_hdfs_says_what_it_needs(tmp_path, mo
     backup = Backup("hdfs://namenode:8020/runs/run1", is_chief=True, rank=0, staging=str(tmp_path / "staging"))
     with pytest.raises(ConfigError, match=r"hdfs:// filesystem \(pyarrow\).*Java and HADOOP_HOME"):
         backup.decide_position()                                             # before step 1: no server runs here
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))
+
+
+def test_a_store_that_refuses_or_lacks_is_refused_before_step_1(use_store, monkeypatch, tmp_path):
+    """Trainer.fit with backup_dir on a store: a wrong credential, a missing bucket, the store down at the start
+    are each a ConfigError naming the fix, before any step (and no credential in the message)."""
+    import keras
+    import numpy as np
+
+    import stratkit
+
+    server = use_store("s3")
+    url = server.url(server.make_bucket(_unique("refused")), "run1")
+    trainer = stratkit.Trainer(strategy="one_device")
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = trainer.build(build)
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: steps.append(batch))
+    x = np.zeros((32, 2), "float32")
+
+    def fit(backup_dir: str) -> str:
+        with pytest.raises(ConfigError) as caught:
+            trainer.fit(model, (x, x[:, :1]), global_batch_size=8, backup_dir=backup_dir, backup_every=2,
+                        callbacks=[counter], verbose=0)
+        return str(caught.value)
+
+    monkeypatch.setenv("STRATKIT_BACKUP_STAGING", str(tmp_path / "staging"))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # (the store down: refused at once, not after botocore's retries)
+    secret = "wrong-secret-0123456789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    use_store.refresh()
+    text = fit(url)
+    assert "refused the credentials" in text and "AWS_SECRET_ACCESS_KEY" in text
+    assert secret not in text and server.secret not in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
+    use_store.refresh()
+    text = fit(server.url(_unique("missing"), "run1"))
+    assert "does not exist" in text and "Fix: create it" in text
+    server.down()
+    try:
+        text = fit(url)
+    finally:
+        server.up()
+    assert "could not be reached" in text and "Fix: check the store's endpoint" in text
+    assert steps == []                                       # before step 1, every time
     assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))
