@@ -82,8 +82,9 @@ params = int(model.count_params())
 class StepTimes(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         self.times.append(time.perf_counter())
+        self.cpu.append(time.process_time())  # this process's CPU: its training, writes and upload thread
     def on_train_begin(self, logs=None):
-        self.times = []
+        self.times, self.cpu = [], []
 
 def run(variant):
     timer = StepTimes()
@@ -100,16 +101,18 @@ def run(variant):
     t = timer.times
     second = t[steps:]  # epoch 2: traced, warm; its K-step backups included (the last boundary's is not)
     per_step = (second[-1] - second[0]) / (len(second) - 1)
-    return per_step, list(writes), list(lags)
+    cpu = timer.cpu[steps:]
+    return per_step, list(writes), list(lags), (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
 variants = ["none", "epoch", f"every {every}", f"every {every} s3"]
 trainer.fit(model, (x, y), epochs=1, global_batch_size=batch, verbose=0)  # trace once
-out = {v: {"step_s": [], "writes": [], "commit_lag_s": []} for v in variants}
+out = {v: {"step_s": [], "writes": [], "commit_lag_s": [], "cpu_s": []} for v in variants}
 for r in range(rounds):
     shift = r % len(variants)
     for v in variants[shift:] + variants[:shift]:
-        per_step, w, lag = run(v)
+        per_step, w, lag, cpu = run(v)
         out[v]["step_s"].append(per_step)
+        out[v]["cpu_s"].append(cpu)
         out[v]["writes"].extend(w)
         out[v]["commit_lag_s"].extend(lag)
 print(json.dumps({"params": params, "variants": out}))
@@ -258,12 +261,16 @@ def main(argv: list[str] | None = None) -> dict:
                 lag = _stats(values["commit_lag_s"])
                 # per-round ratio to the local backups of the same round (the rounds alternate the order)
                 ratios = [a / b for a, b in zip(values["step_s"], local)] if variant.endswith("s3") else []
+                local_cpu = raw["variants"][f"every {every}"]["cpu_s"]
+                cpu_ratios = [a / b for a, b in zip(values["cpu_s"], local_cpu)] if variant.endswith("s3") else []
                 rows.append({"model": f"{name} ({raw['params']:,} params)", "variant": variant,
                              "step ms": _ms(step["mean"]), "step min ms": _ms(step["min"]),
                              "step max ms": _ms(step["max"]),
                              "vs none": round(step["mean"] / base, 3) if base else None,
                              "vs local every": round(sum(ratios) / len(ratios), 3) if ratios else None,
                              "round ratios": [round(r, 3) for r in ratios],
+                             "cpu ms": _ms(_stats(values["cpu_s"])["mean"]),
+                             "cpu vs local every": round(sum(cpu_ratios) / len(cpu_ratios), 3) if cpu_ratios else None,
                              "writes": len(values["writes"]), "write ms": _ms(write["mean"]),
                              "write min ms": _ms(write["min"]), "write max ms": _ms(write["max"]),
                              "commits": len(values["commit_lag_s"]), "commit lag ms": _ms(lag["mean"]),

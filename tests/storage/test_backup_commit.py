@@ -231,6 +231,20 @@ def test_uploads_go_on_while_the_store_is_down_with_one_warning_and_say_what_nev
     assert report.lost == [P4] and "could not be reached" in report.failure and report.reached is None
 
 
+def test_uploads_are_paced_to_their_share_of_a_core_and_a_waiting_exit_is_not(url, tmp_path):
+    run = Run(url, tmp_path, workers=1)
+    uploads = run.uploads[0]
+    uploads.share = 0.002                          # 2 ms of upload CPU: the next upload 1 s later at the earliest
+    run.back_up(P1)
+    assert run.committed(P1) and _eventually(lambda: uploads._paced_until > 0)   # (set once P1's commit is done)
+    run.back_up(P2)                                # paced: it waits ...
+    run.back_up(P3)                                # ... and the newer one takes its place
+    assert uploads._paced_until > time.monotonic() and uploads._next.position == P3
+    assert run.committed(P3, 30)                   # a caller waiting (the preemption exit) is not paced
+    assert readback.committed_positions(url) == [P3, P1]
+    run.close()
+
+
 def test_urls_that_are_local_stay_local_and_hdfs_says_what_it_needs(tmp_path, monkeypatch):
     from stratkit.callbacks import Backup
 

@@ -20,7 +20,16 @@ nothing is copied) and hands the job to the thread. The thread:
   the last committed backup stays the resume point. `close` says which
   backups never reached the store.
 * once it sees a newer attempt's claim (this process is a leftover of an
-  earlier attempt) it commits and deletes nothing more, and says so once.
+  earlier attempt) it commits and deletes nothing more, and says so once;
+* on the chief, paces itself: uploading costs CPU in this process (hashing
+  and sending: measured 2.2-3.5 ms per MB to S3, the whole weights file each
+  time), which training shares; so the next upload starts no sooner than the
+  last one's CPU time (this thread's and fsspec's I/O thread's) divided by
+  `share` after it began (`remote`: 2% of one core by default). Backups written
+  meanwhile are coalesced: the resume point is a little older, the step time
+  untouched. The other workers' parts (their state) are small and not paced,
+  so the backup the chief picks has their receipts. A caller waiting for a
+  backup (the preemption exit, a flush) is never paced.
 
 `wait` blocks the caller until a position is committed (the chief) or this
 worker's part of it is in (the others): the preemption exit waits there.
@@ -47,6 +56,19 @@ POLL_FIRST, POLL_MAX = 0.02, 1.0
 PENDING_MAX = 4
 #: The longest `close` waits for an upload already under way (then the thread is left to finish alone).
 JOIN_SECONDS = 30.0
+
+
+def upload_cpu() -> float:
+    """CPU seconds of the threads that carry uploads: the calling one, and fsspec's I/O thread, where s3fs,
+    gcsfs and adlfs do their work (named "fsspecIO"; other fsspec users' work there counts too)."""
+    total = time.thread_time()
+    for thread in threading.enumerate():
+        if thread.name == "fsspecIO" and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # gone meanwhile, or a platform without thread clocks
+                pass
+    return total
 
 
 @dataclass
@@ -81,10 +103,11 @@ class Uploads:
         keep: committed backups kept in the store (at least 2).
         outbox: a private local directory for the jobs' hard links.
         reached: the position already in the store (the backup this run resumed from).
+        share: the share of one core the uploads may take on average (1: no pacing).
     """
 
     def __init__(self, store: Store, attempt: commit.Attempt, *, rank: int, is_chief: bool, ranks: list[int],
-                 keep: int, outbox: str, reached: Position | None = None) -> None:
+                 keep: int, outbox: str, reached: Position | None = None, share: float = 1.0) -> None:
         self.store, self.attempt, self.rank, self.is_chief = store, attempt, rank, is_chief
         self.others = sorted(set(ranks) - {rank}) if is_chief else []
         self.keep = max(int(keep), 2)
@@ -95,7 +118,10 @@ class Uploads:
         self._records: dict[int, commit.Attempt] = {}
         self._cv = threading.Condition()
         self._next: Job | None = None
-        self._not_before = 0.0
+        self._not_before = 0.0     # after a failure: the backoff
+        self.share = min(max(float(share), 1e-3), 1.0)
+        self._paced_until = 0.0    # the next upload's earliest start (the CPU share)
+        self._urgent = 0           # callers waiting for a backup: no pacing meanwhile
         self._backoff = RETRY_FIRST
         self._pending: dict[str, Job] = {}
         self._poll_at = 0.0
@@ -151,12 +177,17 @@ class Uploads:
         """Block until `position` is committed (chief) or this worker's part of it is in; False after `seconds`."""
         deadline = time.monotonic() + max(seconds, 0.0)
         with self._cv:
-            while not self._reached(position) and self.fenced is None and self._alive():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cv.wait(remaining)
-            return self._reached(position)
+            self._urgent += 1
+            self._cv.notify_all()
+            try:
+                while not self._reached(position) and self.fenced is None and self._alive():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cv.wait(remaining)
+                return self._reached(position)
+            finally:
+                self._urgent -= 1
 
     def close(self, flush: float = 0.0) -> Report:
         """Stop: first wait up to `flush` s for the newest backup, then drop what has not started, let the
@@ -214,15 +245,16 @@ class Uploads:
                     if self._stop or self.fenced is not None:
                         return
                     now = time.monotonic()
-                    if self._next is not None and now >= self._not_before:
+                    start = max(self._not_before, 0.0 if self._urgent else self._paced_until)
+                    if self._next is not None and now >= start:
                         job, self._next = self._next, None
                         break
                     if self._pending and now >= self._poll_at:
                         poll = True
                         break
-                    times = ([self._not_before] if self._next is not None else []) + \
-                        ([self._poll_at] if self._pending else [])
+                    times = ([start] if self._next is not None else []) + ([self._poll_at] if self._pending else [])
                     self._cv.wait(max(min(times) - now, 0.001) if times else None)
+            began, cpu = time.monotonic(), upload_cpu()
             try:
                 if job is not None:
                     self._upload(job)
@@ -235,6 +267,10 @@ class Uploads:
                     self._poll()
             except Exception as exc:  # noqa: BLE001 - the same, for the receipts, the commit and the pruning
                 self._failed(None, exc)
+            finally:
+                if job is not None:
+                    with self._cv:
+                        self._paced_until = began + (upload_cpu() - cpu) / self.share
 
     def _upload(self, job: Job) -> None:
         commit.upload_files(self.store, job.name, job.local)
