@@ -209,27 +209,30 @@ def test_one_process_killed_then_two_workers_resume_from_the_store(tmp_path, ref
 
 
 def test_sigkill_during_an_upload_resumes_from_the_previous_commit(tmp_path, reference, store_server):
+    """Once step 14's backup is committed, the store stops answering uploads of weights (the next one hangs
+    mid-request); SIGKILL then: the restart resumes from the commit before it (step 14)."""
     server = store_server("s3")
     url = server.url(server.make_bucket(_unique("midway")), "run1")
-    env = _env(server, url, tmp_path, KILL_AT="23", KILL_RANK="0", KILL_SIGNAL="EXTERNAL", STEP_SECONDS="0.25")
+    # (unpaced: with a tiny model the next upload would otherwise wait ~2 s, past the end of this short run)
+    env = _env(server, url, tmp_path, KILL_AT="16", KILL_RANK="0", KILL_SIGNAL="EXTERNAL",
+               STRATKIT_BACKUP_UPLOAD_SHARE="1")
     first = Running(tmp_path, env)
     try:
-        # 14 committed; then the store stops answering (requests hang), so the upload of 21 is under way
-        _wait_for(lambda: _committed(server, url)[:1] == [AT_14], "the commit of step 14", 240)
-        server.pause()
-        ready = tmp_path / "ready-0.json"
-        _wait_for(ready.exists, "step 23")
-        outbox = tmp_path / "disk-0"
-        assert any(p.name.endswith("epoch-00002-step-0000001") for p in outbox.rglob("*outbox/*")), \
-            "the backup at step 21 is not on its way to the store"
-        os.kill(json.loads(ready.read_text())["pid"], signal.SIGKILL)
+        _wait_for((tmp_path / "ready-0.json").exists, "step 16")   # (the run waits there for `sent`)
+        _wait_for(lambda: _committed(server, url)[:1] == [AT_14], "the commit of step 14")
+        server.hold(b".weights.h5")
+        (tmp_path / "sent").write_text("")
+        _wait_for(lambda: b"-step-" in server.held, "the next backup's upload under way")
+        assert b"epoch-00001-step-0000004" not in server.held    # (a later backup's: 21, or newer)
+        os.kill(first.proc.pid, signal.SIGKILL)
         assert first.finish() == -signal.SIGKILL
     finally:
         server.up()
-    second = Running(tmp_path, {**env, "ATTEMPT": "1", "STEP_SECONDS": "0"})
+    second = Running(tmp_path, {**env, "ATTEMPT": "1"})
     assert second.finish() == 0, second.err[-5000:]
-    assert "at epoch 1 + 4 steps" in second.err + second.out   # the previous committed backup
-    assert _retrained(tmp_path) == list(range(14, 23))
+    assert f"resumed from {url}/backups/00000001-epoch-00001-step-0000004 at epoch 1 + 4 steps" in second.out
+    retrained = _retrained(tmp_path)
+    assert retrained[0] == 14 and retrained == list(range(14, retrained[-1] + 1)), retrained  # from the commit
     _equals_reference(tmp_path, reference)
 
 

@@ -41,8 +41,9 @@ emulator ignores it), chooses the newest committed backup of the lineage
 whose files verify, and records it as its base. The lineage of the newest
 attempt is what readers trust: its own commits, then, from the attempt its
 base belongs to, the commits up to and including that base, and so on back.
-Writers check they are current (no newer claim) before every commit and
-every deletion, and delete only backups of their own or older generations.
+Writers check they are current (no newer claim) before every commit (and
+the pruning that follows it) and before removing a finished run's backups, and
+delete only backups of their own or older generations.
 The guarantee:
 
 * a process of an earlier attempt (a Spark task retried elsewhere, a pod that
@@ -53,8 +54,8 @@ The guarantee:
   own and older generations), and after it has seen the later claim it
   deletes and commits nothing.
 
-The residual race: a check and the deletion after it are not one atomic
-step, so one deletion begun before the later claim can still run after it.
+The residual race: a check and the commit and pruning after it are not one
+atomic step, so one pruning begun before the later claim can still run after it.
 It removes only the earlier attempt's own commits older than its newest
 `keep` (and older generations'); the later attempt's base is one of those only
 if the earlier attempt's newest `keep` commits all failed to verify. The
