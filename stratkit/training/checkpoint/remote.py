@@ -159,7 +159,8 @@ class RemoteBackups:
 
     def __init__(self, url: str, *, rank: int, is_chief: bool, keep: int, staging: str | None = None) -> None:
         self.url, self.rank, self.is_chief, self.keep = url, int(rank), bool(is_chief), keep
-        self.root = os.path.join(os.fspath(staging) if staging else staging_root(), run_key(url))
+        self.staging = os.fspath(staging) if staging else staging_root()
+        self.root = os.path.join(self.staging, run_key(url))
         self.store: Store | None = None
         self.attempt: commit.Attempt | None = None
         self.uploads: Uploads | None = None
@@ -176,6 +177,7 @@ class RemoteBackups:
     def directory(self) -> str:
         """This worker's staging directory (a local backup directory: the layout of `layout`)."""
         if self._directory is None:
+            files.check_dir(self.staging, STAGING_VAR)  # this user's (created 0700): nobody else swaps what is in it
             files.check_dir(self.root, STAGING_VAR)
             for name in (commit.part(self.rank), f"{commit.part(self.rank)}-{os.getpid()}"):
                 directory = os.path.join(self.root, name)
