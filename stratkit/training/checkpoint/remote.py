@@ -49,8 +49,8 @@ from typing import Any
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
-from stratkit.storage import Store, check_store, open_store, redact
-from stratkit.training.checkpoint import commit, readback
+from stratkit.storage import Store, check_store, is_url, open_store, redact
+from stratkit.training.checkpoint import commit, readback, store
 from stratkit.training.checkpoint.layout import WEIGHTS, WHAT, Position, on_disk, write_metadata
 from stratkit.training.checkpoint.store import ResumePoint, prepare_dir, remove_backup
 from stratkit.training.checkpoint.uploads import Report, Uploads
@@ -144,6 +144,49 @@ def read_back(url: str, target: str, rank: int = 0) -> ResumePoint:
     if skipped:
         point.note = f"{WHAT}={store.shown!r}: skipped {'; '.join(skipped)}; resuming from {chosen.name}"
     return point
+
+
+# --------------------------------------------------------------------------------------------
+# Where a backup directory or URL stands (the package's API: a local path goes to `store`)
+# --------------------------------------------------------------------------------------------
+
+
+def find_resume_point(directory: str) -> ResumePoint:
+    """`store.find_resume_point` for a local directory; for a store URL (``s3://bucket/run``), the newest
+    committed backup whose files verify, downloaded into this host's staging area (`.source` names it in the
+    store).
+
+    Raises:
+        ConfigError: there are backups, but none can be used (nothing is deleted); the store cannot be read.
+    """
+    if not is_url(directory):
+        return store.find_resume_point(directory)
+    return read_back(directory, os.path.join(staging_root(), run_key(directory), "reader"))
+
+
+def readable_position(directory: str) -> Position:
+    """The newest usable backup's position in `directory` (a path or a store URL); (0, 0) when there is none
+    or it cannot be read."""
+    try:
+        return find_resume_point(directory).position
+    except (ConfigError, OSError):
+        return Position()
+
+
+def copy_backup(source: str, target: str) -> ResumePoint:
+    """`store.copy_backup`; `source` may be a store URL: its newest committed backup whose files verify is
+    downloaded into the local directory `target` (the chief's files), with a checkpoint.json naming it.
+
+    Raises:
+        ConfigError: `target` is a store URL (a store takes backups only through a run's own commit).
+    """
+    if is_url(target):
+        raise ConfigError(f"copy_backup: target={redact(target)!r} is a store URL; a store takes backups only "
+                          "through a run's own commit. Fix: copy into a local directory, or pass the URL as "
+                          "backup_dir to Trainer.fit, which resumes from the store's newest committed backup")
+    if not is_url(source):
+        return store.copy_backup(source, target)
+    return read_back(source, files.check_dir(target, WHAT))
 
 
 class RemoteBackups:

@@ -33,7 +33,6 @@ from typing import Any
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
-from stratkit.storage import is_url
 from stratkit.strategy import replica_check
 from stratkit.strategy.keras_compat import save_guards
 from stratkit.training.checkpoint.layout import (ARRAYS, METADATA, STATE, WEIGHTS, WHAT, Position, file_name,
@@ -275,16 +274,11 @@ def _check(directory: str, position: Position, names: dict[str, str | None]) -> 
 def find_resume_point(directory: str) -> ResumePoint:
     """The newest intact backup in `directory` (without touching any model), and what was skipped.
 
-    `directory` may be a store URL (``s3://bucket/run``): the newest committed backup whose files verify,
-    downloaded into this host's staging area (`remote.read_back`; `.source` names it in the store).
+    A local directory; the package's `find_resume_point` takes a store URL too (`remote`).
 
     Raises:
         ConfigError: there are backup files, but none is intact (nothing is deleted).
     """
-    if is_url(directory):
-        from stratkit.training.checkpoint import remote
-
-        return remote.read_back(directory, os.path.join(remote.staging_root(), remote.run_key(directory), "reader"))
     meta = read_metadata(directory)
     metadata = os.path.join(directory, METADATA)
     present = on_disk(directory)
@@ -361,20 +355,9 @@ def copy_backup(source: str, target: str) -> ResumePoint:
     """Copy the newest intact backup of `source` (its files and a checkpoint.json naming only it) into `target`.
 
     Returns its resume point in `source` (position (0, 0): nothing to copy). For
-    engines that carry a backup elsewhere (Ray Train's checkpoints). `source` may be a store URL: its
-    newest committed backup whose files verify is downloaded into `target` (the chief's files).
-
-    Raises:
-        ConfigError: `target` is a store URL (a store takes backups only through `Trainer.fit`'s commit).
+    engines that carry a backup elsewhere (Ray Train's checkpoints). Local directories; the package's
+    `copy_backup` takes a store URL as `source` too (`remote`).
     """
-    if is_url(target):
-        raise ConfigError(f"copy_backup: target={target!r} is a store URL; a store takes backups only through a "
-                          "run's own commit. Fix: copy into a local directory, or pass the URL as backup_dir to "
-                          "Trainer.fit, which resumes from the store's newest committed backup")
-    if is_url(source):
-        from stratkit.training.checkpoint import remote
-
-        return remote.read_back(source, files.check_dir(target, WHAT))
     point = find_resume_point(source)
     if point.path is None:
         return point
