@@ -25,7 +25,7 @@ from unittest import mock
 
 import cloudpickle
 import pytest
-from spark_helpers import FAKE_GPU_SCRIPT, start_session
+from spark_helpers import FAKE_GPU_CONFS, FAKE_GPU_MASTER, FAKE_GPU_PRESET, shared_session
 
 from stratkit.errors import ConfigError
 from stratkit.spark import MirroredStrategyRunner, SparkRunner
@@ -34,22 +34,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-PRESET = "10,11,12,13"
+PRESET = FAKE_GPU_PRESET
 
 
 @pytest.fixture(scope="module")
 def spark():
-    script = str(FAKE_GPU_SCRIPT)
-    yield from start_session("local-cluster[2,2,1024]", {
-        "spark.worker.resource.gpu.amount": "4",
-        "spark.worker.resource.gpu.discoveryScript": script,
-        "spark.executor.resource.gpu.amount": "4",
-        "spark.task.resource.gpu.amount": "2",
-        "spark.driver.resource.gpu.amount": "4",
-        "spark.driver.resource.gpu.discoveryScript": script,
-        "spark.executorEnv.CUDA_VISIBLE_DEVICES": PRESET,
-        "spark.stratkit.stage": "rdd",
-    })
+    # Shared with tests/spark/test_spark_ml_gpu.py (shared_session: the executors start once for both).
+    return shared_session(FAKE_GPU_MASTER, FAKE_GPU_CONFS)
 
 
 @pytest.fixture
