@@ -25,6 +25,9 @@ from stratkit import files
 from stratkit.errors import ConfigError
 from stratkit.spark.data import _filesystem  # the URL -> pyarrow filesystem rule of the staging
 
+#: The fix for a file that is not a Keras 3 model file.
+SAVE_AS_KERAS = "Fix: save the model with model.save('model.keras') (Keras 3) and pass that file"
+
 
 def join(directory: str, name: str) -> str:
     """`directory/name` for a path or a URL."""
@@ -94,23 +97,22 @@ def check_keras_archive(data: bytes, where: str) -> dict:
     Raises:
         ConfigError: naming the file, what it is instead, and the fix.
     """
-    fix = "Fix: save the model with model.save('model.keras') (Keras 3) and pass that file"
     if data[:4] == b"\x89HDF":
         raise ConfigError(f"{where} is an HDF5 file (a legacy Keras .h5 model or .weights.h5 weights), not a Keras 3 "
-                          f".keras model file. {fix}")
+                          f".keras model file. {SAVE_AS_KERAS}")
     if not zipfile.is_zipfile(io.BytesIO(data)):
         raise ConfigError(f"{where} is not a Keras model file (a .keras file is a zip archive holding config.json, "
-                          f"metadata.json and the weights; this is {len(data)} bytes of something else). {fix}")
+                          f"metadata.json and the weights; this is {len(data)} bytes of something else). {SAVE_AS_KERAS}")
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = set(archive.namelist())
         missing = [n for n in ("config.json", "metadata.json") if n not in names]
         if missing:
             raise ConfigError(f"{where} is a zip archive without {' and '.join(missing)}, so not a Keras model file. "
-                              f"{fix}")
+                              f"{SAVE_AS_KERAS}")
         try:
             return json.loads(archive.read("metadata.json"))
         except ValueError:
-            raise ConfigError(f"{where} has an unreadable metadata.json: not a Keras model file. {fix}") from None
+            raise ConfigError(f"{where} has an unreadable metadata.json: not a Keras model file. {SAVE_AS_KERAS}") from None
 
 
 def read_model(url: str, what: str = "model") -> bytes:

@@ -105,16 +105,16 @@ def describe(model: Any) -> ModelSignature:
     """The signature of a built Keras model (functional, Sequential, or a subclassed model that was built)."""
     import keras
 
-    try:
-        inputs = list(model.inputs)
-        structure = "dict" if isinstance(model.input, dict) else "list"
-    except (AttributeError, ValueError):  # a subclassed model: its build shape says what it takes
+    symbolic = _symbolic_inputs(model)
+    if symbolic is not None:
+        inputs, structure = symbolic
+    else:  # a subclassed model: its build shape says what it takes
         config = model.get_build_config() if hasattr(model, "get_build_config") else None
         shape = (config or {}).get("input_shape")
         if not shape or isinstance(shape[0], (list, tuple, dict)):
             raise ConfigError(f"cannot tell what the {type(model).__name__} model takes: it has no symbolic inputs "
                               "and no single input shape. Fix: build it with keras.Input(...) (a functional or "
-                              "Sequential model), or call it once on a batch before saving it") from None
+                              "Sequential model), or call it once on a batch before saving it")
         inputs = [keras.KerasTensor(tuple(shape), dtype="float32", name="input")]
         structure = "list"
     if not inputs:
@@ -131,6 +131,19 @@ def describe(model: Any) -> ModelSignature:
     ports_in = tuple(Port(_name(t, i), tuple(t.shape[1:]), str(t.dtype)) for i, t in enumerate(inputs))
     ports_out = tuple(Port(str(n), tuple(t.shape[1:]), str(t.dtype)) for n, t in zip(names, flat))
     return ModelSignature(ports_in, ports_out, structure, "dict" if isinstance(spec, dict) else "list")
+
+
+def _symbolic_inputs(model: Any) -> tuple[list[Any], str] | None:
+    """The model's input tensors and how it takes them ("list" or "dict"); None for a subclassed model."""
+    try:
+        inputs = list(model.inputs)
+    except (AttributeError, ValueError):
+        return None
+    try:
+        structure = "dict" if isinstance(model.input, dict) else "list"
+    except (AttributeError, ValueError):  # a Sequential model that was never called: one input
+        structure = "list"
+    return inputs, structure
 
 
 def _name(tensor: Any, index: int) -> str:

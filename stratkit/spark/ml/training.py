@@ -95,7 +95,9 @@ def train_on_executor(job: TrainJob, data: Any, validation: Any = None) -> dict[
         val = _mapped(validation.dataset_fn(val_batch, shuffle=False), split)
     history = trainer.fit(model, train, epochs=job.epochs, steps_per_epoch=steps, validation_data=val,
                           validation_steps=val_steps, backup_dir=job.backup_dir, backup_every=job.backup_every,
-                          verbose=job.verbose, callbacks=[*job.callbacks, *tracking_callbacks(job, trainer)])
+                          # the other workers as Trainer has them: quiet unless STRATKIT_VERBOSE_WORKERS=1
+                          verbose=job.verbose if trainer.is_chief else None,
+                          callbacks=[*job.callbacks, *tracking_callbacks(job, trainer)])
     directory = tempfile.mkdtemp(prefix="stratkit-fit-")
     try:
         path = trainer.save(model, os.path.join(directory, "model.keras"))  # every worker: the replica check
