@@ -2,15 +2,18 @@
 
 One SparkSession (local-cluster[2,1,2048]: 2 executors of 1 core, separate JVMs as on a cluster; local[2]
 with --quick) scores one cached DataFrame of 1,000,000 rows (a 32-float array column, 8 partitions) with
-one Keras model (32 -> 64 -> 64 -> 1, ReLU) three ways, written to Spark's `noop` sink so every row is
+one Keras model (32 -> 64 -> 64 -> 1, ReLU) five ways, written to Spark's `noop` sink so every row is
 scored and nothing is collected:
 
   * stratkit: `stratkit.spark.keras_predict(df, "model.keras", ["features"])` -- an Arrow iterator UDF,
     the model loaded once per Python worker, batches of 1024 rows, TensorFlow's threads = spark.task.cpus;
+  * the same through its pandas iterator UDF (what pyspark before 4.1, without `arrow_udf`, runs);
   * pandas UDF: the usual recipe, an iterator `@pandas_udf` that loads the model once per task and calls
     `model.predict(np.vstack(series), batch_size=1024)` on each Arrow batch (TensorFlow's default threads);
   * predict_batch_udf: pyspark's own (`pyspark.ml.functions.predict_batch_udf`, 3.4+), batch 1024, the
-    model loaded once per Python worker by its cache.
+    model loaded once per Python worker by its cache;
+  * an Arrow iterator UDF that returns zeros without any model: the ceiling of a Python UDF over these
+    rows on this cluster (Spark's Arrow transfer both ways and the Python worker, nothing else).
 
 Right before each measured run, the same way scores 20,000 other rows (4 partitions, not measured): Spark
 replaces idle Python workers (its worker factory stops them after a minute without work), and a new worker
@@ -39,12 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
 from jobs import REPO  # noqa: E402
 
+sys.path.insert(0, str(REPO))  # the driver imports this checkout's stratkit, as its executors do (executorEnv)
+
 LOCAL_CLUSTER = "local-cluster[2,1,2048]"
 FULL = {"rows": 1_000_000, "partitions": 8, "rounds": 3, "warmup_rows": 20_000, "master": LOCAL_CLUSTER}
 QUICK = {"rows": 20_000, "partitions": 4, "rounds": 1, "warmup_rows": 2_000, "master": "local[2]"}
 WIDTH = 32
 BATCH = 1024
-WAYS = ("stratkit keras_predict", "pandas UDF (usual recipe)", "pyspark predict_batch_udf")
+WAYS = ("stratkit keras_predict", "stratkit, pandas UDF path (pyspark < 4.1)", "pandas UDF (usual recipe)",
+        "pyspark predict_batch_udf", "Arrow UDF returning zeros (no model)")
+BASELINE = WAYS[2]
 
 
 def build_model(path: str) -> None:
@@ -121,16 +128,37 @@ def batch_udf(path: str):
 _udfs: dict = {}
 
 
+def zeros():
+    from pyspark.sql import functions as F
+
+    def run(batches):
+        import pyarrow as pa
+
+        for batch in batches:
+            yield pa.nulls(len(batch), pa.float64()).fill_null(0.0)
+
+    import warnings
+
+    with warnings.catch_warnings():  # the UDF type given, not read from type hints
+        warnings.simplefilter("ignore")
+        return F.arrow_udf(run, "double", F.ArrowUDFType.SCALAR_ITER)
+
+
 def scored(way: str, frame, path: str):
     """`frame` with the way's "prediction" column (each way's UDF made once, as a user makes it)."""
     from pyspark.sql import functions as F
 
-    if way == WAYS[0]:
+    if way in WAYS[:2]:
         from stratkit.spark import keras_predict
+        from stratkit.spark.ml import inference
 
-        return keras_predict(frame, path, ["features"], batch_size=BATCH)
+        inference.PREFER_ARROW = way == WAYS[0]
+        try:
+            return keras_predict(frame, path, ["features"], batch_size=BATCH)
+        finally:
+            inference.PREFER_ARROW = True
     if way not in _udfs:
-        _udfs[way] = pandas_recipe(path) if way == WAYS[1] else batch_udf(path)
+        _udfs[way] = {WAYS[2]: pandas_recipe, WAYS[3]: batch_udf, WAYS[4]: lambda _: zeros()}[way](path)
     return frame.withColumn("prediction", _udfs[way](F.col("features")))
 
 
@@ -167,7 +195,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         rows.append({"way": way, "rows/s": statistics.mean(rates),
                      "spread": statistics.stdev(rates) if len(rates) > 1 else 0.0,
                      "min rows/s": min(rates), "max rows/s": max(rates), "runs": len(rates)})
-    base = rows[1]["rows/s"]
+    base = next(row["rows/s"] for row in rows if row["way"] == BASELINE)
     for row in rows:
         row["vs pandas UDF"] = row["rows/s"] / base
     return rows
@@ -194,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
             frame = table(spark, job["rows"], job["partitions"])
             warm = table(spark, job["warmup_rows"], job["partitions"])  # every executor's Python worker
             errors = {}
-            for way in WAYS:
+            for way in WAYS[:-1]:  # the last way has no model
                 errors[way] = check(way, frame, path)
             runs = []
             for round_index in range(job["rounds"]):
@@ -209,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
             spark.stop()
     rows = summarize(runs)
     for row in rows:
-        row["max |diff| vs model.predict"] = errors[row["way"]]
+        row["max |diff| vs model.predict"] = errors.get(row["way"])
     print_table(f"{job['rows']:,} rows, {job['partitions']} partitions, {job['master']}: rows per second "
                 f"(mean over {job['rounds']} round(s))", rows)
     payload = {"quick": args.quick, "job": {**job, "width": WIDTH, "batch": BATCH,

@@ -213,6 +213,17 @@ def test_a_vector_column_of_the_wrong_size_is_named_before_any_job(spark, fitted
         model.stages[-1].transform(two)
 
 
+def test_scoring_on_gpus_without_gpu_scheduling_is_refused_before_any_job(spark, fitted):
+    from pyspark.ml import PipelineModel
+
+    df, model, _, _ = fitted
+    scaled = PipelineModel(stages=model.stages[:2]).transform(df)
+    keras_stage = model.stages[-1]
+    with _no_job_runs(spark), pytest.raises(ConfigError, match=r"useGpu=True but the Spark conf "
+                                                                 r"spark.task.resource.gpu.amount is None"):
+        keras_stage.copy({keras_stage.useGpu: True}).transform(scaled)
+
+
 def test_a_file_that_is_not_a_keras_model_is_refused_before_any_job(spark, fitted, tmp_path):
     import zipfile
 
