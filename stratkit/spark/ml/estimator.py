@@ -111,6 +111,7 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         if not isinstance(result, dict) or "model" not in result:
             raise SparkTrainingError(f"the chief returned no model ({type(result).__name__}); see its output above")
         model = KerasModel._fitted(result)
+        model.run_report = runner.last_run
         self._copyValues(model)
         return model
 

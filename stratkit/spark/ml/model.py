@@ -45,6 +45,8 @@ class KerasModel(Model, TrainingParams, MLWritable, MLReadable):
         self.history: dict[str, list[float]] = {}
         #: What the training ran on: workers, replicas, steps per epoch, Keras version.
         self.training_info: dict[str, Any] = {}
+        #: The training's `SparkRunner` report (attempts, seconds, the per-phase timeline); not saved.
+        self.run_report: Any = None
 
     @classmethod
     def from_keras(cls, model: Any, **params: Any) -> KerasModel:

@@ -130,13 +130,27 @@ def _task_devices(spec: InferenceSpec) -> dict[str, str]:
     return task_devices(spec.use_gpu, resources, os.environ.get("CUDA_VISIBLE_DEVICES"), spec.gpu_resource_name)
 
 
-def _start_tensorflow(changes: dict[str, str]) -> None:
-    """Start TensorFlow in this worker (inside `_environment(changes)`) with the task's threads and memory growth."""
-    if "tensorflow" in sys.modules:
-        if os.environ.get("CUDA_VISIBLE_DEVICES") != changes.get("CUDA_VISIBLE_DEVICES"):
-            print("[stratkit] TensorFlow was already imported in this Python worker, so this model's devices "
-                  f"({changes}) cannot be set for it any more: it runs where TensorFlow started", file=sys.stderr)
-        return
+#: The devices this worker's TensorFlow started with, when stratkit started it (None: not started here).
+_started_with: dict[str, str] | None = None
+_told: set[str] = set()
+
+
+def _start_tensorflow(changes: dict[str, str]) -> dict[str, str]:
+    """Start TensorFlow in this worker (inside `_environment(changes)`) with the task's threads and memory growth;
+    the devices it runs with."""
+    global _started_with
+    if "tensorflow" in sys.modules:  # started already: by an earlier model here, or by other code in the worker
+        started = _started_with
+        wanted = changes.get("CUDA_VISIBLE_DEVICES")
+        if started is None or started.get("CUDA_VISIBLE_DEVICES") != wanted:
+            note = (f"TensorFlow was started in this Python worker before (by other code), so this task's devices "
+                    f"(CUDA_VISIBLE_DEVICES={wanted!r}) cannot be set for it" if started is None else
+                    f"this Python worker's TensorFlow started with CUDA_VISIBLE_DEVICES="
+                    f"{started.get('CUDA_VISIBLE_DEVICES')!r} and cannot move to this task's {wanted!r}")
+            if note not in _told:
+                _told.add(note)
+                print(f"[stratkit] {note}: the model runs on the devices TensorFlow has", file=sys.stderr)
+        return dict(started or {})
     context = _task_context()
     cpus = int(context.cpus()) if context is not None and hasattr(context, "cpus") else None
     with quiet_tensorflow_import():  # TensorFlow's start-up lines, as every training process of stratkit drops them
@@ -148,6 +162,8 @@ def _start_tensorflow(changes: dict[str, str]) -> None:
         for device in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(device, True)
     tf.constant(0)  # the runtime starts here, reading CUDA_VISIBLE_DEVICES
+    _started_with = dict(changes)
+    return dict(changes)
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -156,10 +172,11 @@ class Predictor:
     """One loaded model and its traced forward pass (one per model per Python worker)."""
 
     def __init__(self, spec: InferenceSpec) -> None:
-        #: The variables TensorFlow started with in this worker (CUDA_VISIBLE_DEVICES, memory growth).
-        self.environment = _task_devices(spec)
-        with _environment({**quiet_defaults(os.environ), **self.environment}):  # the worker's own values come back once TensorFlow started
-            _start_tensorflow(self.environment)
+        wanted = _task_devices(spec)
+        # Set while TensorFlow starts and the model loads; the worker's own values come back after.
+        with _environment({**quiet_defaults(os.environ), **wanted}):
+            #: The variables this worker's TensorFlow started with (CUDA_VISIBLE_DEVICES, memory growth).
+            self.environment = _start_tensorflow(wanted)
             self.model = _load(spec)
         import keras
         import tensorflow as tf
