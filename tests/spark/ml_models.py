@@ -4,8 +4,10 @@ Test modules register this module with `cloudpickle.register_pickle_by_value`, s
 the probe layer travel to the executors by value, as a notebook's would.
 
 The probe layer records, each time a process builds it -- which is when a process loads the model --, the
-process id and the devices TensorFlow was started with (CUDA_VISIBLE_DEVICES, TF_FORCE_GPU_ALLOW_GROWTH), one
-JSON line in a file: how the tests see which Python worker loaded a model, how often, and with which GPU.
+process id, the device variables of that moment (CUDA_VISIBLE_DEVICES, TF_FORCE_GPU_ALLOW_GROWTH) and whether
+TensorFlow's runtime had started already (a private TensorFlow flag: test code only), one JSON line in a file:
+how the tests see which Python worker loaded a model, how often, and that TensorFlow started while the
+task's GPU was set (the runtime reads CUDA_VISIBLE_DEVICES once, when it starts).
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ def probe_class():
                 import json
                 import os
 
+                from tensorflow.python.eager import context
+
                 with open(self.log, "a") as handle:
                     handle.write(json.dumps({"pid": os.getpid(),
                                              "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                             "growth": os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH")}) + "\n")
+                                             "growth": os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH"),
+                                             "started": bool(context.context()._initialized)}) + "\n")
 
         def call(self, inputs):
             return inputs

@@ -185,7 +185,8 @@ def test_keras_predict_feeds_several_inputs_gives_each_head_a_column_and_loads_o
     workers = [load["pid"] for load in loads if load["pid"] != os.getpid()]  # the driver described it once
     assert workers and len(workers) == len(set(workers)), f"a Python worker loaded the model twice: {loads}"
     assert len(workers) < 6, f"the model was loaded per task (2 jobs x 3 partitions), not per worker: {loads}"
-    assert {load["visible"] for load in loads if load["pid"] != os.getpid()} == {""}  # useGpu=False hides GPUs
+    # useGpu=False hides GPUs from TensorFlow, which started before the model loaded (with the GPUs hidden)
+    assert all(load["visible"] == "" and load["started"] for load in loads if load["pid"] != os.getpid()), loads
 
 
 # -- bad input: a ConfigError on the driver, before any Spark job ----------------------------------

@@ -4,7 +4,8 @@ The session is tests/spark/test_spark_gpu.py's (`spark_helpers.FAKE_GPU_CONFS`):
 is real and the GPU inventory a stand-in (a discovery script reporting 4 fake GPUs per worker, tasks with 2,
 executors' CUDA_VISIBLE_DEVICES preset to 10,11,12,13). TensorFlow cannot use fake GPUs, so the model runs on
 the CPU; what is checked is the environment TensorFlow was started with in each worker, which the model's
-probe layer records when the worker loads it. No GPU ran here.
+probe layer records when the worker loads it (with the task's GPU still set, and TensorFlow's runtime
+already started: it read CUDA_VISIBLE_DEVICES then). No GPU ran here.
 """
 
 from __future__ import annotations
@@ -52,3 +53,4 @@ def test_each_scoring_task_sees_one_of_its_spark_gpus_with_memory_growth(spark, 
         # one GPU, one of the executor's (Spark's address translated through its CUDA_VISIBLE_DEVICES)
         assert load["visible"] in FAKE_GPU_PRESET.split(","), load
         assert load["growth"] == "true", load
+        assert load["started"], f"TensorFlow's runtime started after the task's GPU was set back: {load}"

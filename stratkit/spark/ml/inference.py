@@ -140,8 +140,13 @@ def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequen
                           "first")
     if use_gpu:
         check_gpu_confs(df.sparkSession, gpu_resource_name, spelling.gpu)
+    custom = None
+    if custom_objects:
+        import cloudpickle
+
+        custom = cloudpickle.dumps(custom_objects)
     spec = InferenceSpec(model=model, signature=signature, feeds=feeds, fields=fields, batch_size=batch_size,
-                         use_gpu=use_gpu, gpu_resource_name=gpu_resource_name, custom_objects=custom_objects,
+                         use_gpu=use_gpu, gpu_resource_name=gpu_resource_name, custom_objects=custom,
                          safe_mode=safe_mode, digest=hashlib.sha256(model).hexdigest())
     inputs = [data_module._column_expression(df, name, vector_dtype=_vector_dtype(feed.port.dtype))
               for feed in feeds for name in feed.columns]

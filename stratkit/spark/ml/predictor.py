@@ -62,7 +62,9 @@ class InferenceSpec:
     batch_size: int
     use_gpu: bool = False
     gpu_resource_name: str = "gpu"
-    custom_objects: dict[str, Any] | None = None
+    #: The model's custom Keras objects, cloudpickled: unpickling Keras classes imports TensorFlow, which must
+    #: wait until the task's devices are set (unpickling the UDF itself must not start it).
+    custom_objects: bytes | None = None
     safe_mode: bool = True
     digest: str = field(default="", compare=False)
 
@@ -207,8 +209,12 @@ def _load(spec: InferenceSpec) -> Any:
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(spec.model)
-        return keras.saving.load_model(path, custom_objects=spec.custom_objects, compile=False,
-                                       safe_mode=spec.safe_mode)
+        custom = None
+        if spec.custom_objects is not None:
+            import cloudpickle
+
+            custom = cloudpickle.loads(spec.custom_objects)
+        return keras.saving.load_model(path, custom_objects=custom, compile=False, safe_mode=spec.safe_mode)
     finally:
         os.remove(path)
 
