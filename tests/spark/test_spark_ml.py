@@ -189,6 +189,35 @@ def test_keras_predict_feeds_several_inputs_gives_each_head_a_column_and_loads_o
     assert all(load["visible"] == "" and load["started"] for load in loads if load["pid"] != os.getpid()), loads
 
 
+def test_class_predictions_are_spark_mls_classifier_columns_for_its_evaluators(spark, fitted, tmp_path):
+    import keras
+    from pyspark.ml import PipelineModel
+    from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
+    from pyspark.sql import functions as F
+
+    from stratkit.spark import keras_predict
+
+    df, model, _, _ = fitted
+    scaled = PipelineModel(stages=model.stages[:2]).transform(df).withColumn("label", (F.col("a") > 0).cast("int"))
+    features = np.array([row["features"].toArray() for row in scaled.orderBy("id").collect()], "float32")
+    for heads, activation in ((3, "softmax"), (1, "sigmoid")):
+        keras.utils.set_random_seed(heads)
+        classifier = keras.Sequential([keras.Input((3,)), keras.layers.Dense(heads, activation=activation)])
+        classifier.save(tmp_path / f"{activation}.keras")
+        scored = keras_predict(scaled, str(tmp_path / f"{activation}.keras"), ["features"], prediction_kind="class")
+        assert dict(scored.dtypes)["prediction"] == "double" and dict(scored.dtypes)["probability"] == "vector"
+        plan = scored._jdf.queryExecution().executedPlan().toString()
+        assert plan.count("ArrowEvalPython") == 1, plan  # the model runs once per row for both columns
+        rows = scored.orderBy("id").select("prediction", "probability").collect()
+        expected = classifier.predict(features, verbose=0)
+        if heads == 1:
+            expected = np.concatenate([1 - expected, expected], axis=1)
+        np.testing.assert_allclose([r["probability"].toArray() for r in rows], expected, atol=1e-5, rtol=0)
+        assert [r["prediction"] for r in rows] == list(expected.argmax(axis=1).astype(float))
+    assert 0 <= MulticlassClassificationEvaluator(metricName="accuracy").evaluate(scored) <= 1
+    assert 0 <= BinaryClassificationEvaluator(rawPredictionCol="probability").evaluate(scored) <= 1
+
+
 # -- bad input: a ConfigError on the driver, before any Spark job ----------------------------------
 
 def test_a_missing_column_is_named_before_any_job(spark, fitted):

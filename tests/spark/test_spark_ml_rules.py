@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from stratkit.errors import ConfigError
-from stratkit.spark.ml.signature import ARGUMENTS, ModelSignature, Port, output_fields, plan_inputs
+from stratkit.spark.ml.signature import ARGUMENTS, ModelSignature, Port, check_classifier, output_fields, plan_inputs
 
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
@@ -76,6 +76,18 @@ def test_heads_become_columns_scalars_as_double_the_rest_as_flat_arrays():
     with pytest.raises(ConfigError, match=r"predictionCols=\['a'\] names 1 column\(s\) but the model has 4"):
         output_fields(signature, "p", ["a"])
     assert [f.column for f in output_fields(_signature([("x", (1,), "float32")]), "score")] == ["score"]
+
+
+def test_class_predictions_need_one_head_of_one_value_or_one_per_class():
+    check_classifier(_signature([("x", (3,), "float32")], [("p", (1,), "float32")]), "class")
+    check_classifier(_signature([("x", (3,), "float32")], [("p", (10,), "float32")]), "class")
+    check_classifier(_signature([("x", (3,), "float32")], [("a", (1,), "float32"), ("b", (2, 2), "float32")]), "raw")
+    with pytest.raises(ConfigError, match=r"predictionKind='class' needs a model with one output .* this model "
+                                          r"gives a \(1,\), b \(2, 2\)"):
+        check_classifier(_signature([("x", (3,), "float32")], [("a", (1,), "float32"), ("b", (2, 2), "float32")]),
+                         "class")
+    with pytest.raises(ConfigError, match=r"prediction_kind='labels' is not one of \['raw', 'class'\]"):
+        check_classifier(_signature([("x", (3,), "float32")]), "labels", ARGUMENTS)
 
 
 # -- a task's GPU ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from stratkit.spark.data import DataFrameInput
 from stratkit.spark.ml.model import KerasModel
 from stratkit.spark.ml.params import EstimatorParams
 from stratkit.spark.ml.persistence import StageReader, StageWriter
+from stratkit.spark.ml.signature import PREDICTION_KINDS
 from stratkit.spark.ml.training import TrainJob, train_on_executor
 from stratkit.spark.runner import SparkRunner, SparkTrainingError
 
@@ -60,6 +61,8 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         backupDir / backupEvery: back up while training and resume there on a retry (`Trainer.fit`'s).
         maxRetries / timeout: `SparkRunner`'s.
         inferenceBatchSize: rows per model call when the fitted model scores (default 1024).
+        predictionKind / probabilityCol: "class" for a classifier's class index and probabilities (see
+            `KerasModel`); default "raw".
         customObjects: custom Keras classes/functions the saved model needs to load.
     """
 
@@ -140,6 +143,9 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         for name in ("epochs", "batchSize", "numWorkers"):
             if get(name) < 1:
                 raise ConfigError(f"{name}={get(name)} must be at least 1. Fix: e.g. {name}=2")
+        if get("predictionKind") not in PREDICTION_KINDS:
+            raise ConfigError(f"predictionKind={get('predictionKind')!r} is not one of {list(PREDICTION_KINDS)}. "
+                              "Fix: 'raw' (the model's outputs) or 'class' (a classifier's class and probabilities)")
         workers, batch = get("numWorkers"), get("batchSize")
         if not get("useGpu") and batch % workers:
             raise ConfigError(f"batchSize={batch} (the global batch) does not split evenly over numWorkers={workers} "

@@ -40,6 +40,7 @@ from stratkit.spark.ml.signature import (
     PARAMS,
     ModelSignature,
     Spelling,
+    check_classifier,
     describe,
     output_fields,
     plan_inputs,
@@ -123,21 +124,24 @@ def check_gpu_confs(spark: Any, resource_name: str = "gpu", what: str = PARAMS.g
 def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequence[str], *,
           prediction_col: str = "prediction", prediction_cols: Sequence[str] = (),
           batch_size: int = DEFAULT_BATCH_SIZE, use_gpu: bool = False, gpu_resource_name: str = "gpu",
-          custom_objects: dict[str, Any] | None = None, safe_mode: bool = True,
-          spelling: Spelling = PARAMS) -> Any:
-    """`df` with one prediction column per model head, computed on the executors (checked first, on the driver)."""
+          custom_objects: dict[str, Any] | None = None, safe_mode: bool = True, prediction_kind: str = "raw",
+          probability_col: str = "probability", spelling: Spelling = PARAMS) -> Any:
+    """`df` with one prediction column per model head (or a classifier's class and probabilities), computed on the
+    executors; everything is checked first, on the driver."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"{spelling.batch}={batch_size!r} must be a positive integer (rows per model call). Fix: "
                           f"e.g. {spelling.batch}={DEFAULT_BATCH_SIZE}")
     if isinstance(feature_cols, str):
         feature_cols = [feature_cols]
     feeds = plan_inputs(signature, feature_widths(df, feature_cols, spelling.features), spelling)
+    check_classifier(signature, prediction_kind, spelling)
     fields = output_fields(signature, prediction_col, prediction_cols, spelling)
-    taken = [f.column for f in fields if f.column in df.columns]
+    new_columns = [prediction_col, probability_col] if prediction_kind == "class" else [f.column for f in fields]
+    taken = [c for c in new_columns if c in df.columns]
     if taken:
         raise ConfigError(f"prediction column(s) {taken} already exist in the DataFrame. Fix: set "
-                          f"{spelling.prediction} (or {spelling.predictions}) to new names, or drop those columns "
-                          "first")
+                          f"{spelling.prediction} (or {spelling.predictions}, {spelling.probability}) to new names, "
+                          "or drop those columns first")
     if use_gpu:
         check_gpu_confs(df.sparkSession, gpu_resource_name, spelling.gpu)
     custom = None
@@ -150,14 +154,36 @@ def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequen
                          safe_mode=safe_mode, digest=hashlib.sha256(model).hexdigest())
     inputs = [data_module._column_expression(df, name, vector_dtype=_vector_dtype(feed.port.dtype))
               for feed in feeds for name in feed.columns]
+    from pyspark.sql import functions as F
+
+    if prediction_kind == "class":
+        values = f"__stratkit_values_{spec.digest[:8]}"
+        scored = df.withColumn(values, _udf(spec, fields[0].spark_type)(*inputs))
+        return _classes(scored, values, fields[0].scalar, prediction_col, probability_col)
     if len(fields) == 1:
         return df.withColumn(fields[0].column, _udf(spec, fields[0].spark_type)(*inputs))
-    from pyspark.sql import functions as F
 
     struct = ", ".join(f"`{f.column}`: {f.spark_type}" for f in fields)
     hidden = f"__stratkit_heads_{spec.digest[:8]}"
     scored = df.withColumn(hidden, _udf(spec, f"struct<{struct}>")(*inputs))
     return scored.select("*", *[F.col(hidden)[f.column].alias(f.column) for f in fields]).drop(hidden)
+
+
+def _classes(scored: Any, values: str, scalar: bool, prediction_col: str, probability_col: str) -> Any:
+    """A classifier's columns, as Spark ML's classifiers give them: the class index (double) and the
+    probabilities (a vector): for one value per row (a sigmoid's P(class 1)) [1 - p, p] and p > 0.5, else the
+    head's values and the index of the largest."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    head = F.col(values)
+    if scalar:
+        probability, prediction = F.array(F.lit(1.0) - head, head), (head > 0.5).cast("double")
+    else:
+        probability = head.cast("array<double>")
+        prediction = (F.array_position(head, F.array_max(head)) - 1).cast("double")
+    return scored.withColumns({probability_col: array_to_vector(probability),
+                               prediction_col: prediction}).drop(values)
 
 
 def _vector_dtype(dtype: str) -> str:
@@ -199,7 +225,7 @@ def _udf(spec: InferenceSpec, return_type: str) -> Any:
 def keras_predict(df: Any, model: Any, feature_cols: Sequence[str] | str, *, prediction_col: str = "prediction",
                   prediction_cols: Sequence[str] = (), batch_size: int = DEFAULT_BATCH_SIZE, use_gpu: bool = False,
                   gpu_resource_name: str = "gpu", custom_objects: dict[str, Any] | None = None,
-                  safe_mode: bool = True) -> Any:
+                  safe_mode: bool = True, prediction_kind: str = "raw", probability_col: str = "probability") -> Any:
     """Score a DataFrame with a saved Keras model on the executors; returns `df` with the prediction column(s).
 
     Every Python worker loads the model once and reuses it for every batch and task; with `useGpu` each uses one
@@ -222,10 +248,15 @@ def keras_predict(df: Any, model: Any, feature_cols: Sequence[str] | str, *, pre
         gpu_resource_name: Spark's name of the GPU resource.
         custom_objects: the model's custom layers, losses, ... (as for `keras.saving.load_model`).
         safe_mode: `keras.saving.load_model`'s; False loads Lambda layers (arbitrary code: trusted files only).
+        prediction_kind: "raw" (the outputs as they are) or "class" for a one-output classifier: `prediction_col`
+            is the class index (a double: the largest value's index, or value > 0.5 for a one-value sigmoid
+            head) and `probability_col` the head's values as a Spark ML vector ([1 - p, p] for a sigmoid), as
+            Spark ML's classifiers and evaluators have them.
+        probability_col: the probabilities' column with prediction_kind="class".
 
     Returns:
         The DataFrame with the predictions: a double column for a head with one value per row, an array column
-        (flattened) for any other head.
+        (flattened) for any other head; with prediction_kind="class" the class and the probabilities.
 
     Raises:
         ConfigError: before any job, naming the column or file and the fix.
@@ -234,7 +265,8 @@ def keras_predict(df: Any, model: Any, feature_cols: Sequence[str] | str, *, pre
     signature = model_signature(data, where, custom_objects, safe_mode)
     return score(df, data, signature, feature_cols, prediction_col=prediction_col, prediction_cols=prediction_cols,
                  batch_size=batch_size, use_gpu=use_gpu, gpu_resource_name=gpu_resource_name,
-                 custom_objects=custom_objects, safe_mode=safe_mode, spelling=ARGUMENTS)
+                 custom_objects=custom_objects, safe_mode=safe_mode, prediction_kind=prediction_kind,
+                 probability_col=probability_col, spelling=ARGUMENTS)
 
 
 def _model_bytes(model: Any) -> tuple[bytes, str]:

@@ -24,7 +24,10 @@ class KerasModel(Model, TrainingParams, MLWritable, MLReadable):
     keeps it for every batch and task; batches of `inferenceBatchSize` rows; with `useGpu` one of each task's
     Spark GPUs with memory growth. Columns, widths and types are checked against the model on the driver before
     any job. A one-head model gives `predictionCol` (a double column when the head has one value per row, else a
-    flat array); N heads give `<predictionCol>_<head name>` (or `predictionCols`).
+    flat array); N heads give `<predictionCol>_<head name>` (or `predictionCols`). With `predictionKind="class"`
+    a one-output classifier gives Spark ML's classifier columns: `predictionCol` the class index (double) and
+    `probabilityCol` the probabilities (a vector), for `MulticlassClassificationEvaluator` and
+    `BinaryClassificationEvaluator(rawPredictionCol=probabilityCol)`.
 
     It saves and loads with `save(path)` / `KerasModel.load(path)` and inside a `PipelineModel`; the saved
     directory holds the Keras file (`model.keras`), which `keras.saving.load_model` opens anywhere.
@@ -34,7 +37,7 @@ class KerasModel(Model, TrainingParams, MLWritable, MLReadable):
 
     Args:
         **params: `featuresCols`, `predictionCol`, `predictionCols`, `inferenceBatchSize`, `useGpu`,
-            `customObjects`, and the training params (see `KerasEstimator`).
+            `customObjects`, `predictionKind`, `probabilityCol`, and the training params (see `KerasEstimator`).
     """
 
     def __init__(self, **params: Any) -> None:
@@ -109,7 +112,9 @@ class KerasModel(Model, TrainingParams, MLWritable, MLReadable):
                                prediction_cols=self.getOrDefault("predictionCols"),
                                batch_size=self.getOrDefault("inferenceBatchSize"),
                                use_gpu=self.getOrDefault("useGpu"),
-                               custom_objects=self.getOrDefault("customObjects"), safe_mode=False)
+                               custom_objects=self.getOrDefault("customObjects"), safe_mode=False,
+                               prediction_kind=self.getOrDefault("predictionKind"),
+                               probability_col=self.getOrDefault("probabilityCol"))
 
     # -- persistence -------------------------------------------------------------------------------
     def write(self) -> StageWriter:

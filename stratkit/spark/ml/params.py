@@ -89,10 +89,16 @@ class InferenceParams(StageParams):
                     "(spark.task.resource.gpu.amount); False hides GPUs", TypeConverters.toBoolean)
     customObjects = _param("customObjects", "the model's custom Keras classes/functions by name, as for "
                            "keras.saving.load_model (pickled)", _dict)
+    predictionKind = _param("predictionKind", "'raw': the model's outputs as they are; 'class' (a one-output "
+                            "classifier): predictionCol is the class index and probabilityCol the probabilities, "
+                            "as Spark ML's classifiers give them", TypeConverters.toString)
+    probabilityCol = _param("probabilityCol", "with predictionKind='class': the probabilities (a vector)",
+                            TypeConverters.toString)
 
     def _defaults(self) -> dict[str, Any]:
         return {"featuresCols": ["features"], "predictionCol": "prediction", "predictionCols": [],
-                "inferenceBatchSize": 1024, "useGpu": False, "customObjects": None}
+                "inferenceBatchSize": 1024, "useGpu": False, "customObjects": None, "predictionKind": "raw",
+                "probabilityCol": "probability"}
 
 
 class TrainingParams(InferenceParams):

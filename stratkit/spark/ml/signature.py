@@ -43,14 +43,17 @@ class Spelling:
     features: str = "featuresCols"
     prediction: str = "predictionCol"
     predictions: str = "predictionCols"
-    batch: str = "batchSize"
+    batch: str = "inferenceBatchSize"
     gpu: str = "useGpu"
+    kind: str = "predictionKind"
+    probability: str = "probabilityCol"
 
 
 #: The Spark ML stages' spelling (`KerasEstimator`, `KerasModel`).
 PARAMS = Spelling()
 #: `keras_predict`'s.
-ARGUMENTS = Spelling("feature_cols", "prediction_col", "prediction_cols", "batch_size", "use_gpu")
+ARGUMENTS = Spelling("feature_cols", "prediction_col", "prediction_cols", "batch_size", "use_gpu", "prediction_kind",
+                     "probability_col")
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,23 @@ class OutputField:
         else:
             element = "float"
         return element if self.scalar else f"array<{element}>"
+
+
+#: What the prediction columns hold: each head's values ("raw"), or a classifier's class index and probabilities.
+PREDICTION_KINDS = ("raw", "class")
+
+
+def check_classifier(signature: ModelSignature, kind: str, spelling: Spelling = PARAMS) -> None:
+    """`kind="class"` needs one head of one value (a sigmoid: P(class 1)) or one value per class (a softmax)."""
+    if kind not in PREDICTION_KINDS:
+        raise ConfigError(f"{spelling.kind}={kind!r} is not one of {list(PREDICTION_KINDS)}. Fix: 'raw' for the "
+                          "model's outputs as they are, 'class' for a classifier's class index and probabilities")
+    if kind == "class" and (len(signature.outputs) != 1 or len(signature.outputs[0].shape) > 1
+                            or signature.outputs[0].size is None):
+        shapes = ", ".join(f"{p.name} {_shape(p.shape)}" for p in signature.outputs)
+        raise ConfigError(f"{spelling.kind}='class' needs a model with one output of one value per row (a sigmoid) "
+                          f"or one value per class (a softmax); this model gives {shapes}. Fix: "
+                          f"{spelling.kind}='raw'")
 
 
 def output_fields(signature: ModelSignature, prediction_col: str, prediction_cols: Sequence[str] = (),
