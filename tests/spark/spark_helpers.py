@@ -18,22 +18,6 @@ from procs import alive  # noqa: F401 - re-exported: the Spark tests' one livene
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAKE_GPU_SCRIPT = REPO_ROOT / "spark_jobs" / "gpu_discovery.sh"
 
-#: tests/spark/test_spark_gpu.py's session (shared with test_spark_ml_gpu.py): local-cluster[2,2,1024] whose workers
-#: discover 4 FAKE GPUs each, executors with 4, tasks with 2, the driver with 4, executors' CUDA_VISIBLE_DEVICES
-#: preset to FAKE_GPU_PRESET (so every GPU a task gets must come back remapped into it).
-FAKE_GPU_MASTER = "local-cluster[2,2,1024]"
-FAKE_GPU_PRESET = "10,11,12,13"
-FAKE_GPU_CONFS: dict[str, str] = {
-    "spark.worker.resource.gpu.amount": "4",
-    "spark.worker.resource.gpu.discoveryScript": str(FAKE_GPU_SCRIPT),
-    "spark.executor.resource.gpu.amount": "4",
-    "spark.task.resource.gpu.amount": "2",
-    "spark.driver.resource.gpu.amount": "4",
-    "spark.driver.resource.gpu.discoveryScript": str(FAKE_GPU_SCRIPT),
-    "spark.executorEnv.CUDA_VISIBLE_DEVICES": FAKE_GPU_PRESET,
-    "spark.stratkit.stage": "rdd",
-}
-
 #: Confs every test session gets.
 BASE_CONFS: dict[str, str] = {
     "spark.driver.host": "127.0.0.1",
