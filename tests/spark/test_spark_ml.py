@@ -119,6 +119,22 @@ def test_the_saved_pipeline_loads_and_scores_the_same(spark, fitted, tmp_path):
     assert isinstance(keras.saving.load_model(stage_dir / "model.keras"), keras.Model)
 
 
+def test_an_unfitted_pipeline_saves_and_loads_with_its_build_function(spark, tmp_path):
+    from pyspark.ml import Pipeline
+
+    from stratkit.spark import KerasEstimator
+
+    pipeline = _pipeline(buildParams={"units": 5}, callbacks=[], epochs=4, validation="is_val")
+    pipeline.write().overwrite().save(str(tmp_path / "pipeline"))
+    estimator = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    assert isinstance(estimator, KerasEstimator)
+    assert (estimator.getEpochs(), estimator.getBuildParams(), estimator.getValidation()) == (4, {"units": 5}, "is_val")
+    assert estimator.getCallbacks() == [] and estimator.uid == pipeline.getStages()[-1].uid
+    assert estimator.getBuildFn()(units=5).layers[0].units == 5  # the build function came back, pickled by value
+    with pytest.raises(Exception, match="already exists"):  # Spark ML's rule: no silent overwrite
+        pipeline.getStages()[-1].save(str(tmp_path / "pipeline" / "stages" / f"2_{estimator.uid}"))
+
+
 def test_a_train_validation_split_tunes_the_build_params_one_training_per_trial(spark, caplog):
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
