@@ -38,7 +38,9 @@ def spark():
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["PYSPARK_PYTHON"] = sys.executable
     # The local server's Python workers import this checkout's stratkit (as spark_helpers' executors do), not the
-    # one installed in the venv, which may be another worktree's.
+    # one installed in the venv, which may be another worktree's. Measured: spark.executorEnv.PYTHONPATH did not reach
+    # them; they inherit the JVM's environment, so this holds when this module starts the JVM (run it first, or
+    # alone, from a worktree whose stratkit differs from the installed one).
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests"),
                                                 *filter(None, [saved["PYTHONPATH"]])])
     from pyspark.sql import SparkSession

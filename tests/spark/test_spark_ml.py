@@ -215,7 +215,7 @@ def test_class_predictions_are_spark_mls_classifier_columns_for_its_evaluators(s
 
     df, model, _, _ = fitted
     scaled = PipelineModel(stages=model.stages[:2]).transform(df).withColumn("label", (F.col("a") > 0).cast("int"))
-    features = np.array([row["features"].toArray() for row in scaled.orderBy("id").collect()], "float32")
+    features = np.array([row["features"].toArray() for row in sorted(scaled.collect())], "float32")
     for heads, activation in ((3, "softmax"), (1, "sigmoid")):
         keras.utils.set_random_seed(heads)
         classifier = keras.Sequential([keras.Input((3,)), keras.layers.Dense(heads, activation=activation)])
@@ -224,7 +224,7 @@ def test_class_predictions_are_spark_mls_classifier_columns_for_its_evaluators(s
         assert dict(scored.dtypes)["prediction"] == "double" and dict(scored.dtypes)["probability"] == "vector"
         plan = scored._jdf.queryExecution().executedPlan().toString()
         assert plan.count("ArrowEvalPython") == 1, plan  # the model runs once per row for both columns
-        rows = scored.orderBy("id").select("prediction", "probability").collect()
+        rows = sorted(scored.select("id", "prediction", "probability").collect())
         expected = classifier.predict(features, verbose=0)
         if heads == 1:
             expected = np.concatenate([1 - expected, expected], axis=1)
