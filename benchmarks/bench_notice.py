@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_result  # noqa: E402
-from jobs import clean_env, python  # noqa: E402
+from common import print_table, write_result
+from jobs import clean_env, python
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "training" / "checkpoint_script.py"
