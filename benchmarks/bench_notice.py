@@ -62,16 +62,18 @@ def one_run(tree: Path, out: Path, after_notice: float, timeout: float) -> dict:
         lines = [line.split() for line in (out / f"steps-{rank}.log").read_text().splitlines()]
         attempts = {a: [int(s) for b, s in lines if b == a] for a in {b for b, _ in lines}}
         trained = attempts.get("0", [])
-        again = sorted(set(trained) & {s for a, steps in attempts.items() if a != "0" for s in steps})
-        workers.append({"stopped_at": max(trained) + 1 if trained else None, "retrained": len(again)})
+        later = {s for a, steps in attempts.items() if a != "0" for s in steps}
+        again = len(set(trained) & later) if later else None   # None: no restart ran (the launch failed)
+        workers.append({"stopped_at": max(trained) + 1 if trained else None, "retrained": again})
     codes = sorted(e["returncode"] for e in first)
     stops = [w["stopped_at"] for w in workers]
     row = {"exit codes": codes, "notice step": sent["step"], "stopped at": stops,
            "s to last exit": round(max(e["time"] for e in first) - sent["time"], 2) if first else None,
-           "retrained": max(w["retrained"] for w in workers), "launch ok": done.returncode == 0,
+           "retrained": None if None in [w["retrained"] for w in workers] else max(w["retrained"] for w in workers),
+           "launch ok": done.returncode == 0,
            "wall s": round(wall, 1), "load before": load_before, "load after": os.getloadavg()[0]}
     row["pass"] = (codes == [75, 75] and stops[0] == stops[1] and sent["step"] + 1 <= stops[0] <= sent["step"] + 2
-                   and row["retrained"] <= 1 and done.returncode == 0)
+                   and row["retrained"] is not None and row["retrained"] <= 1 and done.returncode == 0)
     if done.returncode:
         row["launcher tail"] = done.stderr[-1500:]
     return row
