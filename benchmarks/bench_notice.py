@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     runs = 1 if args.quick else args.runs
     trees = {"this": REPO}
-    worktree = None
+    worktree, base_commit = None, None
     if args.base:
         commit = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         subprocess.run(["git", "worktree", "add", "--detach", "-f", str(worktree), commit], cwd=REPO, check=True,
                        capture_output=True)
         trees["base"] = worktree
+        base_commit = commit
     rows: list[dict] = []
     try:
         for index in range(runs):
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                 [{k: v for k, v in r.items() if k != "launcher tail"} for r in rows])
     print(f"\npassed: {summary}")
     payload = {"quick": args.quick, "after_notice_s": args.after_notice, "notice_at": NOTICE_AT,
-               "base": args.base, "summary": summary, "rows": rows}
+               "base": args.base, "base_commit": base_commit, "summary": summary, "rows": rows}
     write_result("notice-quick" if args.quick else "notice", payload)
     return payload
 
