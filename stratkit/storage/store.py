@@ -121,6 +121,15 @@ class Store:
                 return handle.read()
         return self._call("read", name, lambda: self.fs.cat_file(self._key(name)))
 
+    def open(self, name: str) -> Any:
+        """The object `name` as a binary file for reading, with seek (Parquet reads a footer, then row groups).
+
+        A remote object is read in ranged requests as the reader asks; the caller closes it (``with``).
+        """
+        if self.local:
+            return open(self.path(name), "rb")  # the caller's `with` closes it
+        return self._call("open", name, lambda: self.fs.open(self._key(name), "rb"))
+
     def download(self, name: str, local_file: str) -> None:
         """Copy the object `name` to `local_file` (written under a temporary name, then renamed)."""
         os.makedirs(os.path.dirname(os.path.abspath(local_file)), exist_ok=True)

@@ -41,7 +41,7 @@ import threading
 from typing import Any
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import replica_check, scratch
+from stratkit.strategy import replica_check
 from stratkit.strategy.collectives import chief_ints, leave_together, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
@@ -261,7 +261,9 @@ def _guarded(name: str, original: Any) -> Any:
         finally:
             _inside_guarded_call.active = False
             if temps:
-                scratch.remove(temps)
+                from stratkit.strategy import side_effects
+
+                side_effects.remove_dirs(temps)   # and the callbacks staged for a store pointed back at it
 
     setattr(method, _PATCH_MARK, True)
     return method
