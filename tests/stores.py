@@ -282,6 +282,22 @@ class S3Server(StoreServer):
         return {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
+    def read_only_env(self) -> dict[str, str]:
+        """`env` with the keys of a second IAM user that may only read (a worker that must never write)."""
+        if not hasattr(self, "_reader"):
+            import boto3
+
+            iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
+                               aws_access_key_id=self.key, aws_secret_access_key=self.secret)
+            iam.create_user(UserName="stratkit-reader")
+            policy = iam.create_policy(PolicyName="read-only", PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*", "Action": [
+                    "s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"]}]}))
+            iam.attach_user_policy(UserName="stratkit-reader", PolicyArn=policy["Policy"]["Arn"])
+            key = iam.create_access_key(UserName="stratkit-reader")["AccessKey"]
+            self._reader = (key["AccessKeyId"], key["SecretAccessKey"])
+        return {**self.env, "AWS_ACCESS_KEY_ID": self._reader[0], "AWS_SECRET_ACCESS_KEY": self._reader[1]}
+
     def fs(self, **options: Any) -> Any:
         import s3fs
 

@@ -37,7 +37,8 @@ from stratkit import files
 from stratkit.errors import ConfigError
 from stratkit.storage import errors as _errors
 from stratkit.storage.errors import StoreError
-from stratkit.storage.store import Store, temporary_dir
+from stratkit.storage.mirror import Mirror
+from stratkit.storage.store import PROBE_PREFIX, Store, temporary_dir
 from stratkit.storage.urls import SCHEMES, basename, is_url, join, local_path, redact, split
 
 #: Seconds the start-up probe waits for a store (STRATKIT_STORE_TIMEOUT overrides).
@@ -167,7 +168,7 @@ def check_store(path: str | os.PathLike[str], what: str = "path", *, write: bool
     store = open_store(path, what)
     if store.local:
         return store
-    probe = f".stratkit-probe-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    probe = f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
 
     def run() -> None:
         if write:
@@ -309,5 +310,6 @@ def local_copy(path: str | os.PathLike[str], what: str = "path") -> Iterator[str
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["PROBE_TIMEOUT", "SCHEMES", "Store", "StoreError", "check_store", "has_filesystem", "is_url", "join",
-           "local_copy", "local_path", "open_store", "redact", "replace_dir_with", "write_with"]
+__all__ = ["PROBE_PREFIX", "PROBE_TIMEOUT", "SCHEMES", "Mirror", "Store", "StoreError", "check_store",
+           "has_filesystem", "is_url", "join", "local_copy", "local_path", "open_store", "redact",
+           "replace_dir_with", "write_with"]

@@ -29,7 +29,7 @@ import os
 from collections.abc import Iterable
 
 from stratkit import files
-from stratkit.storage.store import Store
+from stratkit.storage.store import PROBE_PREFIX, Store
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,16 @@ class Mirror:
         With a manifest, the files the last complete push committed (see the module's docstring).
         """
         wanted = None if names is None else set(names)
-        listed = [n for n in self.store.list() if n != MANIFEST and (wanted is None or n in wanted)]
+        found = [n for n in self.store.list() if n != MANIFEST and not n.rsplit("/", 1)[-1].startswith(PROBE_PREFIX)
+                 and (wanted is None or n in wanted)]
         os.makedirs(self.local_dir, exist_ok=True)
-        for name in listed:
-            self.store.download(name, self._local(name))
+        listed = []
+        for name in found:
+            try:
+                self.store.download(name, self._local(name))
+            except FileNotFoundError:
+                continue                             # deleted since the listing (a writer's own clean-up)
+            listed.append(name)
         if self.manifest and listed:
             self._settle(listed)
         local = self._local_files()

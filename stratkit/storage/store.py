@@ -34,6 +34,10 @@ from stratkit import files
 from stratkit.storage import urls
 from stratkit.storage.errors import StoreError, translate
 
+#: The start-up probe's objects (`stratkit.storage.check_store`: written and deleted at once, yet a listing
+#: made meanwhile shows one).
+PROBE_PREFIX = ".stratkit-probe-"
+
 
 class Store:
     """A local directory or a prefix of an object store.
@@ -236,4 +240,4 @@ def temporary_dir(prefix: str = "stratkit-store-") -> str:
     return tempfile.mkdtemp(prefix=prefix)
 
 
-__all__ = ["Store", "StoreError", "temporary_dir", "urls_join"]
+__all__ = ["PROBE_PREFIX", "Store", "StoreError", "temporary_dir", "urls_join"]
