@@ -48,6 +48,15 @@ CLEARED = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFI
            "AZURE_STORAGE_SAS_TOKEN")
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGKILL it when the test process that started it dies (a pytest
+    killed by a timeout runs no teardown; its servers must not outlive it)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -181,7 +190,8 @@ class StoreServer:
         self.port = free_port()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.server_env(), start_new_session=True, cwd=self.workdir)
+                                         env=self.server_env(), start_new_session=True, cwd=self.workdir,
+                                         preexec_fn=_die_with_parent)
         try:
             wait_for_port("127.0.0.1", self.port, 60, self.proc)
         except BaseException:
