@@ -23,6 +23,7 @@ or fail under STRATKIT_REQUIRE_STORES=1 (CI).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +374,53 @@ class AzureServer(StoreServer):
 
 
 SERVERS = {"s3": S3Server, "gs": GCSServer, "az": AzureServer}
+
+
+def _filesystem_classes() -> list:
+    import fsspec
+
+    out = []
+    for protocol in ("s3", "gs", "az"):
+        try:
+            out.append(fsspec.get_filesystem_class(protocol))
+        except (ImportError, ValueError):
+            pass
+    return out
+
+
+def refresh_clients() -> None:
+    """Make this process's clients read the settings again: fsspec's config (read from FSSPEC_* once, at
+    import) from os.environ, and no filesystem cached with older credentials."""
+    import fsspec.config
+
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_env(fsspec.config.conf, os.environ)
+    for cls in _filesystem_classes():
+        cls.clear_instance_cache()
+
+
+@contextlib.contextmanager
+def client_settings(*servers: StoreServer) -> Iterator[None]:
+    """The servers' client settings in this process's os.environ and fsspec's config for the block (for a
+    module-scoped fixture, where pytest's monkeypatch cannot go); everything as it was afterwards."""
+    import fsspec.config
+
+    saved_env = dict(os.environ)
+    saved_conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
+    try:
+        for name in CLEARED:
+            os.environ.pop(name, None)
+        for server in servers:
+            os.environ.update(server.env)
+        refresh_clients()
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(saved_conf)
+        for cls in _filesystem_classes():
+            cls.clear_instance_cache()
 
 
 def unavailable_reason(scheme: str) -> str | None:

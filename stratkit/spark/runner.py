@@ -37,6 +37,7 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
+from stratkit.spark import staging
 from stratkit.spark import elastic, layout, slots
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.confs import (
@@ -246,7 +247,7 @@ class SparkRunner:
                 return result
         finally:
             for item in staged:
-                data_module.remove(item)
+                staging.remove(item)
             report.seconds = time.monotonic() - started
             report.mark("driver", "run() returns")
             report.timeline.sort(key=lambda e: e["t"])
@@ -284,7 +285,7 @@ class SparkRunner:
                                   f"num_ps={self.num_ps} (parameter-server workers read data through the "
                                   "coordinator's dataset_fn). Fix: train synchronously (num_ps=0), or read the "
                                   "data inside train_fn")
-            item = data_module.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
+            item = staging.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
             staged.append(item)
             return item
 

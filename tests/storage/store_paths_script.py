@@ -11,17 +11,17 @@ import os
 
 os.chdir(os.environ["TEST_WORKDIR"])   # relative paths (and a stray "s3:" directory) would land here
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import stratkit  # noqa: E402
-from stratkit.errors import ConfigError  # noqa: E402
+import stratkit
+from stratkit.errors import ConfigError
 
 urls = json.loads(os.environ["TEST_URLS"])
 s3, gs, az = urls["s3"], urls["gs"], urls["az"]
 trainer = stratkit.Trainer(seed=0)
 rank = trainer.spec.worker_rank
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
 
 def build(seed):
