@@ -14,8 +14,7 @@ from typing import Any
 
 from stratkit import status
 from stratkit.errors import ConfigError
-from stratkit.spark import staging
-from stratkit.spark import slots
+from stratkit.spark import slots, staging
 
 log = status.logger("stratkit.spark.runner")
 

@@ -37,8 +37,7 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
-from stratkit.spark import staging
-from stratkit.spark import elastic, layout, slots
+from stratkit.spark import elastic, layout, slots, staging
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.confs import (
     STANDBY_CONF,

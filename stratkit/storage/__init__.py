@@ -217,8 +217,16 @@ def write_with(path: str | os.PathLike[str], write: Callable[[str], None], what:
     text = os.fspath(path)
     store_root = local_path(text, what)
     if store_root is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(store_root)), exist_ok=True)
-        files.write_with(store_root, write)
+        directory = os.path.dirname(os.path.abspath(store_root))
+        os.makedirs(directory, exist_ok=True)
+
+        def with_siblings(tmp: str) -> None:
+            write(tmp)
+            for entry in os.listdir(os.path.dirname(tmp)):    # a sharded save's shards: in place before `path`
+                if entry != os.path.basename(tmp):
+                    os.replace(os.path.join(os.path.dirname(tmp), entry), os.path.join(directory, entry))
+
+        files.write_with(store_root, with_siblings)
         return text
     parent, name = text.rstrip("/").rsplit("/", 1)
     store = open_store(parent, what)
