@@ -13,10 +13,10 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from stratkit import storage  # noqa: E402
-from stratkit.errors import ConfigError  # noqa: E402
-from stratkit.strategy import store_callbacks  # noqa: E402
-from stratkit.training.callbacks import remove_dirs, route_side_effects  # noqa: E402
+from stratkit import storage
+from stratkit.errors import ConfigError
+from stratkit.strategy import store_callbacks
+from stratkit.training.callbacks import remove_dirs, route_side_effects
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def _callbacks(url):
 
 def test_the_chief_writes_each_callbacks_files_to_a_staging_dir_synced_to_the_store(s3):
     _, url = s3
-    storage.write_with(url + "/log.csv", lambda tmp: open(tmp, "w").write("epoch,loss\n0,1.0\n"))
+    storage.open_store(url).write_bytes("log.csv", b"epoch,loss\n0,1.0\n")
     storage.open_store(url + "/backup").write_bytes("training_metadata.json", b'{"epoch": 3, "batch": 0}')
     callbacks = _callbacks(url)
     routed, temps = route_side_effects(callbacks, is_chief=True)
@@ -47,7 +47,8 @@ def test_the_chief_writes_each_callbacks_files_to_a_staging_dir_synced_to_the_st
         for path in (ckpt.filepath, csv.filename, tb.log_dir, backup.backup_dir):
             assert any(path.startswith(t) for t in temps), (path, temps)
         assert ckpt.filepath.endswith(os.sep + os.path.join("{epoch}", "m.keras"))  # the store root: .../ckpt
-        assert open(csv.filename).read() == "epoch,loss\n0,1.0\n"      # append=True: read back first
+        with open(csv.filename) as handle:
+            assert handle.read() == "epoch,loss\n0,1.0\n"          # append=True: read back first
         with open(os.path.join(backup.backup_dir, "training_metadata.json")) as handle:
             assert json.load(handle)["epoch"] == 3                    # the backup read back before training
         assert backup.double_checkpoint
