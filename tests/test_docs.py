@@ -252,7 +252,7 @@ def _public_names(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["stratkit", "stratkit.callbacks", "stratkit.launch", "stratkit.spark",
-                                    "stratkit.ray"])
+                                    "stratkit.ray", "stratkit.storage"])
 def test_every_public_name_is_in_the_api_reference(module):
     page = (DOCS / "reference" / "api.md").read_text()
     if module == "stratkit.callbacks":
