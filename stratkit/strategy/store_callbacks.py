@@ -27,6 +27,7 @@ TensorBoard's event files are uploaded as far as TensorFlow has flushed them
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -40,6 +41,7 @@ from stratkit import storage
 from stratkit.errors import ConfigError
 from stratkit.storage.mirror import Mirror
 from stratkit.strategy import scratch, store_paths
+from stratkit.strategy.keras_compat import save_guards
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +150,27 @@ def to_store(callback: Any, temps: list[str]) -> list[Any]:
         except storage.StoreError as exc:
             raise ConfigError(f"{what}={storage.redact(url)!r}: could not read what it holds ({exc}). Fix: check "
                               "the store's credentials and endpoint") from None
-    _point(callback, attribute, local, url, staging)
+    _point(callback, attribute, local, url, staging, root)
     sync = (StoreSyncEveryBatch if every_batch else StoreSync)(mirror, staging)
     return [callback, sync]
 
 
-def _point(callback: Any, attribute: str, local: str, url: str, staging: str) -> None:
-    """Point `callback` at `local` until `restore(staging)`."""
+def _point(callback: Any, attribute: str, local: str, url: str, staging: str, root: str) -> None:
+    """Point `callback` at `local` until `restore(staging)`; what Keras prints names the URL meanwhile."""
     if isinstance(callback, keras.callbacks.BackupAndRestore):
         reinit_backup(callback, local)
-        _RESTORE[staging] = lambda: reinit_backup(callback, url)
+        put_back = functools.partial(reinit_backup, callback, url)
     else:
         setattr(callback, attribute, local)
-        _RESTORE[staging] = lambda: setattr(callback, attribute, url)
+        put_back = functools.partial(setattr, callback, attribute, url)
+    mirrored = local if isinstance(callback, keras.callbacks.BackupAndRestore) else staging
+    save_guards.name_in_messages(mirrored, root)
+
+    def restore_one() -> None:
+        put_back()
+        save_guards.name_in_messages(mirrored, None)
+
+    _RESTORE[staging] = restore_one
     _SHOWN[callback] = url
 
 

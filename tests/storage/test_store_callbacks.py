@@ -127,3 +127,33 @@ def test_uploads_that_fail_warn_during_training_and_raise_at_its_end(s3, tmp_pat
         server.up()
     sync.on_train_end()
     assert storage.open_store(url + "/logs").read_bytes("log.csv") == b"epoch\n0\n"
+
+
+def test_one_process_trainer_fit_and_save_to_gcs_and_keras_own_save_left_alone(use_store, capsys):
+    import numpy as np
+
+    import stratkit
+
+    server = use_store("gs")
+    url = server.url(server.make_bucket(f"one-{os.getpid()}-{os.urandom(3).hex()}"), "run")
+    trainer = stratkit.Trainer(strategy="one_device")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = trainer.build(build)
+    x, y = np.ones((32, 3), "float32"), np.zeros((32, 1), "float32")
+    checkpoint = keras.callbacks.ModelCheckpoint(url + "/ckpt/m-{epoch}.weights.h5", save_weights_only=True,
+                                                 verbose=1)
+    trainer.fit(model, (x, y), epochs=2, global_batch_size=8, callbacks=[checkpoint], verbose=0)
+    said = capsys.readouterr().out
+    assert f"saving model to {url}/ckpt/m-2.weights.h5" in said, said   # the URL, not the staging directory
+    assert checkpoint.filepath == url + "/ckpt/m-{epoch}.weights.h5"
+    assert trainer.save(model, url + "/model.keras") == url + "/model.keras"
+    assert storage.open_store(url).list() == ["ckpt/m-1.weights.h5", "ckpt/m-2.weights.h5", "model.keras"]
+    # One process: Keras's own model.save is Keras's (tf.io.gfile, which has no s3://), as without stratkit.
+    with pytest.raises(Exception, match="File system scheme 's3' not implemented"):
+        model.save("s3://bucket/model.keras")

@@ -179,6 +179,35 @@ def _said_after(rename: Any) -> Iterator[None]:
         say(rename(message), *args, **kwargs)
 
 
+#: staging path -> the URL it stands in for, in what Keras prints (`name_in_messages`).
+_names: dict[str, str] = {}
+_plain_say: list[Any] = []
+
+
+def name_in_messages(local: str, url: str | None) -> None:
+    """What Keras prints (``ModelCheckpoint``'s "saving model to ...") names `url` where it would name the
+    staging path `local` (`stratkit.strategy.store_callbacks`); `url=None` forgets `local`."""
+    io_utils = _io_utils()
+    with _lock:
+        if url is None:
+            _names.pop(local, None)
+        else:
+            _names[local] = url
+        if _names and not _plain_say:
+            say = io_utils.print_msg
+            _plain_say.append(say)
+
+            def renamed(message: Any, *args: Any, **kwargs: Any) -> Any:
+                text = str(message)
+                for staged, shown in list(_names.items()):
+                    text = text.replace(staged, shown)
+                return say(text, *args, **kwargs)
+
+            io_utils.print_msg = renamed
+        elif not _names and _plain_say:
+            io_utils.print_msg = _plain_say.pop()
+
+
 def install() -> None:
     """Wrap ``keras.Model.save``/``save_weights``/``export`` (idempotent)."""
     import keras
