@@ -170,6 +170,7 @@ LONGEST_FIRST = (
     "tests/strategy/test_compression.py",
     "tests/examples/test_examples.py",
     "tests/strategy/test_custom_loop.py",
+    "tests/storage/test_store_paths_multiworker.py",
 )
 
 

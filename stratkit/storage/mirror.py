@@ -22,7 +22,6 @@ the pair may be torn (what Keras's own local files give after such a crash).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,14 +33,6 @@ from stratkit.storage.store import PROBE_PREFIX, Store
 log = logging.getLogger(__name__)
 
 MANIFEST = ".stratkit-mirror.json"
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Mirror:
@@ -112,7 +103,7 @@ class Mirror:
             committed = json.loads(self.store.read_bytes(MANIFEST))["files"]
         except FileNotFoundError:
             return                                   # written by something else: taken as it is
-        sums = {name: _sha256(self._local(name)) for name in listed}
+        sums = {name: files.sha256(self._local(name)) for name in listed}
         by_sum = {digest: name for name, digest in sums.items()}
         sources: dict[str, str] = {}
         for name, entry in committed.items():
@@ -156,7 +147,7 @@ class Mirror:
             self._pushed.pop(name, None)
         if self.manifest:
             if local:
-                entries = {name: {"size": local[name][0], "sha256": _sha256(self._local(name))} for name in local}
+                entries = {name: {"size": local[name][0], "sha256": files.sha256(self._local(name))} for name in local}
                 self.store.write_bytes(MANIFEST, json.dumps({"files": entries}, sort_keys=True).encode())
             else:
                 self.store.remove(MANIFEST)        # the writer removed everything (a finished backup)
