@@ -46,7 +46,7 @@ from stratkit.strategy.collectives import chief_ints, leave_together, min_over_w
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
-from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
 
 log = logging.getLogger(__name__)
@@ -157,14 +157,6 @@ def check_jit_compile(model: Any, strategy: Any) -> None:
             f"XLA has no cross-replica collectives on CPU devices (TensorFlow fails in the first step, "
             f"and multi-worker processes abort). Fix: compile with jit_compile=False "
             f"(model.compile(..., jit_compile=False), or leave Keras's default)")
-
-
-def _is_chief(strategy: Any) -> bool:
-    """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
-    try:
-        return bool(strategy.extended.should_checkpoint)
-    except Exception:  # noqa: BLE001 - an exotic strategy: behave as the single-process default
-        return True
 
 
 _said_batchnorm = False

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import threading
 from typing import Any
 
-from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _METHODS = ("save", "save_weights", "export")
@@ -132,7 +132,6 @@ def _to_store(name: str, original: Any, model: Any, url: str, strategy: Any, arg
     """
     from stratkit import storage
     from stratkit.strategy import scratch
-    from stratkit.strategy.keras_compat.fit_guards import _is_chief
 
     parent, base = url.rsplit("/", 1)
     if kwargs.get("overwrite", True) is False and storage.open_store(parent).exists(base) and \
