@@ -15,7 +15,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
 from procs import describe, run_process
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,145 @@
+"""One MLflow run for the whole cluster, against a real `mlflow server` (SQLite backend) on 127.0.0.1.
+
+`stratkit.callbacks.MLflowLogger` on 2 real workers: the chief logs, the other worker
+logs nothing; a run killed mid-run and restarted (by `stratkit launch`, by
+`LocalRunner`'s retry) continues the same run, each epoch's metrics once, the model at
+the end; MLflow's own autologging switched on in the script changes none of that. The
+kill comes right after the chief logged an epoch and before the next backup, so the
+restart re-trains that epoch (`tests/training/tracking_train.py`). One server for the
+module (`tests/mlflow_server.py`), guarded by the network rule like the training tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow_server
+import pytest
+import tracking_train
+from procs import child_env
+
+from stratkit import LocalRunner
+from stratkit.training.tracking import handoff
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
+
+TRAIN = Path(tracking_train.__file__)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = mlflow_server.start(tmp_path_factory.mktemp("mlflow-server"))
+    yield started
+    mlflow_server.stop(started)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import mlflow
+
+    mlflow.set_tracking_uri(server.uri)  # (the model's URI is read through the default client)
+    yield mlflow.MlflowClient(server.uri)
+    mlflow.set_tracking_uri(None)
+
+
+def task_env(server) -> dict[str, str]:
+    env = child_env(None, {"MLFLOW_TRACKING_URI": server.uri, **mlflow_server.CLIENT_ENV,
+                           "STRATKIT_RUNNER": None, "MLFLOW_EXPERIMENT_NAME": None, "MLFLOW_EXPERIMENT_ID": None})
+    env["PYTHONPATH"] = f"{TRAIN.parent}:{env['PYTHONPATH']}"  # LocalRunner's tasks import tracking_train
+    return env
+
+
+def runs_of(client, experiment: str) -> list:
+    found = client.get_experiment_by_name(experiment)
+    return [] if found is None else client.search_runs([found.experiment_id])
+
+
+def steps(client, run) -> dict[str, list[int]]:
+    """Each metric of `run` and the steps of its values, in order (a repeated epoch shows twice)."""
+    return {key: sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) for key in run.data.metrics}
+
+
+def models_of(client, run) -> list:
+    return list(client.search_logged_models([run.info.experiment_id],
+                                            filter_string=f"source_run_id = '{run.info.run_id}'"))
+
+
+def test_a_killed_and_restarted_launch_leaves_one_run_with_every_epoch_once_and_the_model(server, client, tmp_path):
+    backup = tmp_path / "backup"
+    args = {"backup_dir": str(backup), "experiment": "killed-launch", "epochs": 3, "kill_after_epoch": 1,
+            "backup_every": 3}   # 4 steps an epoch: backups at global steps 3 and 6, none after epoch 1's end
+    result = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--max-restarts", "1",
+                             "--stop-grace", "2", "--", sys.executable, str(TRAIN), json.dumps(args)],
+                            env=task_env(server), capture_output=True, text=True, timeout=480, check=False)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-5000:]
+    assert "killing the chief after epoch 1" in out and "restarting the whole cluster" in out, out[-5000:]
+    assert "is relayed into the private network" in out  # the tasks reached the server from their namespace
+
+    runs = runs_of(client, "killed-launch")
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    run = runs[0]
+    chief = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
+    assert {r["run_id"] for r in chief if r["chief"]} == {run.info.run_id}
+    assert re.search(r"\(backup\) at http://127\.0\.0\.1", out), "the restart took the run id from the backup"
+    assert run.info.status == "FINISHED"
+    assert steps(client, run) == {"loss": [0, 1, 2], "mae": [0, 1, 2]}
+    params = run.data.params
+    assert params["engine"] == "launch" and params["workers"] == "2" and params["replicas"] == "2"
+    assert params["strategy"] == "multi_worker_mirrored" and params["global_batch_size"] == "16"
+    assert {"stratkit_version", "keras_version", "tensorflow_version"} <= set(params)
+    assert re.search(r"resumed at epoch 1 step [1-3]", run.data.tags["stratkit.resumes"])
+    models = models_of(client, run)
+    assert [(m.name, m.status.name) for m in models] == [("model", "READY")]
+    import mlflow.models
+
+    signature = mlflow.models.get_model_info(f"models:/{models[0].model_id}").signature
+    assert signature is not None and tuple(signature.inputs.inputs[0].shape) == (-1, 4)
+    assert not backup.exists()  # finished: the backups and the run's marker are gone
+
+
+def test_with_autologging_on_a_killed_and_retried_local_run_still_leaves_one_run(server, client, tmp_path, capsys):
+    args = {"backup_dir": str(tmp_path / "backup"), "experiment": "autolog-local", "epochs": 2,
+            "kill_after_epoch": 0, "autolog": True}   # epoch backups: the restart resumes from one without state
+    runner = LocalRunner(2, max_retries=1, timeout=480, env=task_env(server))
+    result = runner.run(tracking_train.train, **args)
+    out = capsys.readouterr()
+    assert runner.last_run.attempts == 2, out.err[-3000:]
+    assert "(marker) at http://127.0.0.1" in out.out, "the restart took the run id from the marker"
+
+    runs = runs_of(client, "autolog-local")
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    run = runs[0]
+    assert result == {"run_id": run.info.run_id, "chief": True}
+    assert client.search_runs(["0"]) == []  # autologging's own runs would be in the Default experiment
+    assert run.info.status == "FINISHED"
+    assert steps(client, run) == {"loss": [0, 1], "mae": [0, 1]}
+    assert run.data.params["engine"] == "local"
+    assert not {"batch_size", "epochs_arg", "optimizer_name"} & set(run.data.params)  # autologging logged nothing
+    assert [(m.name, m.status.name) for m in models_of(client, run)] == [("model", "READY")]
+    assert not client.search_logged_models(["0"])
+
+
+def test_the_driver_hands_its_run_and_an_absolute_tracking_uri_to_the_tasks(server, client, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert handoff.hand_over({}) == {}
+    assert handoff.hand_over({"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}) == \
+        {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    assert handoff.absolute_uri("mlruns", "/w") == "file:///w/mlruns"
+    assert handoff.absolute_uri("file:runs", "/w") == "file:///w/runs"
+    assert handoff.absolute_uri(server.uri, "/w") == server.uri
+    assert handoff.loopback_server({"MLFLOW_TRACKING_URI": "http://localhost:5000"}) == ("127.0.0.1", 5000)
+    assert handoff.loopback_server({"MLFLOW_TRACKING_URI": "https://mlflow.example.com"}) is None
+    experiment = mlflow.set_experiment("handed")
+    with mlflow.start_run() as run:
+        env = handoff.hand_over({})
+    assert env == {"STRATKIT_MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_TRACKING_URI": server.uri,
+                   "MLFLOW_EXPERIMENT_ID": experiment.experiment_id}
+    assert handoff.handed_run_id(env) == run.info.run_id
