@@ -103,8 +103,9 @@ def test_a_killed_and_restarted_launch_leaves_one_run_with_every_epoch_once_and_
 
 
 def test_with_autologging_on_a_killed_and_retried_local_run_still_leaves_one_run(server, client, tmp_path, capsys):
-    args = {"backup_dir": str(tmp_path / "backup"), "experiment": "autolog-local", "epochs": 2,
-            "kill_after_epoch": 0, "autolog": True}   # epoch backups: the restart resumes from one without state
+    args = {"backup_dir": str(tmp_path / "backup"), "experiment": "autolog-local", "epochs": 3,
+            "kill_after_epoch": 1, "backup_every": 1000, "autolog": True}
+    # No backup before the kill: the retry trains from the start, the run id from the marker, epochs 0 and 1 again.
     runner = LocalRunner(2, max_retries=1, timeout=480, env=task_env(server))
     result = runner.run(tracking_train.train, **args)
     out = capsys.readouterr()
@@ -117,11 +118,40 @@ def test_with_autologging_on_a_killed_and_retried_local_run_still_leaves_one_run
     assert result == {"run_id": run.info.run_id, "chief": True}
     assert client.search_runs(["0"]) == []  # autologging's own runs would be in the Default experiment
     assert run.info.status == "FINISHED"
-    assert steps(client, run) == {"loss": [0, 1], "mae": [0, 1]}
+    assert steps(client, run) == {"loss": [0, 1, 2], "mae": [0, 1, 2]}
     assert run.data.params["engine"] == "local"
+    assert "resumed at epoch 0 step 0" in run.data.tags["stratkit.resumes"]
     assert not {"batch_size", "epochs_arg", "optimizer_name"} & set(run.data.params)  # autologging logged nothing
     assert [(m.name, m.status.name) for m in models_of(client, run)] == [("model", "READY")]
     assert not client.search_logged_models(["0"])
+
+
+def test_which_run_the_chief_logs_into_first_that_applies(client, tmp_path, monkeypatch):
+    from stratkit.training.tracking import runs
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    experiment = client.create_experiment("choices")
+    made = [client.create_run(experiment).info.run_id for _ in range(5)]
+
+    def choose(environ=None, **given):
+        options = {"explicit": None, "active": None, "restored": None, "marker_dir": None,
+                   "experiment_name": "choices", "run_name": None, "tags": {}, **given}
+        choice = runs.choose_run(client, environ=environ or {}, **options)
+        return choice.how, choice.run_id if choice.how != "new" else None, choice.owned
+
+    assert choose(explicit=made[0], environ={"STRATKIT_MLFLOW_RUN_ID": made[1]}) == ("run_id=", made[0], False)
+    assert choose({"STRATKIT_MLFLOW_RUN_ID": made[1]}, active=made[2]) == ("handed over by the runner", made[1], False)
+    assert choose({"MLFLOW_RUN_ID": made[1]}, active=made[2]) == ("handed over by the runner", made[1], False)
+    assert choose(active=made[2], restored=made[3]) == ("active", made[2], False)
+    runs.write_marker(str(tmp_path), made[4])
+    assert choose(restored=made[3], marker_dir=str(tmp_path)) == ("backup", made[3], True)
+    assert choose(marker_dir=str(tmp_path)) == ("marker", made[4], True)
+    client.delete_run(made[4])  # a run this training started, deleted meanwhile: a new one, and the marker names it
+    assert choose(marker_dir=str(tmp_path)) == ("new", None, True)
+    fresh = runs.read_marker(str(tmp_path))
+    assert fresh not in made and client.get_run(fresh).info.experiment_id == experiment
+    runs.remove_marker(str(tmp_path))
+    assert runs.read_marker(str(tmp_path)) is None and not tmp_path.exists()  # emptied: removed with it
 
 
 def test_the_driver_hands_its_run_and_an_absolute_tracking_uri_to_the_tasks(server, client, tmp_path, monkeypatch):
@@ -143,3 +173,41 @@ def test_the_driver_hands_its_run_and_an_absolute_tracking_uri_to_the_tasks(serv
     assert env == {"STRATKIT_MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_TRACKING_URI": server.uri,
                    "MLFLOW_EXPERIMENT_ID": experiment.experiment_id}
     assert handoff.handed_run_id(env) == run.info.run_id
+
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "local_to_spark.ipynb"
+
+
+@pytest.mark.spark
+def test_a_notebook_trains_on_two_local_workers_and_the_same_function_on_spark_gives_the_same_weights(
+        server, client, tmp_path, monkeypatch):
+    """examples/local_to_spark.ipynb in a real Jupyter kernel (nbclient + ipykernel), headless."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("pyspark")
+    import numpy as np
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    notebook.cells.append(nbformat.v4.new_code_cell(  # what the test reads; the example itself ends before
+        'import json\nprint("RESULT " + json.dumps({"local": local, "spark": on_spark}))'))
+    for key, value in {**task_env(server), "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}.items():
+        monkeypatch.setenv(key, value)  # the kernel's environment (and its tasks')
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = ["".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
+               for cell in notebook.cells if cell.cell_type == "code"]
+    result = json.loads(printed[-1].split("RESULT ", 1)[1])
+    assert "same weights within 1e-5: True" in printed[-2], printed[-2]
+    local, spark = result["local"], result["spark"]
+    assert len(local["loss"]) == 3 and local["loss"][-1] < local["loss"][0]
+    np.testing.assert_allclose(local["loss"], spark["loss"], rtol=0, atol=1e-5)
+    for a, b in zip(local["weights"], spark["weights"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=0, atol=1e-5)
+
+    runs = {r.info.run_name: r for r in runs_of(client, "local-then-spark")}
+    assert set(runs) == {"2 local workers", "2 Spark tasks"}  # the driver's runs, continued by each chief
+    for name, engine in (("2 local workers", "local"), ("2 Spark tasks", "spark")):
+        run = runs[name]
+        assert run.info.status == "FINISHED" and run.data.params["engine"] == engine
+        assert steps(client, run) == {"loss": [0, 1, 2]}
+        assert [m.status.name for m in models_of(client, run)] == ["READY"]

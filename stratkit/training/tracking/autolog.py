@@ -30,11 +30,13 @@ _lock = threading.Lock()
 _switch: Any = None  # the entered disable_autologging() context
 
 
-def switch_off(say: bool) -> None:
+def switch_off(say: bool, late: bool = False) -> None:
     """Turn MLflow's autologging off in this process, for good (idempotent).
 
     Args:
         say: warn once when Keras or TensorFlow autologging was on (the chief says it; the others are quiet).
+        late: the `fit` running now started after autologging was turned on (MLflow was imported after the
+            logger was made): its autologging run, if any, exists already; said so.
     """
     global _switch
     from mlflow.utils import autologging_utils
@@ -45,7 +47,11 @@ def switch_off(say: bool) -> None:
         was_on = [flavor for flavor in ("keras", "tensorflow") if not autologging_utils.autologging_is_disabled(flavor)]
         _switch = autologging_utils.disable_autologging()
         _switch.__enter__()
-    if was_on and say:
+    if was_on and late:
+        log.warning("MLflow autologging (%s) was turned on after MLflowLogger was made: this fit's autologging "
+                    "run could not be prevented on this worker. Fix: make the MLflowLogger after "
+                    "mlflow.keras.autolog(), or do not turn autologging on", " and ".join(was_on))
+    elif was_on and say:
         log.warning("MLflow autologging (%s) is off in the training processes: stratkit.callbacks.MLflowLogger "
                     "logs one run for the cluster (autologging would start one per worker and log each epoch "
                     "again)", " and ".join(f"mlflow.{f}.autolog" for f in was_on))

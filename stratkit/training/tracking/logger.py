@@ -22,6 +22,7 @@ a preemption or a resize continues the same MLflow run.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -77,7 +78,6 @@ class MLflowLogger(keras.callbacks.Callback):
                  tags: Mapping[str, str] | None = None, log_model: bool = True, model_name: str = "model",
                  signature: Any = None, global_batch_size: int | None = None, is_chief: bool | None = None) -> None:
         super().__init__()
-        _import_mlflow()
         for name, value in (("experiment_name", experiment_name), ("run_id", run_id), ("run_name", run_name),
                             ("tracking_uri", tracking_uri)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -101,7 +101,9 @@ class MLflowLogger(keras.callbacks.Callback):
         self._client: Any = None
         self._logged: dict[str, set[int]] = {}
         self._backup: Any = None
-        autolog.switch_off(say=self._chief())
+        if self._chief() or "mlflow" in sys.modules:  # (another worker that never imported MLflow has no autolog on)
+            _import_mlflow()
+            autolog.switch_off(say=self._chief())
 
     # -- what other parts of stratkit tell it --------------------------------------------------------
     def set_global_batch_size(self, global_batch_size: int | None) -> None:
@@ -125,6 +127,10 @@ class MLflowLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._choice = None
+        if "mlflow" in sys.modules and not autolog.is_off():
+            # MLflow came after the logger was made: its autologging (if on) started with this fit, too late to
+            # stop; off from now on, and said.
+            autolog.switch_off(say=True, late=True)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._choice is None and self._chief():
