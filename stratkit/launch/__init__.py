@@ -30,8 +30,9 @@ from stratkit.launch.results import Attempt, LaunchResult, TaskExit
 from stratkit.launch.runner import LocalRunner, LocalRunReport, LocalTrainingError
 from stratkit.process.report import TaskFailure
 
-__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "LocalRunReport", "LocalRunner", "LocalTrainingError", "TaskExit",
-           "TaskFailure", "launch"]
+# LocalRunner is importable here too; its public name is stratkit.LocalRunner.
+__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "LocalRunReport", "LocalTrainingError", "TaskExit", "TaskFailure",
+           "launch"]
 
 _MOVED = {
     "Task": "stratkit.launch.plan",

@@ -32,6 +32,7 @@ from stratkit.launch.plan import DEFAULT_HOST, LaunchPlan
 from stratkit.launch.results import (Attempt, LaunchResult, exit_code, failure_report, preempted_note,
                                      saved_and_exited)
 from stratkit.status import EXIT_PREEMPTED
+from stratkit.process.ports import is_listening, listening_ports
 from stratkit.process.reaper import Reaper
 from stratkit.process.report import signal_name
 from stratkit.training.tracking.handoff import loopback_server
@@ -165,7 +166,9 @@ class Supervisor:
                              f"private network ({exc.strerror or exc}): the tasks cannot log to it")
             return
         self.console.say(f"the MLflow server at {server[0]}:{server[1]} (MLFLOW_TRACKING_URI) is relayed into the "
-                         "private network: the tasks reach it, and only it")
+                         "private network: the tasks reach it, and only it"
+                         + ("" if is_listening(server[0], server[1], listening_ports()) else
+                            " (nothing listens there now: start the server, or the tasks cannot log to it)"))
         self.console.event("forward", host=server[0], port=server[1])
 
     def _warn_exposed(self, why_and_fix: str) -> None:

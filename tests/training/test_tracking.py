@@ -1,6 +1,7 @@
 """One MLflow run for the whole cluster, against a real `mlflow server` (SQLite backend) on 127.0.0.1.
 
-`stratkit.callbacks.MLflowLogger` on 2 real workers: the chief logs, the other worker
+`stratkit.callbacks.MLflowLogger` on 2 real workers (examples/mlflow_train.py, which docs/tracking.md
+shows, wrapped by tests/training/tracking_train.py): the chief logs, the other worker
 logs nothing; a run killed mid-run and restarted (by `stratkit launch`, by
 `LocalRunner`'s retry) continues the same run, each epoch's metrics once, the model at
 the end; MLflow's own autologging switched on in the script changes none of that. The
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlflow_server
@@ -211,3 +214,21 @@ def test_a_notebook_trains_on_two_local_workers_and_the_same_function_on_spark_g
         assert run.info.status == "FINISHED" and run.data.params["engine"] == engine
         assert steps(client, run) == {"loss": [0, 1, 2]}
         assert [m.status.name for m in models_of(client, run)] == ["READY"]
+
+
+def test_a_tracking_server_that_does_not_answer_is_refused_before_training_without_printing_its_password(server):
+    """What the chief's MLflowLogger() checks when it is made (TensorFlow-free here: `runs.probe`)."""
+    from stratkit.errors import ConfigError
+    from stratkit.training.tracking import runs
+
+    runs.probe(server.uri)  # a server that answers passes
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://someone:pa55word@127.0.0.1:{sock.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as caught:
+            runs.probe(uri)
+    assert time.monotonic() - started < 10  # (MLflow's own client retries for minutes)
+    message = str(caught.value)
+    assert "MLFLOW_TRACKING_URI" in message and "Fix:" in message and "http://***@127.0.0.1" in message
+    assert "pa55word" not in message

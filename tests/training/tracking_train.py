@@ -1,7 +1,7 @@
-"""What the MLflow tests train: a tiny model on 2 workers, `MLflowLogger`, and on the first attempt a kill.
+"""What the MLflow tests train: examples/mlflow_train.py on 2 workers, and on the first attempt a kill.
 
 `train(...)` is the training function (`LocalRunner.run(train, ...)` pickles it by
-reference: tests/ is on the tasks' PYTHONPATH); run as a script, it is what
+reference: this folder is on the tasks' PYTHONPATH); run as a script, it is what
 `stratkit launch` starts, its arguments one JSON object.
 
 The kill: SIGKILL to the chief at the end of epoch `kill_after_epoch`, on the first
@@ -12,10 +12,14 @@ whose metrics must not be logged twice.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mlflow_train.py"
 
 
 def train(backup_dir: str, experiment: str, epochs: int, kill_after_epoch: int | None = None,
@@ -26,34 +30,22 @@ def train(backup_dir: str, experiment: str, epochs: int, kill_after_epoch: int |
         mlflow.keras.autolog()
         mlflow.tensorflow.autolog()
     import keras
-    import numpy as np
 
     import stratkit
-    from stratkit.callbacks import MLflowLogger
 
-    trainer = stratkit.Trainer()
-    keras.utils.set_random_seed(0)
-
-    def build():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
-        return model
-
-    model = trainer.build(build)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 4)).astype("float32")
-    y = (x @ np.array([[1.0], [2.0], [-1.0], [0.5]])).astype("float32")
+    spec = importlib.util.spec_from_file_location("mlflow_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    chief = stratkit.detect().is_chief
 
     class KillAfterLogging(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            if epoch == kill_after_epoch and trainer.is_chief and os.environ.get("STRATKIT_RESTART_COUNT") == "0":
+            if epoch == kill_after_epoch and chief and os.environ.get("STRATKIT_RESTART_COUNT") == "0":
                 print(f"killing the chief after epoch {epoch}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    logger = MLflowLogger(experiment_name=experiment)
-    trainer.fit(model, (x, y), epochs=epochs, global_batch_size=16, backup_dir=backup_dir, backup_every=backup_every,
-                callbacks=[logger, KillAfterLogging()], verbose=0, shuffle=False)
-    return {"run_id": logger.run_id, "chief": trainer.is_chief}
+    run_id = example.train(backup_dir, epochs, experiment, backup_every, callbacks=[KillAfterLogging()])
+    return {"run_id": run_id, "chief": chief}
 
 
 if __name__ == "__main__":

@@ -71,6 +71,12 @@ def handed_run_id(environ: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+def handed_experiment(environ: Mapping[str, str]) -> str | None:
+    """The experiment id in `environ` (`MLFLOW_EXPERIMENT_ID`: handed over with a run, or set by the user), or None."""
+    value = environ.get(EXPERIMENT_ID_VAR, "").strip()
+    return value or None
+
+
 def absolute_uri(uri: str, cwd: str | None = None) -> str:
     """`uri` with a relative file or SQLite path made absolute (tasks may run in another directory).
 

@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import keras
 
@@ -104,6 +103,8 @@ class MLflowLogger(keras.callbacks.Callback):
         if self._chief() or "mlflow" in sys.modules:  # (another worker that never imported MLflow has no autolog on)
             _import_mlflow()
             autolog.switch_off(say=self._chief())
+        if self._chief():
+            runs.probe(tracking_uri or os.environ.get(TRACKING_URI_VAR, ""))
 
     # -- what other parts of stratkit tell it --------------------------------------------------------
     def set_global_batch_size(self, global_batch_size: int | None) -> None:
@@ -232,12 +233,12 @@ class MLflowLogger(keras.callbacks.Callback):
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - the first contact: a wrong URI or server fails here, clearly
-            raise ConfigError(f"MLflowLogger could not reach MLflow at {_safe_uri(uri)} "
+            raise ConfigError(f"MLflowLogger could not reach MLflow at {runs.safe_uri(uri)} "
                               f"({TRACKING_URI_VAR} or tracking_uri=): {self._redact(exc, uri)}. Fix: start the "
                               "tracking server, or point MLFLOW_TRACKING_URI at it (its credentials in "
                               "MLFLOW_TRACKING_TOKEN / MLFLOW_TRACKING_USERNAME and _PASSWORD)") from None
         self._choice = choice
-        log.info("logging to MLflow run %s (%s) at %s", choice.run_id, choice.how, _safe_uri(uri))
+        log.info("logging to MLflow run %s (%s) at %s", choice.run_id, choice.how, runs.safe_uri(uri))
 
     def _note_resume(self, before: Mapping[str, str], wanted: Mapping[str, str]) -> None:
         """A continued run: one line per start in the tag `stratkit.resumes`, with what changed (a resize)."""
@@ -280,8 +281,8 @@ class MLflowLogger(keras.callbacks.Callback):
         """An error's text without the credentials a tracking URI may carry."""
         text = f"{type(exc).__name__}: {exc}"
         for value in (uri, self.tracking_uri, os.environ.get(TRACKING_URI_VAR)):
-            if value and _safe_uri(value) != value:
-                text = text.replace(value, _safe_uri(value))
+            if value and runs.safe_uri(value) != value:
+                text = text.replace(value, runs.safe_uri(value))
         for secret in ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD"):
             if os.environ.get(secret):
                 text = text.replace(os.environ[secret], "***")
@@ -323,13 +324,3 @@ def _context_tags(tags: Mapping[str, str]) -> dict[str, str]:
         return dict(registry.resolve_tags(dict(tags)))
     except Exception:  # noqa: BLE001
         return dict(tags)
-
-
-def _safe_uri(uri: str) -> str:
-    """`uri` without a password or token in it (printed in messages)."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -28,9 +28,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from stratkit import files, status
-from stratkit.training.tracking.handoff import EXPERIMENT_ID_VAR, handed_run_id
+from stratkit.errors import ConfigError
+from stratkit.training.tracking.handoff import TRACKING_URI_VAR, handed_experiment, handed_run_id
 
 log = status.logger(__name__)
 
@@ -82,8 +84,9 @@ def choose_run(client: Any, *, explicit: str | None, environ: Mapping[str, str],
 def experiment_id(client: Any, name: str | None, environ: Mapping[str, str]) -> str:
     """The experiment a new run goes to: `name` (created if missing), MLFLOW_EXPERIMENT_ID/_NAME, else Default."""
     if name is None:
-        if environ.get(EXPERIMENT_ID_VAR, "").strip():
-            return environ[EXPERIMENT_ID_VAR].strip()
+        handed = handed_experiment(environ)
+        if handed is not None:
+            return handed
         name = environ.get(EXPERIMENT_NAME_VAR, "").strip() or None
     if name is None:
         return "0"
@@ -141,3 +144,47 @@ def remove_marker(directory: str) -> None:
         os.rmdir(directory)
     except OSError:
         pass
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+#: How long the chief's first look at an HTTP tracking server may take (MLflow's own client retries for minutes).
+PROBE_SECONDS = 15.0
+
+
+def probe(uri: str) -> None:
+    """Refuse, before training, an http(s) tracking URI where no server answers (any HTTP answer will do).
+
+    MLflow's client retries a refused connection for about four minutes (measured: 250 s) before it fails.
+    """
+    parts = urlsplit(uri.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    import http.client
+    import socket
+
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if parts.scheme == "https":  # (TLS and its certificates are MLflow's business: reaching the port is enough)
+            socket.create_connection((parts.hostname, port), timeout=PROBE_SECONDS).close()
+            return
+        connection = http.client.HTTPConnection(parts.hostname, port, timeout=PROBE_SECONDS)
+        try:
+            connection.request("GET", "/health")
+            connection.getresponse()
+        finally:
+            connection.close()
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        raise ConfigError(f"MLflowLogger could not reach MLflow at {safe_uri(uri)} ({TRACKING_URI_VAR} or "
+                          f"tracking_uri=): {type(exc).__name__}: {exc}. Fix: start the tracking server, or point "
+                          f"{TRACKING_URI_VAR} at one this task can reach") from None
+
+
+def safe_uri(uri: str) -> str:
+    """`uri` without a password or token in it (printed in messages)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
