@@ -205,6 +205,8 @@ class MLflowLogger(keras.callbacks.Callback):
         if self.tracking_uri is not None:
             mlflow.set_tracking_uri(self.tracking_uri)  # the chief's MLflow logs here (the model too)
         uri = mlflow.get_tracking_uri()
+        if runs.safe_uri(uri) != uri:  # MLflow prints "View run at <the URI>" when a run ends: not with a password
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         try:
             self._client = mlflow.MlflowClient(uri)
             active = mlflow.active_run()
