@@ -15,7 +15,6 @@ import threading
 import time
 
 import pytest
-
 from procs import child_env
 
 from stratkit import ConfigError, LocalRunner
