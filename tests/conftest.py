@@ -128,6 +128,7 @@ LONGEST_FIRST = (
     "tests/test_spark_hosts.py",
     "tests/benchmarks/test_benchmarks_smoke.py",
     "tests/test_slurm_hosts.py",
+    "tests/training/test_tracking.py",
     "tests/training/test_step_resume_inputs.py",
     "tests/launch/test_nnodes_preemption.py",
     "tests/launch/test_launch_preemption.py",

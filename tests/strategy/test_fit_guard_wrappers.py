@@ -18,6 +18,7 @@ import pytest
 from procs import describe, run_process
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("mlflow")  # the optional extra stratkit[mlflow]
 
 SCRIPT = textwrap.dedent('''
     import json

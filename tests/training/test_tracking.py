@@ -29,6 +29,7 @@ from stratkit import LocalRunner
 from stratkit.training.tracking import handoff
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
+pytest.importorskip("mlflow")  # the optional extra stratkit[mlflow]
 
 TRAIN = Path(tracking_train.__file__)
 
