@@ -10,6 +10,7 @@ tracking server, and telemetry would leave loopback.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -20,8 +21,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-#: What every process that talks to the test server gets (the training tasks too).
+import pytest
+
+#: What every process that talks to the test server gets (the training tasks too); tests/conftest.py sets it
+#: for the whole suite (MLflow decides at import whether to send telemetry).
 CLIENT_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true"}
+#: The tests that need MLflow, the optional extra stratkit[mlflow], skip without it (found, not imported: MLflow
+#: takes seconds to import, and at collection time its telemetry decision would not see the test run).
+needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
+                                  reason="MLflow is not installed (pip install 'stratkit[mlflow]')")
 
 
 class NetworkRefused(AssertionError):

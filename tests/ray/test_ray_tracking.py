@@ -14,8 +14,7 @@ from ray_helpers import local_ray, needs_ray
 
 from stratkit.ray.runner import RayRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multiworker, needs_ray]
-pytest.importorskip("mlflow")  # the optional extra stratkit[mlflow]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.multiworker, needs_ray, mlflow_server.needs_mlflow]
 
 
 @pytest.fixture(scope="module")

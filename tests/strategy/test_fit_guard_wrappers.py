@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import textwrap
 
+import mlflow_server
 import pytest
 from procs import describe, run_process
 
-pytestmark = pytest.mark.slow
-pytest.importorskip("mlflow")  # the optional extra stratkit[mlflow]
+pytestmark = [pytest.mark.slow, mlflow_server.needs_mlflow]
 
 SCRIPT = textwrap.dedent('''
     import json

@@ -2,12 +2,13 @@
 
 `stratkit.callbacks.MLflowLogger` on 2 real workers (examples/mlflow_train.py, which docs/tracking.md
 shows, wrapped by tests/training/tracking_train.py): the chief logs, the other worker
-logs nothing; a run killed mid-run and restarted (by `stratkit launch`, by
-`LocalRunner`'s retry) continues the same run, each epoch's metrics once, the model at
-the end; MLflow's own autologging switched on in the script changes none of that. The
-kill comes right after the chief logged an epoch and before the next backup, so the
-restart re-trains that epoch (`tests/training/tracking_train.py`). One server for the
-module (`tests/mlflow_server.py`), guarded by the network rule like the training tasks.
+logs nothing; a run killed mid-run and restarted by `stratkit launch` continues the same
+run, each epoch's metrics once, the model at the end, MLflow's own autologging switched
+on in the script changing none of that. Each kill comes right after the chief logged an
+epoch and before the next backup, so the restart re-trains that epoch. A notebook in a
+real Jupyter kernel trains with `LocalRunner` and then `SparkRunner`, each in the
+driver's run. One server for the module (`tests/mlflow_server.py`), guarded by the
+network rule like the training tasks.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import pytest
 import tracking_train
 from procs import child_env
 
-from stratkit import LocalRunner
 from stratkit.training.tracking import handoff
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
-pytest.importorskip("mlflow")  # the optional extra stratkit[mlflow]
+pytestmark = [pytest.mark.slow, pytest.mark.multiworker, mlflow_server.needs_mlflow]
 
 TRAIN = Path(tracking_train.__file__)
 
@@ -53,7 +52,6 @@ def client(server):
 def task_env(server) -> dict[str, str]:
     env = child_env(None, {"MLFLOW_TRACKING_URI": server.uri, **mlflow_server.CLIENT_ENV,
                            "STRATKIT_RUNNER": None, "MLFLOW_EXPERIMENT_NAME": None, "MLFLOW_EXPERIMENT_ID": None})
-    env["PYTHONPATH"] = f"{TRAIN.parent}:{env['PYTHONPATH']}"  # LocalRunner's tasks import tracking_train
     return env
 
 
@@ -72,62 +70,45 @@ def models_of(client, run) -> list:
                                             filter_string=f"source_run_id = '{run.info.run_id}'"))
 
 
-def test_a_killed_and_restarted_launch_leaves_one_run_with_every_epoch_once_and_the_model(server, client, tmp_path):
+def test_a_launch_killed_twice_with_autologging_on_leaves_one_run_with_every_epoch_once_and_the_model(
+        server, client, tmp_path):
+    """Killed after logging epoch 0 before any backup (the run id comes from the marker), then after logging epoch
+    1, past the step backup inside it (from the backup's callbacks' state): each restart re-trains a logged epoch."""
     backup = tmp_path / "backup"
-    args = {"backup_dir": str(backup), "experiment": "killed-launch", "epochs": 3, "kill_after_epoch": 1,
-            "backup_every": 3}   # 4 steps an epoch: backups at global steps 3 and 6, none after epoch 1's end
-    result = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--max-restarts", "1",
+    args = {"backup_dir": str(backup), "experiment": "killed-launch", "epochs": 3, "kills": {"0": 0, "1": 1},
+            "backup_every": 6, "autolog": True}  # 4 steps an epoch: the one backup before the end at epoch 1 step 2
+    result = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--max-restarts", "2",
                              "--stop-grace", "2", "--", sys.executable, str(TRAIN), json.dumps(args)],
-                            env=task_env(server), capture_output=True, text=True, timeout=480, check=False)
+                            env=task_env(server), capture_output=True, text=True, timeout=600, check=False)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
-    assert "killing the chief after epoch 1" in out and "restarting the whole cluster" in out, out[-5000:]
+    assert "killing the chief after epoch 0" in out and "killing the chief after epoch 1" in out, out[-5000:]
     assert "is relayed into the private network" in out  # the tasks reached the server from their namespace
+    assert "(marker) at http://127.0.0.1" in out, "the first restart took the run id from the marker"
+    assert "(backup) at http://127.0.0.1" in out, "the second restart took it from the backup"
 
     runs = runs_of(client, "killed-launch")
     assert len(runs) == 1, [r.info.run_id for r in runs]
     run = runs[0]
     chief = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
     assert {r["run_id"] for r in chief if r["chief"]} == {run.info.run_id}
-    assert re.search(r"\(backup\) at http://127\.0\.0\.1", out), "the restart took the run id from the backup"
+    assert client.search_runs(["0"]) == []  # autologging's own runs (one per worker) would be in Default
     assert run.info.status == "FINISHED"
     assert steps(client, run) == {"loss": [0, 1, 2], "mae": [0, 1, 2]}
     params = run.data.params
     assert params["engine"] == "launch" and params["workers"] == "2" and params["replicas"] == "2"
     assert params["strategy"] == "multi_worker_mirrored" and params["global_batch_size"] == "16"
     assert {"stratkit_version", "keras_version", "tensorflow_version"} <= set(params)
-    assert re.search(r"resumed at epoch 1 step [1-3]", run.data.tags["stratkit.resumes"])
+    assert not {"batch_size", "optimizer_name"} & set(params)  # autologging logged nothing
+    assert re.fullmatch(r"resumed at epoch 0 step 0\nresumed at epoch 1 step 2", run.data.tags["stratkit.resumes"])
     models = models_of(client, run)
     assert [(m.name, m.status.name) for m in models] == [("model", "READY")]
+    assert not client.search_logged_models(["0"])
     import mlflow.models
 
     signature = mlflow.models.get_model_info(f"models:/{models[0].model_id}").signature
     assert signature is not None and tuple(signature.inputs.inputs[0].shape) == (-1, 4)
     assert not backup.exists()  # finished: the backups and the run's marker are gone
-
-
-def test_with_autologging_on_a_killed_and_retried_local_run_still_leaves_one_run(server, client, tmp_path, capsys):
-    args = {"backup_dir": str(tmp_path / "backup"), "experiment": "autolog-local", "epochs": 3,
-            "kill_after_epoch": 1, "backup_every": 1000, "autolog": True}
-    # No backup before the kill: the retry trains from the start, the run id from the marker, epochs 0 and 1 again.
-    runner = LocalRunner(2, max_retries=1, timeout=480, env=task_env(server))
-    result = runner.run(tracking_train.train, **args)
-    out = capsys.readouterr()
-    assert runner.last_run.attempts == 2, out.err[-3000:]
-    assert "(marker) at http://127.0.0.1" in out.out, "the restart took the run id from the marker"
-
-    runs = runs_of(client, "autolog-local")
-    assert len(runs) == 1, [r.info.run_id for r in runs]
-    run = runs[0]
-    assert result == {"run_id": run.info.run_id, "chief": True}
-    assert client.search_runs(["0"]) == []  # autologging's own runs would be in the Default experiment
-    assert run.info.status == "FINISHED"
-    assert steps(client, run) == {"loss": [0, 1, 2], "mae": [0, 1, 2]}
-    assert run.data.params["engine"] == "local"
-    assert "resumed at epoch 0 step 0" in run.data.tags["stratkit.resumes"]
-    assert not {"batch_size", "epochs_arg", "optimizer_name"} & set(run.data.params)  # autologging logged nothing
-    assert [(m.name, m.status.name) for m in models_of(client, run)] == [("model", "READY")]
-    assert not client.search_logged_models(["0"])
 
 
 def test_which_run_the_chief_logs_into_first_that_applies(client, tmp_path, monkeypatch):
