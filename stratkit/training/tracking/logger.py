@@ -168,6 +168,7 @@ class MLflowLogger(keras.callbacks.Callback):
             self._logged.setdefault(key, set()).add(epoch)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._restored = None  # a later fit with this logger is a run of its own (as with autologging)
         if not self._chief():
             return
         if self._choice is None:
