@@ -147,3 +147,22 @@ def test_bad_arguments_are_refused_before_anything_starts(make, words):
         make()
     for word in words:
         assert word in str(caught.value), str(caught.value)
+
+
+def test_ctrl_c_stops_every_task_and_raises_keyboard_interrupt():
+    import os
+    import signal
+
+    runner = LocalRunner(num_workers=2)
+    before = signal.getsignal(signal.SIGINT)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))  # a notebook's interrupt button
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(sleeps)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 60
+    assert runner.last_run.attempts == 1 and all(code != 0 for code in runner.last_run.exit_codes.values())
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
