@@ -36,14 +36,23 @@ def train(backup_dir: str, experiment: str, epochs: int, kills: dict[str, int] |
     spec.loader.exec_module(example)
     chief = stratkit.detect().is_chief
 
+    seen = {}
+
     class KillAfterLogging(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            # stratkit's guard on model.fit is around this fit although autolog() wrapped fit before the strategy
+            from stratkit.strategy.keras_compat import fit_guards
+
+            seen["guarded"] = bool(getattr(fit_guards._inside_guarded_call, "active", False))
+
         def on_epoch_end(self, epoch, logs=None):
             if chief and (kills or {}).get(os.environ.get("STRATKIT_RESTART_COUNT", "0")) == epoch:
-                print(f"killing the chief after epoch {epoch}", flush=True)
+                marker = os.path.exists(os.path.join(backup_dir, "mlflow-run.json"))
+                print(f"killing the chief after epoch {epoch} (run marker: {marker})", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     run_id = example.train(backup_dir, epochs, experiment, backup_every, callbacks=[KillAfterLogging()])
-    return {"run_id": run_id, "chief": chief}
+    return {"run_id": run_id, "chief": chief, **seen}
 
 
 if __name__ == "__main__":
