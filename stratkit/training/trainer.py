@@ -190,8 +190,7 @@ class Trainer:
         backup, position = None, Position(initial_epoch or 0)
         if backup_dir is not None:
             backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
-                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers,
-                            agree_flags=self._sum_over_workers if self._multi_worker else None)
+                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers)
             position = max(backup.decide_position(), position)
             data = resumable_input_for(data, position)
         # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
@@ -253,12 +252,6 @@ class Trainer:
     @property
     def _multi_worker(self) -> bool:
         return self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1
-
-    def _sum_over_workers(self, values: list[int]) -> list[int]:
-        """SUM of a few ints over all workers (one small collective; the backup's per-step agreement)."""
-        from stratkit.strategy.collectives import sum_over_workers
-
-        return sum_over_workers(self.strategy, values)
 
     def _min_over_workers(self, value: int) -> int:
         """MIN of an int over all workers (a collective); identity on one worker."""
