@@ -52,6 +52,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     global LOG, OWNED
+    # gcsfs reads this once, at import: its bucket-type probe speaks gRPC, which the GCS emulator
+    # (tests/stores.py) does not, so it is off for the whole suite and every process it starts.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     if os.environ.get(netguard.LOG_VARIABLE):   # a pytest started by a test: its parent owns the log
         LOG = Path(os.environ[netguard.LOG_VARIABLE])
         return
@@ -61,6 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[netguard.LOG_VARIABLE] = log
     paths = [str(GUARD_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    # MLflow sends usage telemetry to its own servers unless told not to (it decides when it is imported):
+    # here and in every process the tests start.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     netguard.install()
 
 
@@ -99,6 +105,28 @@ def two_hosts(make_test_hosts) -> list[hosts.Host]:
 
 
 @pytest.fixture(scope="session")
+def store_server():
+    """`store_server(scheme)` -> a running `tests/stores.py` server ("s3", "gs", "az"), one per session and scheme.
+
+    A test that takes it down (`server.down()`) brings it back up before it ends."""
+    import stores
+
+    started: dict = {}
+
+    def get(scheme: str):
+        stores.gate(scheme)
+        if scheme not in started:
+            started[scheme] = stores.SERVERS[scheme]().start()
+        server = started[scheme]
+        server.up()
+        return server
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="session")
 def one_process_uneven() -> dict:
     """What one process trains for parity case `trainer_uneven` (tests/strategy/parity_cases.py): its RESULT.
 
@@ -128,6 +156,7 @@ LONGEST_FIRST = (
     "tests/test_spark_hosts.py",
     "tests/benchmarks/test_benchmarks_smoke.py",
     "tests/test_slurm_hosts.py",
+    "tests/training/test_tracking.py",
     "tests/training/test_step_resume_inputs.py",
     "tests/launch/test_nnodes_preemption.py",
     "tests/launch/test_launch_preemption.py",
@@ -145,6 +174,7 @@ LONGEST_FIRST = (
     "tests/strategy/test_compression.py",
     "tests/examples/test_examples.py",
     "tests/strategy/test_custom_loop.py",
+    "tests/storage/test_store_paths_multiworker.py",
 )
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stratkit.errors import ConfigError
-from stratkit.spark import data as data_module
+from stratkit.spark import staging
 from stratkit.spark.ml import model_files
 from stratkit.spark.ml.predictor import InferenceSpec, predict_batches
 from stratkit.spark.ml.signature import (
@@ -99,8 +99,8 @@ def feature_widths(df: Any, columns: Sequence[str], what: str = PARAMS.features)
                           f"Fix: pass {what} from those columns, or add the missing ones to the DataFrame first")
     widths = []
     for name in columns:
-        data_module._column_expression(df, name)  # refuses a type that cannot become a tensor, naming the column
-        widths.append((name, data_module.column_width(schema[name])))
+        staging._column_expression(df, name)  # refuses a type that cannot become a tensor, naming the column
+        widths.append((name, staging.column_width(schema[name])))
     return widths
 
 
@@ -152,7 +152,7 @@ def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequen
     spec = InferenceSpec(model=model, signature=signature, feeds=feeds, fields=fields, batch_size=batch_size,
                          use_gpu=use_gpu, gpu_resource_name=gpu_resource_name, custom_objects=custom,
                          safe_mode=safe_mode, digest=hashlib.sha256(model).hexdigest())
-    inputs = [data_module._column_expression(df, name, vector_dtype=_vector_dtype(feed.port.dtype))
+    inputs = [staging._column_expression(df, name, vector_dtype=_vector_dtype(feed.port.dtype))
               for feed in feeds for name in feed.columns]
     from pyspark.sql import functions as F
 

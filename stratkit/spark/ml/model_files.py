@@ -2,16 +2,15 @@
 
 Every file the Spark ML stages read or write (a saved stage's `model.keras`
 and pickled params, the model file `keras_predict` scores with) goes through
-`read_file` / `write_file`. Until stratkit has a storage layer, a plain path
-or a file:// URL is a file of this machine (written atomically through
-`stratkit.files`), and any other URL (hdfs://, s3://, gs://, ...) goes
-through pyarrow's filesystems, as the DataFrame staging does
-(`stratkit.spark.data`); routing both through a storage layer is a change
-here only.
+`read_file` / `write_file`, which go through the store layer
+(`stratkit.storage`): a plain path or a file:// URL is a file of this
+machine, written atomically; s3://, gs://, az://, hdfs:// are objects,
+uploaded whole (a missing filesystem package is a `ConfigError` naming the
+extra to install).
 
 A bare path is a path of the driver's filesystem, not of Spark's default
 filesystem: on a cluster whose `fs.defaultFS` is HDFS, save stages to a URL
-(hdfs://..., s3://...) that Spark and stratkit both read.
+(hdfs://..., s3://...) that Spark and stratkit both reach.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ import json
 import os
 import zipfile
 
-from stratkit import files
+from stratkit import storage
 from stratkit.errors import ConfigError
-from stratkit.spark.data import _filesystem  # the URL -> pyarrow filesystem rule of the staging
 
 #: The fix for a file that is not a Keras 3 model file.
 SAVE_AS_KERAS = "Fix: save the model with model.save('model.keras') (Keras 3) and pass that file"
@@ -31,60 +29,43 @@ SAVE_AS_KERAS = "Fix: save the model with model.save('model.keras') (Keras 3) an
 
 def join(directory: str, name: str) -> str:
     """`directory/name` for a path or a URL."""
-    return f"{str(directory).rstrip('/')}/{name}"
+    return storage.join(str(directory), name)
 
 
-def _local(url: str) -> str | None:
-    if "://" not in url and not url.startswith("file:"):
-        return os.path.abspath(os.path.expanduser(url))
-    if url.startswith("file://"):
-        return url[len("file://"):]
-    if url.startswith("file:"):
-        return url[len("file:"):]
-    return None
+def _store_and_name(url: str, what: str) -> tuple[storage.Store, str]:
+    parent, _, name = str(url).rstrip("/").rpartition("/")
+    return storage.open_store(parent or ".", what), name
 
 
-def read_file(url: str) -> bytes:
+def read_file(url: str, what: str = "path") -> bytes:
     """The bytes of the file at `url` (a path or a URL).
 
     Raises:
         FileNotFoundError: there is no such file.
     """
-    local = _local(url)
+    local = storage.local_path(url, what)
     if local is not None:
         with open(local, "rb") as handle:
             return handle.read()
-    filesystem, path = _filesystem(url)
-    from pyarrow import fs
-
-    if filesystem.get_file_info(path).type == fs.FileType.NotFound:
-        raise FileNotFoundError(url)
-    with filesystem.open_input_stream(path) as stream:
-        return stream.read()
+    store, name = _store_and_name(url, what)
+    return store.read_bytes(name)
 
 
-def write_file(url: str, data: bytes) -> None:
+def write_file(url: str, data: bytes, what: str = "path") -> None:
     """Write `data` to `url`, creating its directory: a reader sees the old file or the new one, never half."""
-    local = _local(url)
-    if local is not None:
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        files.write_bytes(local, data)
-        return
-    filesystem, path = _filesystem(url)
-    filesystem.create_dir(path.rpartition("/")[0], recursive=True)
-    # Object stores publish an object whole when its upload completes; HDFS readers wait for the close.
-    with filesystem.open_output_stream(path) as stream:
-        stream.write(data)
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+
+    storage.write_with(url, write, what)
 
 
-def exists(url: str) -> bool:
-    local = _local(url)
+def exists(url: str, what: str = "path") -> bool:
+    local = storage.local_path(url, what)
     if local is not None:
         return os.path.exists(local)
-    filesystem, path = _filesystem(url)
-    from pyarrow import fs
-
-    return filesystem.get_file_info(path).type != fs.FileType.NotFound
+    store, name = _store_and_name(url, what)
+    return store.exists(name)
 
 
 def check_keras_archive(data: bytes, where: str) -> dict:
@@ -121,12 +102,12 @@ def read_model(url: str, what: str = "model") -> bytes:
     Raises:
         ConfigError: no such file, a directory (a SavedModel), or not a Keras model file.
     """
-    local = _local(url)
+    local = storage.local_path(url, what)
     if local is not None and os.path.isdir(local):
         raise ConfigError(f"{what}={url!r} is a directory (a TensorFlow SavedModel?), not a Keras .keras model file. "
                           "Fix: save the model with model.save('model.keras') and pass that file")
     try:
-        data = read_file(url)
+        data = read_file(url, what)
     except FileNotFoundError:
         raise ConfigError(f"{what}={url!r}: no such file. Fix: pass the path (or URL) of a .keras model file the "
                           "driver can read") from None
