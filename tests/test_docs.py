@@ -252,7 +252,7 @@ def _public_names(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["stratkit", "stratkit.callbacks", "stratkit.launch", "stratkit.spark",
-                                    "stratkit.ray"])
+                                    "stratkit.ray", "stratkit.storage"])
 def test_every_public_name_is_in_the_api_reference(module):
     page = (DOCS / "reference" / "api.md").read_text()
     if module == "stratkit.callbacks":
@@ -287,6 +287,8 @@ RUN_SAMPLES = {
     "examples/quickstart.py": "tests/examples/test_examples.py",
     "examples/spark_train.py": "tests/examples/test_examples.py",
     "examples/callback_state.py": "tests/examples/test_examples.py",
+    "spark_jobs/pipeline_job.py": "tests/spark/test_pipeline_job.py",
+    "examples/mlflow_train.py": "tests/training/tracking_train.py",
 }
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

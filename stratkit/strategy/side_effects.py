@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import keras
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import scratch
+from stratkit.strategy import scratch, store_callbacks, store_paths
 from stratkit.strategy.collectives import gather_ints
 from stratkit.strategy.keras_compat.internals import resume_epoch
 
@@ -54,13 +54,13 @@ def _private_backup(callback: Any, temps: list[str]) -> Any:
     temps.append(scratch.make("stratkit-backup-worker-"))
     private_dir = os.path.join(temps[-1], "backup")
     source = os.fspath(callback.backup_dir)
-    if os.path.isdir(source):
+    if store_callbacks.route(callback, "") == store_paths.STORE:   # read back from the store, as the chief does
+        store_callbacks.pull_backup(source, private_dir, "BackupAndRestore(backup_dir=...)")
+    elif os.path.isdir(source):
         shutil.copytree(source, private_dir)
     private = copy.copy(callback)
     # The public constructor re-derives every path from backup_dir; the rest of the copy is kept.
-    keras.callbacks.BackupAndRestore.__init__(private, private_dir, save_freq=callback.save_freq,
-                                              double_checkpoint=callback.double_checkpoint,
-                                              delete_checkpoint=callback.delete_checkpoint)
+    store_callbacks.reinit_backup(private, private_dir)
     _PRIVATE_COPIES.add(private)
     return private
 
@@ -102,7 +102,8 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
     """The callbacks to train with: on non-chief workers, file writers write to private temp dirs.
 
     Every worker still runs every callback (reading synchronised variables may
-    need all workers), but only the chief's files land where the user asked.
+    need all workers), but only the chief's files land where the user asked
+    (a store URL: written locally and uploaded whole, `stratkit.strategy.store_callbacks`).
     On other workers `TensorBoard`, `ModelCheckpoint`, `CSVLogger` and
     `BackupAndRestore` are replaced by copies that write to a private temporary
     directory (`BackupAndRestore` starts from a copy of the chief's backup, to
@@ -118,17 +119,24 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
     callbacks = list(callbacks or ())
     for callback in callbacks:  # on every worker, so that all of them stop before training
         _refuse_unroutable(callback)
+        store_callbacks.route(callback, "")   # a URL nothing opens, or "s3:/b" (a directory "s3:"): ConfigError
     if multi_worker:
         agreed: list[Any] = []
         for callback in callbacks:
             agreed.append(callback)
             if isinstance(callback, keras.callbacks.BackupAndRestore):
-                agreed.append(AgreeOnResume(os.fspath(callback.backup_dir)))
+                agreed.append(AgreeOnResume(store_callbacks.shown(callback, os.fspath(callback.backup_dir))))
         callbacks = agreed
-    if is_chief:
-        return callbacks, []
     routed: list[Any] = []
     temps: list[str] = []
+    if is_chief:  # the user's files: a store URL is written locally and uploaded (`store_callbacks`)
+        try:
+            for callback in callbacks:
+                routed.extend(store_callbacks.to_store(callback, temps))
+        except BaseException:
+            remove_dirs(temps)
+            raise
+        return routed, temps
     try:
         for callback in callbacks:
             if callback in _PRIVATE_COPIES or isinstance(callback, AgreeOnResume):
@@ -156,7 +164,10 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
 
 
 def remove_dirs(paths: Iterable[str]) -> None:
-    """Remove the private directories `route_side_effects` made (they go anyway when the worker ends)."""
+    """Remove the private directories `route_side_effects` made (they go anyway when the worker ends), and
+    point the callbacks staged for a store back at their URLs."""
+    paths = list(paths)
+    store_callbacks.restore(paths)
     scratch.remove(paths)
 
 

@@ -55,6 +55,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("BarrierTaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("TaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",
+    ("Params", "_dummy"): "pyspark: the placeholder parent of a Param declared on a class (pyspark.ml's own stages "
+                          "and its docs for custom ones)",
 }
 
 
@@ -377,6 +379,13 @@ GATE_INVENTORY: dict[str, set[str]] = {
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
         "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict / *_on_batch
+        # another library's wrapper on keras.Model.fit (MLflow's autolog), guarded; and put back (revert)
+        "patch setattr(keras.Model, name)", "patch setattr(keras.Model, ...)",
+    },
+    "stratkit/strategy/keras_compat/coordination.py": {
+        # the coordination service's key-value store (insert / blocking get / delete): how a preemption notice
+        # and the chief's timed backup reach every worker without a collective (TF's PreemptionCheckpointHandler's way)
+        "import tensorflow.python.eager.context",
     },
     "stratkit/strategy/keras_compat/internals.py": {
         "import tensorflow.python.eager.context",
