@@ -14,6 +14,11 @@ The two halves of a production setup in one run (or one each: `fit`, `score`):
 It prints one JSON line: rows, the RMSE on the validation rows and on the whole table, and how long each
 half took.
 
+With MLflow (`pip install "stratkit[mlflow]"`) and MLFLOW_TRACKING_URI set, the job is one MLflow run: the
+driver starts it, `KerasEstimator.fit` logs into it from the chief task (the training's params, each epoch's
+metrics, the Keras model with its signature), the job adds the RMSEs and where the pipeline was saved, and
+the `score` half (in `all`, or run on its own later) continues the same run (its id is kept in OUT/mlflow_run).
+
 Executors need a Python with stratkit installed (PYSPARK_PYTHON, or --conf spark.pyspark.python); on a real
 cluster OUT must be a directory every executor and the driver reach (hdfs://, s3://, ... or a shared mount),
 and `spark.stratkit.stagingDir` set (docs/spark.md). Run with --help for the options.
@@ -22,6 +27,8 @@ and `spark.stratkit.stagingDir` set (docs/spark.md). Run with --help for the opt
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -108,6 +115,39 @@ def _write_scores(spark: Any, scored: Any, path: str) -> tuple[float, int]:
     return float(error[0]), int(error[1])
 
 
+class Tracking:
+    """The job's one MLflow run (or nothing, without MLflow or MLFLOW_TRACKING_URI): opened around each half."""
+
+    def __init__(self, out: str, enabled: bool) -> None:
+        self.mlflow = None
+        self.out = out
+        if enabled:
+            import mlflow
+
+            self.mlflow = mlflow
+
+    @contextlib.contextmanager
+    def run(self, half: str) -> Any:
+        if self.mlflow is None:
+            yield
+            return
+        from stratkit.storage import open_store
+
+        store = open_store(self.out)                 # a local directory or an object store's URL alike
+        run_id = store.read_bytes("mlflow_run").decode() if half == "score" and store.exists("mlflow_run") else None
+        if run_id is None:
+            self.mlflow.set_experiment("stratkit-pipeline-job")
+        with self.mlflow.start_run(run_id=run_id, run_name=None if run_id else "pipeline-job") as run:
+            if run_id is None:
+                store.write_bytes("mlflow_run", run.info.run_id.encode())
+            yield
+
+    def log(self, metrics: dict, **tags: str) -> None:
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+            self.mlflow.set_tags(tags)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", choices=("all", "fit", "score"), default="all")
@@ -116,15 +156,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2, help="training workers (default 2)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
+    parser.add_argument("--mlflow", choices=("auto", "on", "off"), default="auto",
+                        help="one MLflow run for the job: auto = when MLflow is installed and MLFLOW_TRACKING_URI set")
     args = parser.parse_args(argv)
+    tracking = Tracking(args.out, args.mlflow == "on" or (
+        args.mlflow == "auto" and bool(os.environ.get("MLFLOW_TRACKING_URI"))
+        and importlib.util.find_spec("mlflow") is not None))
     summary: dict = {}
     if args.step in ("all", "fit"):
         spark = session("stratkit-pipeline-fit", args.master)
-        summary.update(fit(spark, args.out, args))
+        with tracking.run("fit"):
+            summary.update(fit(spark, args.out, args))
+            tracking.log(summary, pipeline=f"{args.out}/pipeline")
         spark.stop()
     if args.step in ("all", "score"):
         spark = session("stratkit-pipeline-score", args.master)
-        summary.update(score(spark, args.out))
+        with tracking.run("score"):
+            scored = score(spark, args.out)
+            tracking.log({"score_rmse": scored["rmse"], "score_rows": scored["rows"],
+                          "score_seconds": scored["score_seconds"]}, scored=f"{args.out}/scored")
+        summary.update(scored)
         spark.stop()
     print(json.dumps(summary), flush=True)
     return summary

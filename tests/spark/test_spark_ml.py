@@ -7,6 +7,8 @@ scores or saves reuses it; the reference is one process's `model.predict` on the
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -14,6 +16,7 @@ import time
 
 import cloudpickle
 import ml_models
+import mlflow_server
 import numpy as np
 import pytest
 from spark_helpers import shared_session
@@ -58,14 +61,39 @@ def _pipeline(**estimator):
 
 
 @pytest.fixture(scope="module")
-def fitted(spark):
-    """(the DataFrame, the fitted PipelineModel, its predictions by id, the seconds fit took)."""
+def mlflow_uri(tmp_path_factory):
+    """A real `mlflow server` (SQLite) on 127.0.0.1 for the module; the driver's tracking URI points at it."""
+    if importlib.util.find_spec("mlflow") is None:
+        yield None
+        return
+    import mlflow
+
+    server = mlflow_server.start(tmp_path_factory.mktemp("mlflow"))
+    mlflow.set_tracking_uri(server.uri)
+    yield server.uri
+    mlflow.set_tracking_uri(None)
+    mlflow_server.stop(server)
+
+
+@pytest.fixture(scope="module")
+def fitted(spark, mlflow_uri):
+    """(the DataFrame, the fitted PipelineModel, its predictions by id, the seconds fit took, the driver's MLflow
+    run id the fit ran in: None without MLflow)."""
     df = spark.createDataFrame(_rows(), SCHEMA).repartition(3)
     started = time.monotonic()
-    model = _pipeline(validation=0.25).fit(df)
+    run_id = None
+    if mlflow_uri is None:
+        model = _pipeline(validation=0.25).fit(df)
+    else:
+        import mlflow
+
+        mlflow.set_experiment("spark-ml-pipeline")
+        with mlflow.start_run() as run:                # the driver owns the run; tracking="auto" logs into it
+            model = _pipeline(validation=0.25).fit(df)
+        run_id = run.info.run_id
     seconds = time.monotonic() - started
     scored = model.transform(df).select("id", "features", "prediction").collect()
-    return df, model, scored, seconds
+    return df, model, scored, seconds, run_id
 
 
 def _no_job_runs(spark):
@@ -88,7 +116,7 @@ def _no_job_runs(spark):
 # -- the pipeline ---------------------------------------------------------------------------------
 
 def test_a_pipeline_trains_on_two_workers_and_scores_as_one_process_predicts(fitted, capsys):
-    _, model, scored, seconds = fitted
+    _, model, scored, seconds, _ = fitted
     keras_stage = model.stages[-1]
     assert keras_stage.training_info["workers"] == 2
     assert len(keras_stage.history["loss"]) == 2 and len(keras_stage.history["val_loss"]) == 2
@@ -103,7 +131,7 @@ def test_a_pipeline_trains_on_two_workers_and_scores_as_one_process_predicts(fit
 def test_the_saved_pipeline_loads_and_scores_the_same(spark, fitted, tmp_path):
     from pyspark.ml import PipelineModel
 
-    df, model, scored, _ = fitted
+    df, model, scored, _, _ = fitted
     model.write().overwrite().save(str(tmp_path / "pipeline"))
     loaded = PipelineModel.load(str(tmp_path / "pipeline"))
     again = dict(loaded.transform(df).select("id", "prediction").collect())
@@ -135,7 +163,23 @@ def test_an_unfitted_pipeline_saves_and_loads_with_its_build_function(spark, tmp
         pipeline.getStages()[-1].save(str(tmp_path / "pipeline" / "stages" / f"2_{estimator.uid}"))
 
 
-def test_a_train_validation_split_tunes_the_build_params_one_training_per_trial(spark, caplog):
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="MLflow is not installed")
+def test_the_fit_logs_into_the_drivers_mlflow_run_from_the_chief(fitted, mlflow_uri):
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    run = client.get_run(fitted[4])
+    assert run.data.params["engine"] == "spark" and run.data.params["replicas"] == "2"
+    for key in ("loss", "val_loss"):   # 2 epochs, each logged once, by the chief alone
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1]
+    assert run.data.tags["stratkit.trained"] == "true"
+    models = client.search_logged_models([run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run.info.run_id}'")
+    assert len(models) == 1
+    assert len(client.search_runs([run.info.experiment_id])) == 1   # no run of any worker's own
+
+
+def test_a_train_validation_split_tunes_the_build_params_one_training_per_trial(spark, caplog, mlflow_uri):
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
 
@@ -146,9 +190,22 @@ def test_a_train_validation_split_tunes_the_build_params_one_training_per_trial(
     tuning = TrainValidationSplit(estimator=pipeline, estimatorParamMaps=grid, trainRatio=0.75, seed=1,
                                   evaluator=RegressionEvaluator(labelCol="label", predictionCol="prediction"))
     started = time.monotonic()
-    with caplog.at_level("INFO", logger="stratkit.spark.runner"):
+    with caplog.at_level("INFO", logger="stratkit.spark.runner"), contextlib.ExitStack() as stack:
+        parent = None
+        if mlflow_uri:
+            import mlflow
+
+            mlflow.set_experiment("spark-ml-tuning")
+            parent = stack.enter_context(mlflow.start_run()).info.run_id
         tuned = tuning.fit(df)
     seconds = time.monotonic() - started
+    if parent is not None:   # each trial a child run of the run around tuning.fit, the refit that run itself
+        client = mlflow.MlflowClient(mlflow_uri)
+        children = client.search_runs([client.get_run(parent).info.experiment_id],
+                                      filter_string=f"tags.mlflow.parentRunId = '{parent}'")
+        assert sorted(child.data.params["units"] for child in children) == ["16", "2"]   # the trials' buildParams
+        for run_id in [child.info.run_id for child in children] + [parent]:
+            assert [m.step for m in client.get_metric_history(run_id, "loss")] == [0]   # each epoch once
     assert len(tuned.validationMetrics) == 2 and all(np.isfinite(tuned.validationMetrics))
     best = tuned.bestModel.stages[-1]
     assert best.getOrDefault("buildParams") == grid[int(np.argmin(tuned.validationMetrics))][estimator.buildParams]
@@ -213,7 +270,7 @@ def test_class_predictions_are_spark_mls_classifier_columns_for_its_evaluators(s
 
     from stratkit.spark import keras_predict
 
-    df, model, _, _ = fitted
+    df, model, _, _, _ = fitted
     scaled = PipelineModel(stages=model.stages[:2]).transform(df).withColumn("label", (F.col("a") > 0).cast("int"))
     features = np.array([row["features"].toArray() for row in sorted(scaled.collect())], "float32")
     for heads, activation in ((3, "softmax"), (1, "sigmoid")):
@@ -237,7 +294,7 @@ def test_class_predictions_are_spark_mls_classifier_columns_for_its_evaluators(s
 # -- bad input: a ConfigError on the driver, before any Spark job ----------------------------------
 
 def test_a_missing_column_is_named_before_any_job(spark, fitted):
-    df, model, _, _ = fitted
+    df, model, _, _, _ = fitted
     keras_stage = model.stages[-1]
     with _no_job_runs(spark), pytest.raises(ConfigError, match=r"featuresCols names column\(s\) \['features'\] "
                                                                  r"that the DataFrame does not have"):
@@ -251,7 +308,7 @@ def test_a_missing_column_is_named_before_any_job(spark, fitted):
 def test_a_vector_column_of_the_wrong_size_is_named_before_any_job(spark, fitted):
     from pyspark.ml.feature import VectorAssembler
 
-    df, model, _, _ = fitted
+    df, model, _, _, _ = fitted
     two = VectorAssembler(inputCols=["a", "b"], outputCol="features").transform(df)
     with _no_job_runs(spark), pytest.raises(ConfigError, match=r"featuresCols 'features' give 2 value\(s\) per "
                                                                  r"row, but the model's input 'features' takes shape "
@@ -262,7 +319,7 @@ def test_a_vector_column_of_the_wrong_size_is_named_before_any_job(spark, fitted
 def test_scoring_on_gpus_without_gpu_scheduling_is_refused_before_any_job(spark, fitted):
     from pyspark.ml import PipelineModel
 
-    df, model, _, _ = fitted
+    df, model, _, _, _ = fitted
     scaled = PipelineModel(stages=model.stages[:2]).transform(df)
     keras_stage = model.stages[-1]
     with _no_job_runs(spark), pytest.raises(ConfigError, match=r"useGpu=True but the Spark conf "

@@ -50,6 +50,9 @@ _OWN_PREFIX = "_stratkit"  # our own attribute names on foreign objects: any Ker
 #: (the accessed object as written, attribute) -> why it is not a Keras/TF private use.
 ALLOWED: dict[tuple[str, str], str] = {
     ("os", "_exit"): "stdlib: leave a child process without running the parent's exit handlers",
+    ("fluent", "_active_run_stack"): "mlflow (not Keras/TF): the main thread's active run, seen from Spark ML's "
+                                     "tuning threads (spark/ml/tracking.py; any failure there falls back to no "
+                                     "parent run, tested on the pinned MLflow)",
     ("atexit", "_run_exitfuncs"): "stdlib: run the exit handlers before os._exit in a Spark child",
     ("spark_context", "_jsc"): "pyspark: the JVM SparkContext (slot counts have no Python API)",
     ("BarrierTaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",

@@ -9,6 +9,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from stratkit.errors import ConfigError
 from stratkit.spark.data import DataFrameInput
+from stratkit.spark.ml import tracking
 from stratkit.spark.ml.model import KerasModel
 from stratkit.spark.ml.params import EstimatorParams
 from stratkit.spark.ml.persistence import StageReader, StageWriter
@@ -60,6 +61,9 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
             chief only).
         backupDir / backupEvery: back up while training and resume there on a retry (`Trainer.fit`'s).
         maxRetries / timeout: `SparkRunner`'s.
+        tracking: MLflow (`stratkit.spark.ml.tracking`): "auto" (default) logs into the driver's active run (a
+            child run when a training already logged into it); "nested" a child run per fit (tuning trials);
+            "mlflow" always logs; "off".
         inferenceBatchSize: rows per model call when the fitted model scores (default 1024).
         predictionKind / probabilityCol: "class" for a classifier's class index and probabilities (see
             `KerasModel`); default "raw".
@@ -90,9 +94,10 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         """What `fit` hands every training process for experiment tracking (`TrainJob.tracking`; None: none).
 
         The one place a tracker joins the training: the object returned here is pickled to each worker, where
-        `training.tracking_callbacks` asks it for Keras callbacks (`tracking.callbacks(trainer)`).
+        `training.tracking_callbacks` asks it for Keras callbacks (`tracking.callbacks(trainer)`); which MLflow
+        run they log into is decided on the driver around the training (`stratkit.spark.ml.tracking`).
         """
-        return None
+        return tracking.context(self.getOrDefault("tracking"), params=self.getOrDefault("buildParams"))
 
     # -- fit ---------------------------------------------------------------------------------------
     def _fit(self, dataset: Any) -> KerasModel:
@@ -105,7 +110,8 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         held_out = None if validation is None else DataFrameInput(validation, feature_cols=list(job.columns),
                                                                    label_col=None)
         try:
-            result = runner.run(train_on_executor, job, inputs, held_out)
+            with tracking.driver_run(self.getOrDefault("tracking")):   # the run SparkRunner hands the chief
+                result = runner.run(train_on_executor, job, inputs, held_out)
         except SparkTrainingError as error:
             config = next((line for line in reversed(error.lines) if line.startswith(_CONFIG_ERROR)), None)
             if config is not None:  # the same ConfigError a local run raises, not a failed task

@@ -127,12 +127,15 @@ class TrainingParams(InferenceParams):
     maxRetries = _param("maxRetries", "re-run a failed training (which resumes from backupDir) this many times",
                         _whole)
     timeout = _param("timeout", "seconds for the whole training, retries included", TypeConverters.toFloat)
+    tracking = _param("tracking", "MLflow: 'auto' logs into the driver's active run (a child run when a training "
+                      "already logged into it), 'nested' a child run of it per fit (tuning), 'mlflow' always "
+                      "(a run of its own if none is active), 'off'", TypeConverters.toString)
 
     def _defaults(self) -> dict[str, Any]:
         return {**super()._defaults(), "buildParams": {}, "labelCols": ["label"], "sampleWeightCol": None,
                 "epochs": 1, "batchSize": 32, "numWorkers": 2, "gpusPerWorker": None, "stepsPerEpoch": None,
                 "validation": None, "shuffle": True, "seed": None, "verbose": 2, "backupDir": None,
-                "backupEvery": None, "maxRetries": 0, "timeout": None}
+                "backupEvery": None, "maxRetries": 0, "timeout": None, "tracking": "auto"}
 
 
 class EstimatorParams(TrainingParams):
