@@ -90,6 +90,8 @@ class Outage:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._marker: bytes | None = None
+        self._held: dict[socket.socket, bytearray] = {}
         self._thread: threading.Thread | None = None
         self.up()
 
@@ -105,6 +107,14 @@ class Outage:
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="store-outage-proxy", daemon=True)
         self._thread.start()
+
+    def hold(self, marker: bytes = b"") -> None:
+        """From now on, a connection whose client sends `marker` (b"": any byte) is held: what it sends is kept,
+        nothing is answered, so its request hangs mid-way; the others go on. `resume` sends the held bytes on."""
+        self._marker = marker
+
+    def resume(self) -> None:
+        self._marker = None
 
     def down(self) -> None:
         self._stop.set()
@@ -129,7 +139,17 @@ class Outage:
         while not self._stop.is_set() and listener is not None:
             with self._lock:
                 pairs = list(self._pairs)
-            watched = [listener] + [s for pair in pairs for s in pair]
+            marker = self._marker
+            if marker is None and self._held:  # resumed: what was held goes on first
+                for client, data in list(self._held.items()):
+                    try:
+                        buffers[client].sendall(bytes(data))
+                    except (OSError, KeyError):
+                        pass
+                self._held.clear()
+            # a held connection's upstream is not read (nothing reaches the server: nothing comes back)
+            watched = [listener] + [s for pair in pairs for s in pair if s is pair[0] or pair[0] not in self._held]
+            clients = {pair[0] for pair in pairs}
             try:
                 ready, _, _ = select.select(watched, [], [], 0.1)
             except (OSError, ValueError):
@@ -151,7 +171,11 @@ class Outage:
                 except OSError:
                     data = b""
                 if not data or peer is None:
+                    self._held.pop(sock, None)
                     self._drop(sock, peer)
+                    continue
+                if sock in self._held or (marker is not None and marker in data and sock in clients):
+                    self._held.setdefault(sock, bytearray()).extend(data)
                     continue
                 try:
                     peer.sendall(data)
@@ -231,7 +255,20 @@ class StoreServer:
 
     def up(self) -> None:
         assert self.proxy is not None
+        self.proxy.resume()
         self.proxy.up()
+
+    def hold(self, marker: bytes = b"") -> None:
+        """The store stops answering the requests that name `marker` (b"": every request, and every one under
+        way): they hang until `up()`; the others are served."""
+        assert self.proxy is not None
+        self.proxy.hold(marker)
+
+    @property
+    def held(self) -> bytes:
+        """What the held requests sent (requests under way that the store does not answer)."""
+        assert self.proxy is not None
+        return b"".join(bytes(data) for data in list(self.proxy._held.values()))
 
     # -- for clients ---------------------------------------------------------------------------
     @property

@@ -8,13 +8,16 @@ stop at the same step, write a backup and exit with status 75
 backup every worker has: at its epoch and step, reading the batches an
 uninterrupted run reads from there, with the metrics, random state and
 callbacks' state it had. With your own `model.fit`: `stratkit.callbacks.Backup`.
+`backup_dir` may be a store URL (``s3://bucket/run``): each worker writes locally
+as ever, a thread uploads beside training, the chief commits, and a resume takes
+the newest committed backup whose files verify (`remote`).
 
 One job per module (the API other engines build on, see docs/architecture.md):
 
 | module | job |
 |---|---|
 | `layout` | file names, `Position` (epoch, step), checkpoint.json |
-| `store` | `write_backup` (the one function every backup is written through), `find_resume_point`, `load`, `copy_backup`, pruning, removal |
+| `store` | `write_backup` (the one function every backup is written through), `find_resume_point`, `load`, `copy_backup`, pruning, removal (a local directory) |
 | `state` | the step state: `RunFacts` (global batch, steps, rows, world size) and their checks; metrics, random state, learning rate, the model manifest |
 | `schedule` | `parse_every`: `backup_every` as steps or a duration; when one is due |
 | `data` | where the data stands, per input kind; `ResumedPyDataset` |
@@ -22,6 +25,10 @@ One job per module (the API other engines build on, see docs/architecture.md):
 | `preemption` | the signals, `Preempted` and the exit |
 | `agreement` | the step boundary every worker acts at on a notice or the chief's clock (out of band through TensorFlow's coordination service; a collective where none runs) |
 | `callback` | `Backup`, the Keras callback that ties them |
+| `remote` | `backup_dir` as a store URL: the local staging, the start of an attempt, the preemption wait, the end; `find_resume_point`, `readable_position` and `copy_backup` for a path or a URL |
+| `uploads` | the thread per process that carries backups to the store, retried and coalesced |
+| `commit` | the store's layout: parts, receipts, the manifest (the commit), attempt records (the fence), pruning |
+| `readback` | a committed backup read back from the store, every file checked |
 """
 
 from __future__ import annotations
@@ -31,11 +38,11 @@ from stratkit.training.checkpoint.data import DataPosition, ResumedPyDataset, da
 from stratkit.training.checkpoint.data import resumable_input as resumable_input_for
 from stratkit.training.checkpoint.layout import METADATA, Metadata, Position, read_metadata, worker_backup_dir
 from stratkit.training.checkpoint.preemption import SIGNAL_VAR, Preempted, parse_signal, preemption_signals
+from stratkit.training.checkpoint.remote import copy_backup, find_resume_point, readable_position
 from stratkit.training.checkpoint.schedule import Every, check_every, parse_every
 from stratkit.training.checkpoint.state import RunFacts
-from stratkit.training.checkpoint.store import (BackupWriteError, ResumePoint, copy_backup, find_resume_point,
-                                                load, past_end, prepare_dir, readable_position, remove_backup,
-                                                write_backup)
+from stratkit.training.checkpoint.store import (BackupWriteError, ResumePoint, load, past_end, prepare_dir,
+                                                remove_backup, write_backup)
 
 __all__ = ["METADATA", "SIGNAL_VAR", "Backup", "BackupWriteError", "DataPosition", "Every", "Metadata", "Position",
            "Preempted", "ResumePoint", "ResumedPyDataset", "RunFacts", "check_every", "copy_backup", "data_position", "find_resume_point", "load",

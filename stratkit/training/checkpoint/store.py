@@ -36,7 +36,7 @@ from stratkit.errors import ConfigError
 from stratkit.strategy import replica_check
 from stratkit.strategy.keras_compat import save_guards
 from stratkit.training.checkpoint.layout import (ARRAYS, METADATA, STATE, WEIGHTS, WHAT, Position, file_name,
-                                                 on_disk, read_metadata, write_metadata)
+                                                 on_disk, read_metadata, sha256, write_metadata)
 
 log = status.logger(__name__)
 
@@ -51,14 +51,6 @@ class BackupWriteError(ConfigError):
 def warn(message: str) -> None:
     """One warning line ("[stratkit] warning: ..." on stderr by default), the same on every path (Trainer, PS)."""
     log.warning("%s", message)
-
-
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def prepare_dir(directory: str) -> list[str]:
@@ -206,7 +198,8 @@ class ResumePoint:
     """Where a directory says to resume: position (0, 0) means start over; `note` is the warning to print.
 
     `path` is the weights file; `files` every file of the backup (name -> path); `checked`: its
-    checksums matched (a load failure then means a different model).
+    checksums matched (a load failure then means a different model); `source`: where the backup was
+    read from when that is not `path`'s directory (a store's backup prefix, its files downloaded to `path`).
     """
 
     epoch: int = 0
@@ -215,6 +208,7 @@ class ResumePoint:
     note: str | None = None
     step: int = 0
     files: dict[str, str] = field(default_factory=dict)
+    source: str | None = None
 
     @property
     def position(self) -> Position:
@@ -279,6 +273,8 @@ def _check(directory: str, position: Position, names: dict[str, str | None]) -> 
 
 def find_resume_point(directory: str) -> ResumePoint:
     """The newest intact backup in `directory` (without touching any model), and what was skipped.
+
+    A local directory; the package's `find_resume_point` takes a store URL too (`remote`).
 
     Raises:
         ConfigError: there are backup files, but none is intact (nothing is deleted).
@@ -359,7 +355,8 @@ def copy_backup(source: str, target: str) -> ResumePoint:
     """Copy the newest intact backup of `source` (its files and a checkpoint.json naming only it) into `target`.
 
     Returns its resume point in `source` (position (0, 0): nothing to copy). For
-    engines that carry a backup elsewhere (Ray Train's checkpoints).
+    engines that carry a backup elsewhere (Ray Train's checkpoints). Local directories; the package's
+    `copy_backup` takes a store URL as `source` too (`remote`).
     """
     point = find_resume_point(source)
     if point.path is None:
