@@ -90,6 +90,7 @@ class Outage:
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self.up()
 
@@ -105,6 +106,13 @@ class Outage:
         self._stop.clear()
         self._thread = threading.Thread(target=self._serve, name="store-outage-proxy", daemon=True)
         self._thread.start()
+
+    def pause(self) -> None:
+        """Hold every byte from now on (connections stay open, new ones are accepted): requests hang mid-way."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
 
     def down(self) -> None:
         self._stop.set()
@@ -129,7 +137,7 @@ class Outage:
         while not self._stop.is_set() and listener is not None:
             with self._lock:
                 pairs = list(self._pairs)
-            watched = [listener] + [s for pair in pairs for s in pair]
+            watched = [listener] + ([] if self._paused.is_set() else [s for pair in pairs for s in pair])
             try:
                 ready, _, _ = select.select(watched, [], [], 0.1)
             except (OSError, ValueError):
@@ -231,7 +239,13 @@ class StoreServer:
 
     def up(self) -> None:
         assert self.proxy is not None
+        self.proxy.resume()
         self.proxy.up()
+
+    def pause(self) -> None:
+        """The store stops answering: every request, and every one under way, hangs until `up()`."""
+        assert self.proxy is not None
+        self.proxy.pause()
 
     # -- for clients ---------------------------------------------------------------------------
     @property

@@ -15,7 +15,8 @@ from stratkit.status import EXIT_PREEMPTED
 
 #: What a script prints when it needs a network the private namespace does not have.
 _NETWORK_ERRORS = ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
-                   "No route to host", "Could not resolve host", "nodename nor servname", "No address associated")
+                   "No route to host", "Could not resolve host", "nodename nor servname", "No address associated",
+                   "the store could not be reached")  # (stratkit.storage's words: a backup_dir or path URL)
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,54 @@ class Store:
             return
         self._call("upload", name, lambda: self.fs.put_file(local_file, self._key(name)))
 
+    def create_bytes(self, name: str, data: bytes) -> bool:
+        """Write the object `name` only if there is none yet; True if this call created it.
+
+        An exclusive create where the store has one (S3's ``If-None-Match: *``, GCS's
+        ``ifGenerationMatch=0``, Azure's ``overwrite=False``, fsspec's ``mode="create"``; a local file
+        by a hard link, which fails if the name exists). Some emulators ignore the condition (the GCS
+        emulator does): the object is then read back, and a content other than `data` means another
+        writer's create won. So `data` must be unique to the writer (hold a random id).
+        """
+        if self.local:
+            path = self.path(name)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            scratch = os.path.join(os.path.dirname(path), files.temp_name())
+            try:
+                files.write_bytes(scratch, data)
+                os.link(scratch, path)
+            except FileExistsError:
+                return False
+            finally:
+                files.remove(scratch)
+            return True
+        try:
+            self._call("write", name, lambda: self.fs.pipe_file(self._key(name), data, mode="create"))
+        except FileExistsError:
+            return False
+        except StoreError as exc:
+            if "precondition" not in str(exc).lower() and "already exists" not in str(exc).lower():
+                raise
+            return False
+        try:
+            return self.read_bytes(name) == data
+        except FileNotFoundError:  # created and removed again in between: not ours to count on
+            return False
+
+    def remove_many(self, names: Iterable[str]) -> None:
+        """Delete the objects `names` (missing ones are fine): one batched request where the store has one."""
+        names = list(names)
+        if self.local or not names:
+            for name in names:
+                self.remove(name)
+            return
+        keys = [self._key(name) for name in names]
+        try:
+            self._call("delete", names[0], lambda: self.fs.rm(keys))
+        except FileNotFoundError:
+            for name in names:  # some were gone already: the rest one by one
+                self.remove(name)
+
     def remove(self, name: str) -> None:
         """Delete the object `name` (nothing if it is missing)."""
         if self.local:

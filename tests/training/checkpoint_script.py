@@ -13,6 +13,7 @@ arrays. Environment:
                         the test writes after it signalled this process from outside (an engine's tests)
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
   STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
+  STRATKIT_BACKUP_STAGING  with a store URL as BACKUP_DIR: "{rank}" in it is this worker's rank (a host's own disk)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
 after the step; times-<rank>.log the same with the time it ended),
@@ -38,6 +39,8 @@ import numpy as np  # noqa: E402
 
 OUT = os.environ["OUT"]
 RANK = max(spec.worker_rank, 0)
+if "{rank}" in os.environ.get("STRATKIT_BACKUP_STAGING", ""):  # each worker's staging on a disk of its own
+    os.environ["STRATKIT_BACKUP_STAGING"] = os.environ["STRATKIT_BACKUP_STAGING"].format(rank=RANK)
 ATTEMPT = int(os.environ.get("STRATKIT_RESTART_COUNT", "0")) + int(os.environ.get("ATTEMPT", "0"))
 STEPS_PER_EPOCH = 10
 rng = np.random.default_rng(0)

@@ -20,6 +20,10 @@ class (put it last in `callbacks`, see `Backup`). When it acts:
   epoch's end is added at the next `on_epoch_begin`, when every callback ran;
 * `on_train_end`: a finished run's backups are removed (Keras semantics).
 
+With `backup_dir` a store URL (``s3://``, ``gs://``, ``az://``, ``hdfs://``) each worker writes the same
+backups to a local staging directory and they reach the store beside training, committed by the chief
+(`remote`, `uploads`, `commit`); `file://` URLs and paths are local directories as ever.
+
 A complete backup is told to the callbacks defining `on_backup_written(position=, global_step=, reason=,
 directory=)` (reason "epoch", the `backup_every` text or "preemption"): Ray Train's `RayReportCallback`.
 """
@@ -33,12 +37,12 @@ from typing import Any
 
 import keras
 
-from stratkit import status, timeline
+from stratkit import status, storage, timeline
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
 from stratkit.strategy.keras_compat import callback_state as keras_state
 from stratkit.strategy.keras_compat import resume_step
-from stratkit.training.checkpoint import callbacks_state, preemption, state as state_lib, store
+from stratkit.training.checkpoint import callbacks_state, preemption, remote as remote_lib, state as state_lib, store
 from stratkit.training.checkpoint.data import DataPosition, data_position, model_fit_position
 from stratkit.training.checkpoint.layout import WHAT, Position, worker_backup_dir
 from stratkit.training.checkpoint.schedule import Clock, parse_every
@@ -51,7 +55,9 @@ class Backup(keras.callbacks.Callback):
     """Back up on a schedule (every epoch, every K steps, or every D of time) and on a preemption notice.
 
     Args:
-        backup_dir: the backup directory (the chief's files; other workers' in `workers/worker-N`).
+        backup_dir: the backup directory (the chief's files; other workers' in `workers/worker-N`), or a store
+            URL (``s3://bucket/run``, ``gs://``, ``az://``/``abfs://``, ``hdfs://``: checked before step 1,
+            each worker stages locally and uploads beside training, see `stratkit.training.checkpoint.remote`).
         every: None (after every epoch), a positive int (every that many global steps) or a duration
             ("30s", "10min", "1h": at the first step boundary after that much time, the chief's clock).
         is_chief: this worker saves to backup_dir itself (default: `stratkit.detect()`).
@@ -64,15 +70,21 @@ class Backup(keras.callbacks.Callback):
         resume_note: a warning the chief gives when it resumes (what a resume does not continue).
         facts: the run's global batch, steps per epoch and dataset size (checked against the backup's).
         data: how the resumed epoch's data starts (`Trainer.fit` sets it; default: Keras's iterator replayed).
+        staging: with a URL, the local root each worker stages its backups under (default:
+            STRATKIT_BACKUP_STAGING, else the temporary directory: `remote.staging_root`).
     """
 
     def __init__(self, backup_dir: str, every: Any = None, *, is_chief: bool | None = None,
                  rank: int | None = None, agree_on_epoch: Any = None, agree_flags: Any = None, keep: int = 2,
                  resume_note: str | None = None, facts: RunFacts | None = None,
-                 data: DataPosition | None = None) -> None:
+                 data: DataPosition | None = None, staging: str | None = None) -> None:
         super().__init__()
         self.every = parse_every(every)
         self.backup_dir = os.fspath(backup_dir)
+        local = storage.local_path(self.backup_dir, WHAT)  # file:// -> its path; "s3:/b" (a slash missing) refused
+        self.backup_dir = local if local is not None else self.backup_dir.rstrip("/")
+        self.staging = staging
+        self._remote: remote_lib.RemoteBackups | None = None
         self.is_chief = is_chief
         self.rank = rank
         self.agree_on_epoch = agree_on_epoch
@@ -107,7 +119,10 @@ class Backup(keras.callbacks.Callback):
     # -- where this worker stands -----------------------------------------------------------------
     @property
     def directory(self) -> str:
+        """This worker's backup directory (with a store URL: its local staging directory)."""
         self._place()
+        if self._remote is not None:
+            return self._remote.directory
         return worker_backup_dir(self.backup_dir, bool(self.is_chief), int(self.rank or 0))
 
     def _place(self) -> None:
@@ -117,6 +132,9 @@ class Backup(keras.callbacks.Callback):
             spec = detect()
             self.is_chief = spec.is_chief if self.is_chief is None else self.is_chief
             self.rank = max(spec.worker_rank, 0) if self.rank is None else self.rank
+        if self._remote is None and storage.is_url(self.backup_dir):
+            self._remote = remote_lib.RemoteBackups(self.backup_dir, rank=int(self.rank), is_chief=bool(self.is_chief),
+                                                    keep=self.keep, staging=self.staging)
 
     def _collectives(self) -> None:
         """Default agreements from the model's strategy: collectives on several workers, identity on one."""
@@ -149,6 +167,15 @@ class Backup(keras.callbacks.Callback):
         if self._decided is not None:
             return self._decided[0]
         self._collectives()
+        self._place()
+        if self._remote is not None:  # the store's newest committed backup, read back into local staging
+            from stratkit.cluster import detect
+
+            self._decided = self._remote.decide(self.agree_on_epoch, max(detect().num_workers, 1))
+            agreed, point, _ = self._decided
+            if point is not None:
+                self._state, self._arrays = point.state(), point.arrays()
+            return agreed
         store.files.check_dir(self.backup_dir, WHAT)
         directory = self.directory
         store.prepare_dir(directory)  # every worker cleans only its own directory
@@ -231,7 +258,7 @@ class Backup(keras.callbacks.Callback):
                 if not keras_compat.install_resume_step():
                     raise ConfigError(f"{point.path} is a mid-epoch backup, and this Keras cannot start an epoch "
                                       "at a step. Fix: install a Keras stratkit supports (stratkit info)")
-            log.info("resumed from %s at %s", point.path, position)
+            log.info("resumed from %s at %s", point.source or point.path, position)
             timeline.mark("backup loaded")
             if self.is_chief:
                 for note in (change and f"the run changed since the backup: {change}", self.resume_note,
@@ -318,12 +345,16 @@ class Backup(keras.callbacks.Callback):
         if self.model is not None:
             keras_compat.set_resume_epoch(self.model, None)
         resume_step.disarm()
+        if self._remote is not None:  # (a fit that raised: its newest backup still gets a chance to reach the store)
+            self._remote.close(flush=0.0 if self._preempting else remote_lib.FLUSH_AFTER_ERROR)
         if not self._preempting:
             self.notice.uninstall()
         callbacks_state.restore_csv_append(self._csv)
         self._csv = []
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._remote is not None:
+            self._remote.close()  # training is done: uploads not yet started are dropped, the one under way ends
         self.release()
         self._decided = None  # a later fit with this callback decides again
         self._checked = False
@@ -349,6 +380,8 @@ class Backup(keras.callbacks.Callback):
                        "run": (self.facts or RunFacts()).as_dict(), "model": state_lib.model_state(self.model),
                        "callbacks": values}
         store.write_backup(self.model, self.directory, position, content, arrays, keep=self.keep, weights=weights)
+        if state and self._remote is not None:
+            self._remote.submit(position, global_step)  # to the store beside training (complete backups only)
         self._last = max(self._last, position)
         self._clock.restart()
         seconds = time.monotonic() - started
@@ -366,6 +399,8 @@ class Backup(keras.callbacks.Callback):
         waited = time.monotonic() - self.notice.at if self.notice.noticed else 0.0
         where = f"{position} (global step {global_step})"
         saved = (f"backup written in {seconds:.2f} s" if seconds else "the newest backup is already at this step")
+        if self._remote is not None:  # the exit waits for it to be in the store (within the grace period)
+            saved += "; " + self._remote.final(self._last, self.notice.at if self.notice.noticed else None)
         self._preempting = True
         message = (f"preempted: {noticed}" + (f", {waited:.2f} s ago" if self.notice.noticed else "") +
                    f"; stopped at {where}; {saved} ({self.directory}); exiting with status "
@@ -384,6 +419,11 @@ class Backup(keras.callbacks.Callback):
         every worker's last save has landed (measured: a slow worker re-created backup_dir/workers after the
         chief had removed it), and the chief removes the shared directory only after the workers removed theirs.
         """
+        if self._remote is not None:
+            self.agree_on_epoch(0)  # every worker's uploads have ended: nothing reaches the store after this
+            self._remote.remove_local()
+            self._remote.remove()
+            return
         self.agree_on_epoch(0)
         if not self.is_chief:
             store.remove_backup(self.directory)

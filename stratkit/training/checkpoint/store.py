@@ -33,10 +33,11 @@ from typing import Any
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
+from stratkit.storage import is_url
 from stratkit.strategy import replica_check
 from stratkit.strategy.keras_compat import save_guards
 from stratkit.training.checkpoint.layout import (ARRAYS, METADATA, STATE, WEIGHTS, WHAT, Position, file_name,
-                                                 on_disk, read_metadata, write_metadata)
+                                                 on_disk, read_metadata, sha256, write_metadata)
 
 log = status.logger(__name__)
 
@@ -51,14 +52,6 @@ class BackupWriteError(ConfigError):
 def warn(message: str) -> None:
     """One warning line ("[stratkit] warning: ..." on stderr by default), the same on every path (Trainer, PS)."""
     log.warning("%s", message)
-
-
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def prepare_dir(directory: str) -> list[str]:
@@ -206,7 +199,8 @@ class ResumePoint:
     """Where a directory says to resume: position (0, 0) means start over; `note` is the warning to print.
 
     `path` is the weights file; `files` every file of the backup (name -> path); `checked`: its
-    checksums matched (a load failure then means a different model).
+    checksums matched (a load failure then means a different model); `source`: where the backup was
+    read from when that is not `path`'s directory (a store's backup prefix, its files downloaded to `path`).
     """
 
     epoch: int = 0
@@ -215,6 +209,7 @@ class ResumePoint:
     note: str | None = None
     step: int = 0
     files: dict[str, str] = field(default_factory=dict)
+    source: str | None = None
 
     @property
     def position(self) -> Position:
@@ -280,9 +275,16 @@ def _check(directory: str, position: Position, names: dict[str, str | None]) -> 
 def find_resume_point(directory: str) -> ResumePoint:
     """The newest intact backup in `directory` (without touching any model), and what was skipped.
 
+    `directory` may be a store URL (``s3://bucket/run``): the newest committed backup whose files verify,
+    downloaded into this host's staging area (`remote.read_back`; `.source` names it in the store).
+
     Raises:
         ConfigError: there are backup files, but none is intact (nothing is deleted).
     """
+    if is_url(directory):
+        from stratkit.training.checkpoint import remote
+
+        return remote.read_back(directory, os.path.join(remote.staging_root(), remote.run_key(directory), "reader"))
     meta = read_metadata(directory)
     metadata = os.path.join(directory, METADATA)
     present = on_disk(directory)
@@ -359,8 +361,20 @@ def copy_backup(source: str, target: str) -> ResumePoint:
     """Copy the newest intact backup of `source` (its files and a checkpoint.json naming only it) into `target`.
 
     Returns its resume point in `source` (position (0, 0): nothing to copy). For
-    engines that carry a backup elsewhere (Ray Train's checkpoints).
+    engines that carry a backup elsewhere (Ray Train's checkpoints). `source` may be a store URL: its
+    newest committed backup whose files verify is downloaded into `target` (the chief's files).
+
+    Raises:
+        ConfigError: `target` is a store URL (a store takes backups only through `Trainer.fit`'s commit).
     """
+    if is_url(target):
+        raise ConfigError(f"copy_backup: target={target!r} is a store URL; a store takes backups only through a "
+                          "run's own commit. Fix: copy into a local directory, or pass the URL as backup_dir to "
+                          "Trainer.fit, which resumes from the store's newest committed backup")
+    if is_url(source):
+        from stratkit.training.checkpoint import remote
+
+        return remote.read_back(source, files.check_dir(target, WHAT))
     point = find_resume_point(source)
     if point.path is None:
         return point

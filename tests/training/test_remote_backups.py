@@ -1,0 +1,285 @@
+"""Backups on object storage (issue 44): `backup_dir` on S3, GCS and Azure, killed and resumed as real processes.
+
+`checkpoint_script.py` trains (160 rows, global batch 16: epochs of 10 steps, `backup_every=7`, EarlyStopping,
+ReduceLROnPlateau, ModelCheckpoint, CSVLogger); the one uninterrupted process with a local `backup_dir` is the
+reference every run here must equal (weights and history within 1e-5). Each worker stages its backups under
+STRATKIT_BACKUP_STAGING with "{rank}" in it (a disk of its own per worker); the tests delete those disks
+between attempts, so a resume can only come from the store. Kills are timed by events: the script stops before
+step KILL_AT (`KILL_SIGNAL=EXTERNAL`: it writes ready-<rank>.json and waits), the test looks at the store (the
+commit it waits for) and then sends SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import stores
+from procs import REPO_ROOT, child_env, describe, run_process
+
+from stratkit.training.checkpoint.layout import Position
+
+pytestmark = [pytest.mark.slow]
+
+SCRIPT = str(Path(__file__).with_name("checkpoint_script.py"))
+TOLERANCE = 1e-5
+AT_21 = Position(2, 1)      # the backup before step 23 (global steps 7, 14, 21, ...)
+AT_14 = Position(1, 4)
+
+
+def _unique(name: str) -> str:
+    return f"{name}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def _result(out: Path, rank: int = 0) -> dict:
+    return json.loads((out / f"result-{rank}.json").read_text())
+
+
+def _retrained(out: Path, rank: int = 0) -> list[int]:
+    lines = [tuple(map(int, line.split())) for line in (out / f"steps-{rank}.log").read_text().splitlines()]
+    first = {step for attempt, step in lines if attempt == 0}
+    return sorted(step for attempt, step in lines if attempt > 0 and step in first)
+
+
+def _equals_reference(out: Path, reference: Path, ranks=(0,)) -> None:
+    want = _result(reference)
+    for rank in ranks:
+        got = _result(out, rank)
+        for a, b in zip(got["weights"], want["weights"]):
+            np.testing.assert_allclose(np.array(a), np.array(b), atol=TOLERANCE, rtol=0)
+        assert got["epochs"] == want["epochs"] and got["stopped_epoch"] == want["stopped_epoch"] > 0
+        for key, values in want["history"].items():
+            np.testing.assert_allclose(got["history"][key], values, atol=TOLERANCE, rtol=0, err_msg=key)
+    for rank in ranks[1:]:  # workers bit-identical
+        assert _result(out, rank)["weights"] == _result(out, ranks[0])["weights"]
+
+
+def _committed(server: stores.StoreServer, url: str, fs=None) -> list[Position]:
+    """The positions with a manifest in the store, newest first (this test's own client: no TensorFlow here)."""
+    found = []
+    for key in (fs or server.fs()).find(url.split("://", 1)[1]):
+        parts = key.split("/")
+        if parts[-1] == "manifest.json" and parts[-3] == "backups":
+            stem = parts[-2].split("-", 1)[1]          # 00000001-epoch-00002-step-0000001
+            epoch, _, step = stem[len("epoch-"):].partition("-step-")
+            found.append(Position(int(epoch), int(step or 0)))
+    return sorted(found, reverse=True)
+
+
+def _wait_for(check, what: str, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.1)
+
+
+class Running:
+    """A training started in the background: a process (`script`) or `stratkit launch --workers N`; its output
+    is read as it comes (`said` waits for a line)."""
+
+    def __init__(self, out: Path, env: dict, workers: int = 0) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        argv = ([sys.executable, "-m", "stratkit.cli", "launch", "--workers", str(workers), "--max-restarts", "0",
+                 "--no-private-network", "--", sys.executable, SCRIPT] if workers else [sys.executable, SCRIPT])
+        clean = {k: None for k in os.environ if k.startswith(("STRATKIT_", "SLURM_")) or k == "TF_CONFIG"}
+        self.proc = subprocess.Popen(argv, env=child_env(None, {**clean, **env}), cwd=REPO_ROOT,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._lines: dict[str, list[str]] = {"out": [], "err": []}
+        self._readers = [threading.Thread(target=self._read, args=(stream, self._lines[name]), daemon=True)
+                         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+
+    @property
+    def out(self) -> str:
+        return "".join(self._lines["out"])
+
+    @property
+    def err(self) -> str:
+        return "".join(self._lines["err"])
+
+    def said(self, text: str) -> bool:
+        return text in self.err
+
+    def finish(self, timeout: float = 600) -> int:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            for reader in self._readers:
+                reader.join(30)
+        return self.proc.returncode
+
+
+def _env(server: stores.StoreServer, url: str, out: Path, **extra: str) -> dict:
+    return {**server.env, "OUT": str(out), "BACKUP_DIR": url, "STRATKIT_BACKUP_STAGING": str(out / "disk-{rank}"),
+            **extra}
+
+
+def _kill_after_commit(server, url, out: Path, first: Running, rank: int, position: Position = AT_21) -> None:
+    """Before step 23, once the backup at `position` is committed: SIGKILL worker `rank` (a host gone)."""
+    ready = out / f"ready-{rank}.json"
+    _wait_for(ready.exists, f"worker {rank} to reach step 23")
+    _wait_for(lambda: _committed(server, url)[:1] == [position], f"the commit of {position}")
+    os.kill(json.loads(ready.read_text())["pid"], signal.SIGKILL)
+    first.finish()
+    for disk in out.glob("disk-*"):  # the host is gone with its disk: the resume reads the store alone
+        shutil.rmtree(disk)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted process with a local backup_dir."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run_process(SCRIPT, env={"OUT": str(out), "BACKUP_DIR": str(out / "backup")}, timeout=300)
+    assert result.ok, describe([result])
+    return out
+
+
+@pytest.mark.multiworker
+def test_s3_two_workers_without_a_shared_disk_killed_mid_epoch_resume_from_the_store(tmp_path, reference,
+                                                                                      store_server):
+    server = store_server("s3")
+    url = server.url(server.make_bucket(_unique("two")), "run1")
+    env = _env(server, url, tmp_path, KILL_AT="23", KILL_RANK="1", KILL_SIGNAL="EXTERNAL")
+    first = Running(tmp_path, env, workers=2)
+    _kill_after_commit(server, url, tmp_path, first, rank=1)
+    assert first.proc.returncode != 0 and "worker:1" in first.err and "killed by SIGKILL" in first.err, first.err[-3000:]
+    second = Running(tmp_path, {**env, "ATTEMPT": "1"}, workers=2)
+    assert second.finish() == 0, second.err[-5000:]
+    assert f"resumed from {url}/backups/00000002-epoch-00002-step-0000001" not in second.out  # (attempt 2 resumed
+    assert f"resumed from {url}/backups/00000001-epoch-00002-step-0000001 at epoch 2 + 1 steps" in second.out
+    for rank in (0, 1):
+        assert _retrained(tmp_path, rank) == [21, 22]   # at most backup_every=7
+        assert (tmp_path / f"disk-{rank}").exists()       # staged again on each worker's own disk...
+    _equals_reference(tmp_path, reference, ranks=(0, 1))
+    assert _committed(server, url) == [] and server.fs().find(url.split("://")[1]) == []  # ...and all removed
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_one_process_killed_then_two_workers_resume_from_the_store(tmp_path, reference, store_server, scheme):
+    """GCS and Azure: one process killed mid-epoch, 2 workers on fresh disks resume (another world size)."""
+    stores.gate(scheme)
+    server = store_server(scheme)
+    url = server.url(server.make_bucket(_unique("grow")), "run1")
+    env = _env(server, url, tmp_path, KILL_AT="23", KILL_RANK="0", KILL_SIGNAL="EXTERNAL")
+    first = Running(tmp_path, env)
+    _kill_after_commit(server, url, tmp_path, first, rank=0)
+    assert first.proc.returncode == -signal.SIGKILL
+    second = Running(tmp_path, {**env, "ATTEMPT": "1"}, workers=2)
+    assert second.finish() == 0, second.err[-5000:]
+    assert "at epoch 2 + 1 steps" in second.out and "world size 1 -> 2" in second.err
+    assert _retrained(tmp_path, 0) == [21, 22]
+    _equals_reference(tmp_path, reference, ranks=(0, 1))
+
+
+def test_sigkill_during_an_upload_resumes_from_the_previous_commit(tmp_path, reference, store_server):
+    server = store_server("s3")
+    url = server.url(server.make_bucket(_unique("midway")), "run1")
+    env = _env(server, url, tmp_path, KILL_AT="23", KILL_RANK="0", KILL_SIGNAL="EXTERNAL", STEP_SECONDS="0.25")
+    first = Running(tmp_path, env)
+    try:
+        # 14 committed; then the store stops answering (requests hang), so the upload of 21 is under way
+        _wait_for(lambda: _committed(server, url)[:1] == [AT_14], "the commit of step 14", 240)
+        server.pause()
+        ready = tmp_path / "ready-0.json"
+        _wait_for(ready.exists, "step 23")
+        outbox = tmp_path / "disk-0"
+        assert any(p.name.endswith("epoch-00002-step-0000001") for p in outbox.rglob("*outbox/*")), \
+            "the backup at step 21 is not on its way to the store"
+        os.kill(json.loads(ready.read_text())["pid"], signal.SIGKILL)
+        assert first.finish() == -signal.SIGKILL
+    finally:
+        server.up()
+    second = Running(tmp_path, {**env, "ATTEMPT": "1", "STEP_SECONDS": "0"})
+    assert second.finish() == 0, second.err[-5000:]
+    assert "at epoch 1 + 4 steps" in second.err + second.out   # the previous committed backup
+    assert _retrained(tmp_path) == list(range(14, 23))
+    _equals_reference(tmp_path, reference)
+
+
+def test_the_store_down_mid_run_training_goes_on_and_the_run_says_what_never_arrived(tmp_path, reference,
+                                                                                    store_server):
+    server = store_server("s3")
+    url = server.url(server.make_bucket(_unique("outage")), "run1")
+    env = _env(server, url, tmp_path, KILL_AT="30", KILL_RANK="0", KILL_SIGNAL="EXTERNAL", STEP_SECONDS="0.2")
+    run = Running(tmp_path, env)
+    try:
+        _wait_for(lambda: _committed(server, url)[:1] == [AT_14], "the commit of step 14", 240)
+        server.down()
+        _wait_for((tmp_path / "ready-0.json").exists, "step 30 (backups at 21 and 28 written meanwhile)")
+        _wait_for(lambda: run.said("uploads are failing"), "the warning that uploads fail")
+        import s3fs
+
+        direct = s3fs.S3FileSystem(key=server.key, secret=server.secret, skip_instance_cache=True,
+                                   endpoint_url=f"http://127.0.0.1:{server.port}")   # past the proxy, which is down
+        assert _committed(server, url, direct)[0] == AT_14   # still the resume point (the newest commit)
+    finally:
+        server.up()
+    (tmp_path / "sent").write_text("")
+    assert run.finish() == 0, run.err[-5000:]
+    assert run.err.count("uploads are failing") == 1, run.err[-5000:]   # one warning for the outage, not per retry
+    assert "the newest committed backup is epoch 1 + 4 steps" in run.err
+    assert "the store answers again" in run.err
+    assert "1 backup(s) never reached the store (epoch 2 + 1 steps)" in run.err
+    _equals_reference(tmp_path, reference)
+
+
+def test_a_store_that_refuses_or_lacks_is_refused_before_step_1(tmp_path, store_server):
+    """A wrong credential, a missing bucket, the store down at start: each a ConfigError before any step."""
+    server = store_server("s3")
+    url = server.url(server.make_bucket(_unique("refused")), "run1")
+    script = tmp_path / "refused.py"
+    script.write_text(
+        "import os, sys, json\nimport stratkit, keras, numpy as np\n"
+        "trainer = stratkit.Trainer(strategy='one_device')\n"
+        "import s3fs\n"
+        "steps = []\n"
+        "class Steps(keras.callbacks.Callback):\n"
+        "    def on_train_batch_begin(self, batch, logs=None): steps.append(batch)\n"
+        "def build():\n"
+        "    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "    model.compile(optimizer='sgd', loss='mse')\n"
+        "    return model\n"
+        "model = trainer.build(build)\n"
+        "x = np.zeros((32, 2), 'float32')\n"
+        "for case, url, env in json.loads(sys.argv[1]):\n"
+        "    os.environ.update(env); s3fs.S3FileSystem.clear_instance_cache()\n"
+        "    try:\n"
+        "        trainer.fit(model, (x, x[:, :1]), global_batch_size=8, backup_dir=url, backup_every=2,\n"
+        "                    callbacks=[Steps()], verbose=0)\n"
+        "        print(case, 'TRAINED')\n"
+        "    except stratkit.ConfigError as exc:\n"
+        "        print(case, 'ConfigError', str(exc).replace(chr(10), ' '))\n"
+        "print('steps', len(steps))\n")
+    secret = "wrong-secret-0123456789"
+    cases = [["credential", url, {"AWS_SECRET_ACCESS_KEY": secret}],
+             ["bucket", server.url(_unique("missing"), "run1"), {"AWS_SECRET_ACCESS_KEY": server.secret}],
+             ["down", url, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{stores.free_port()}"}]]
+    out = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, env=server.client_env(child_env()), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert lines["credential"].startswith("ConfigError") and "refused the credentials" in lines["credential"]
+    assert "does not exist" in lines["bucket"] and "Fix: create it" in lines["bucket"]
+    assert "could not be reached" in lines["down"] and "Fix: check the store's endpoint" in lines["down"]
+    assert lines["steps"] == "0"                              # before step 1, every time
+    assert secret not in out.stdout + out.stderr and server.secret not in out.stdout + out.stderr
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))  # no local directory named after a scheme
