@@ -69,6 +69,8 @@ NETWORK = "198.18.0"
 PREFIX = "stratkit-"
 REQUIRE_VARIABLE = "STRATKIT_REQUIRE_HOSTS"
 TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname")
+#: The suite's network guard log (tests/netguard/): every private-disk host writes its refusals to the same file.
+GUARD_LOG_VARIABLE = "TESTS_NETGUARD_LOG"
 #: What a private disk covers with a tmpfs of its own (the user's home gets an overlay: see `make_hosts`).
 PRIVATE_PATHS = ("/tmp", "/var/tmp")
 #: The most a private disk's tmpfs may hold (tmpfs takes memory only for what is written).
@@ -295,7 +297,7 @@ def hosts_file(hosts: Sequence[Host]) -> str:
 #: The name holder: in the host's own mount and UTS namespaces (private propagation), it puts `hosts` on
 #: /etc/hosts and sets the hostname; with private disks it mounts them (the home's overlay layers on a tmpfs
 #: that is then detached, so no path reaches them) and binds each shared directory at its own path, through a
-#: descriptor opened before the tmpfs covered it. Then it sleeps as long as the host lives.
+#: descriptor opened before the tmpfs covered it (mount(8) would resolve a path to the new disk). Then it sleeps as long as the host lives.
 _HOLDER = r"""
 import json, os, subprocess, sys
 etc_hosts, name, private, home, shared, size = sys.argv[1:7]
@@ -308,7 +310,7 @@ def mount(*args):
 
 mount("--bind", etc_hosts, "/etc/hosts")
 subprocess.run(["hostname", name], check=True)
-opened = [(os.open(path, os.O_RDONLY | os.O_DIRECTORY), path) for path in shared]
+opened = [(os.open(path, os.O_PATH), path) for path in shared]
 for path in private:
     mode = oct(os.stat(path).st_mode & 0o7777)[2:]
     mount("-t", "tmpfs", "-o", f"mode={mode},size={size}", f"disk-{name}", path)
@@ -320,7 +322,11 @@ if home:
     mount("-t", "overlay", "-o", f"lowerdir={home},upperdir={layers}/upper,workdir={layers}/work", f"home-{name}", home)
     subprocess.run(["umount", "--lazy", layers], check=True)
 for fd, path in opened:
-    os.makedirs(path, exist_ok=True)
+    if os.path.isdir(f"/proc/{os.getpid()}/fd/{fd}"):
+        os.makedirs(path, exist_ok=True)
+    else:  # a file: bound over an empty one
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
     mount("--no-canonicalize", "--bind", f"/proc/{os.getpid()}/fd/{fd}", path)  # (not the path it now names)
     os.close(fd)
 print("ready", flush=True)
@@ -361,7 +367,8 @@ def make_hosts(n: int, names: bool = True, private_disks: bool = False,
         n: how many hosts.
         names: each host its own hostname and /etc/hosts (needed by `private_disks`).
         private_disks: each host its own /tmp, /var/tmp and home (see the module docstring).
-        shared: existing directories every private-disk host sees at their own paths (results, configs).
+        shared: existing directories (or files) every private-disk host sees at their own paths (results,
+            configs); the network guard's log is always among them.
     """
     if not 1 <= n <= 250:
         raise ValueError("between 1 and 250 hosts")
@@ -369,8 +376,11 @@ def make_hosts(n: int, names: bool = True, private_disks: bool = False,
         raise ValueError("private disks need names=True (the host's own mount namespace)")
     shared = [os.path.abspath(os.fspath(path)) for path in shared]
     for path in shared:
-        if not os.path.isdir(path):
+        if not os.path.exists(path):
             raise ValueError(f"shared directory {path} does not exist")
+    guard_log = os.environ.get(GUARD_LOG_VARIABLE, "")
+    if private_disks and os.path.isfile(guard_log):
+        shared.append(os.path.abspath(guard_log))
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)

@@ -152,6 +152,10 @@ def test_private_disks_a_file_written_on_one_host_is_seen_by_no_other_nor_by_thi
         assert (shared / f"from-h1-{name}").read_text() == f"h1-{name}"
         h2.run(["sh", "-c", f"echo h2 > {shared}/from-h2"], timeout=30, check=True)
         assert h1.run(["cat", f"{shared}/from-h2"], timeout=30).stdout.strip() == "h2"
+        # the network guard's log is this machine's file on every host (a refusal on a host fails the test)
+        guard = os.environ[hosts.GUARD_LOG_VARIABLE]
+        seen = h2.run(["stat", "--format=%d %i", guard], timeout=30).stdout.strip()
+        assert seen == f"{os.stat(guard).st_dev} {os.stat(guard).st_ino}", seen
         mounts = h1.run(["cat", "/proc/self/mounts"], timeout=30).stdout
         assert "disk-h1 /tmp tmpfs" in mounts and f"home-h1 {home} overlay" in mounts, mounts
     with open("/proc/self/mounts") as handle:   # nothing of the hosts' disks in this machine's mount table
