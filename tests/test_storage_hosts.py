@@ -30,61 +30,28 @@ RayRunner on hosts without a shared disk is tests/ray/test_ray_storage_hosts.py 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import hosts
 import stores
-from procs import REPO_ROOT, child_env
+from procs import REPO_ROOT
+from storage_hosts import BACKUP_EVERY, SCRIPT, OnHost, Reference, Run, measured, staged, staging_on, wait_until
 from stratkit.launch.rendezvous import TOKEN_VAR
 
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.multiworker, pytest.mark.storage_hosts]
 
-SCRIPT = REPO_ROOT / "tests" / "training" / "checkpoint_script.py"
 TOKEN = "0123456789abcdef0123456789abcdef"
-TOLERANCE = 1e-5
-BACKUP_EVERY = 7
-STEPS_PER_EPOCH = 10
 #: Hosts of the module (one network; each test takes its own, so every replacement is a host that saw nothing):
 #: h1-h3 launch, h4-h5 elastic, h6-h9 Spark, h10-h13 Slurm, h14 the store.
 LAUNCH, ELASTIC, SPARK, SLURM, STORE = slice(0, 3), slice(3, 5), slice(5, 9), slice(9, 13), 13
-#: The staging root of the backups on each host (remote.staging_root(): the temporary directory), for root.
-STAGING = "/tmp/stratkit-backups-0"
-
-
-# -- the module's hosts, store and reference -----------------------------------------------------------------------
-class Reference:
-    """One uninterrupted process with a local backup_dir, started in the background (in this machine's namespace)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.log = open(out / "output.txt", "wb")  # noqa: SIM115 - closed in `result`/`stop`
-        env = child_env(None, {"OUT": str(out), "BACKUP_DIR": str(out / "backup"), "STRATEGY": "one_device"})
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT)], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def result(self) -> dict:
-        code = self.proc.wait(timeout=600)
-        self.log.close()
-        assert code == 0, (self.out / "output.txt").read_text(errors="replace")[-4000:]
-        return json.loads((self.out / "result-0.json").read_text())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 @dataclass
@@ -93,6 +60,9 @@ class Site:
     store: stores.S3Server
     results: Path
     reference: Reference
+
+    def run(self, name: str) -> Run:
+        return Run.new(self.store, self.reference, self.results, name)
 
 
 @pytest.fixture(scope="module")
@@ -108,169 +78,11 @@ def site(tmp_path_factory):
         reference.stop()
 
 
-@dataclass
-class Run:
-    """One training run: its evidence directory (shared), its store URL and the environment of its processes."""
-
-    site: Site
-    out: Path
-    url: str
-    artifacts: str
-
-    def env(self, **extra: str) -> dict[str, str]:
-        clean = {k: None for k in os.environ if k.startswith(("STRATKIT_", "SLURM_")) or k == "TF_CONFIG"}
-        return child_env(None, {**clean, **self.site.store.env, TOKEN_VAR: TOKEN, "OUT": str(self.out),
-                                "BACKUP_DIR": self.url, "ARTIFACTS": self.artifacts, **extra})
-
-    def committed(self) -> list[tuple[int, int]]:
-        """(epoch, step) of every backup with a manifest in the store, newest first (through the test's proxy)."""
-        found = []
-        for key in self.site.store.fs().find(self.url.split("://", 1)[1]):
-            parts = key.split("/")
-            if parts[-1] == "manifest.json" and parts[-3] == "backups":
-                epoch, _, step = parts[-2].split("-", 1)[1][len("epoch-"):].partition("-step-")
-                found.append((int(epoch), int(step or 0)))
-        return sorted(found, reverse=True)
-
-    def steps(self, rank: int) -> list[tuple[int, int]]:
-        """(attempt, global step) of every step `rank` trained, in order."""
-        path = self.out / f"steps-{rank}.log"
-        return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def retrained(self, rank: int) -> list[int]:
-        """Global steps a later attempt trained again (every step of the run trained at least once)."""
-        steps = self.steps(rank)
-        done = sorted({s for _, s in steps})
-        assert done == list(range(done[-1] + 1)), steps
-        seen: set[int] = set()
-        again = []
-        for _, step in steps:
-            if step in seen:
-                again.append(step)
-            seen.add(step)
-        return again
-
-    def ran_on(self) -> dict[int, dict[int, str]]:
-        """{attempt: {rank: hostname}} from hosts.log."""
-        out: dict[int, dict[int, str]] = {}
-        for line in (self.out / "hosts.log").read_text().splitlines():
-            attempt, rank, host = line.split()
-            out.setdefault(int(attempt), {})[int(rank)] = host
-        return out
-
-    def first_step_after(self, when: float, rank: int = 0) -> float:
-        """Seconds from `when` (time.time()) to the end of the first step `rank` trained after it."""
-        times = [float(line.split()[2]) for line in (self.out / f"times-{rank}.log").read_text().splitlines()]
-        return min(t for t in times if t > when) - when
-
-    def equals_reference(self, ranks: Sequence[int] = (0, 1)) -> float:
-        """Every rank's weights and history within 1e-5 of the reference, the ranks bit-identical; the largest
-        weight difference. The CSV log in the store has the reference's epochs and losses."""
-        want = self.site.reference.result()
-        worst = 0.0
-        for rank in ranks:
-            got = json.loads((self.out / f"result-{rank}.json").read_text())
-            for a, b in zip(got["weights"], want["weights"], strict=True):
-                np.testing.assert_allclose(np.array(a), np.array(b), atol=TOLERANCE, rtol=0)
-                worst = max(worst, float(np.max(np.abs(np.array(a) - np.array(b)))))
-            assert got["epochs"] == want["epochs"] and got["stopped_epoch"] == want["stopped_epoch"] > 0
-            for key, values in want["history"].items():
-                np.testing.assert_allclose(got["history"][key], values, atol=TOLERANCE, rtol=0, err_msg=key)
-        for rank in ranks[1:]:
-            assert (json.loads((self.out / f"result-{rank}.json").read_text())["weights"]
-                    == json.loads((self.out / f"result-{ranks[0]}.json").read_text())["weights"])
-        fs = self.site.store.fs()
-        logged = list(csv.DictReader(io.StringIO(fs.cat(self.artifacts.split("://", 1)[1] + "/log.csv").decode())))
-        reference = list(csv.DictReader(io.StringIO((self.site.reference.out / "log.csv").read_text())))
-        assert [row["epoch"] for row in logged] == [row["epoch"] for row in reference], logged
-        np.testing.assert_allclose([float(r["loss"]) for r in logged], [float(r["loss"]) for r in reference],
-                                   atol=TOLERANCE, rtol=0)
-        assert fs.exists(self.artifacts.split("://", 1)[1] + "/best.weights.h5")
-        return worst
-
-
-def new_run(site: Site, name: str) -> Run:
-    out = site.results / name
-    out.mkdir()
-    bucket = site.store.make_bucket(f"{name}-{os.getpid()}-{os.urandom(3).hex()}")
-    return Run(site, out, site.store.url(bucket, "run1"), site.store.url(bucket, "artifacts"))
-
-
-# -- processes on hosts --------------------------------------------------------------------------------------------
-class OnHost:
-    """A process on a test host, its stdout and stderr read as they come."""
-
-    def __init__(self, host: hosts.Host, argv: Sequence[str], env: dict[str, str]) -> None:
-        self.host = host
-        self.proc = host.popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        self.lines: dict[str, list[str]] = {"out": [], "err": []}
-        self.readers = [threading.Thread(target=self.lines[name].extend, args=(stream,), daemon=True)
-                        for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
-        for reader in self.readers:
-            reader.start()
-
-    @property
-    def out(self) -> str:
-        return "".join(self.lines["out"])
-
-    @property
-    def err(self) -> str:
-        return "".join(self.lines["err"])
-
-    def tail(self, chars: int = 4000) -> str:
-        return f"--- {self.host.name} stdout\n{self.out[-chars:]}\n--- {self.host.name} stderr\n{self.err[-chars:]}"
-
-    def finish(self, timeout: float) -> int:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            hosts._kill_group(self.proc.pid)
-            self.proc.wait()
-            raise AssertionError(f"still running after {timeout} s\n{self.tail()}") from None
-        finally:
-            for reader in self.readers:
-                reader.join(30)
-        return self.proc.returncode
-
-
-def wait_until(check: Callable[[], object], what: str, timeout: float, running: Sequence[OnHost] = ()) -> float:
-    """Poll `check` until true (a failure, with their output, if one of `running` ends first); the time it came."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        ended = [p for p in running if p.proc.poll() is not None]
-        if ended or time.monotonic() > deadline:
-            tails = "\n".join(p.tail() for p in running)
-            raise AssertionError(f"waiting {timeout} s for {what}: "
-                                 f"{'a process ended' if ended else 'it did not come'}\n{tails}")
-        time.sleep(0.05)
-    return time.time()
-
-
 def launcher(host: hosts.Host, nnodes: str, serving: hosts.Host, env: dict[str, str], *extra: str) -> OnHost:
-    """`stratkit launch --nnodes NNODES --rdzv-endpoint SERVING:29400 ... -- python checkpoint_script.py` on `host`."""
+    """`stratkit launch --nnodes NNODES --rdzv-endpoint SERVING:29400 -- python checkpoint_script.py` on `host`."""
     argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", nnodes, "--rdzv-endpoint",
             f"{serving.address}:29400", "--rdzv-timeout", "120", *extra, "--", sys.executable, str(SCRIPT)]
-    return OnHost(host, argv, env)
-
-
-def staged(host: hosts.Host) -> list[str]:
-    """The runs whose backups were staged on `host`'s own disk (a finished run leaves its directory, emptied)."""
-    found = host.run(["find", STAGING, "-mindepth", "1", "-maxdepth", "1", "-type", "d"], timeout=30)
-    return sorted(Path(p).name for p in found.stdout.split()) if found.returncode == 0 else []
-
-
-def staging_on(host: hosts.Host, running: Sequence[OnHost]) -> list[str]:
-    """Wait until `host` stages a run's backups on its own disk (its staging lives from the resume, before step 1,
-    to the end of training); that run, which this machine's own disk does not have."""
-    runs: list[str] = []
-    wait_until(lambda: runs.extend(staged(host)) or runs, f"{host.name} to stage the run's backups", 300, running)
-    assert not [run for run in runs if (Path(STAGING) / run).exists()], runs
-    return runs
-
-
-def measured(name: str, **numbers: object) -> None:
-    print("MEASURED " + json.dumps({"test": name, "load": os.getloadavg()[0], **numbers}), flush=True)
+    return OnHost(host, argv, {**env, TOKEN_VAR: TOKEN})
 
 
 # -- stratkit launch --nnodes ----------------------------------------------------------------------------------------
@@ -279,7 +91,7 @@ def test_launch_a_host_killed_mid_epoch_restarts_on_a_fresh_host_from_the_store(
     the job restarts on h2 and a fresh h3 (which serves and becomes the chief): steps 21 and 22 again, then the run
     ends as one process."""
     h1, h2, h3 = site.hosts[LAUNCH]
-    run = new_run(site, "launch")
+    run = site.run("launch")
     env = run.env(KILL_AT="23", KILL_RANK="0", KILL_SIGNAL="EXTERNAL")
     first = [launcher(h1, "2", h1, env), launcher(h2, "2", h1, env)]
     wait_until((run.out / "ready-0.json").exists, "worker 0 at step 23", 300, first)
@@ -309,7 +121,7 @@ def test_launch_an_elastic_arrival_reads_the_chiefs_backup_from_the_store(site):
     """`--nnodes 1:2`: h4 trains alone; h5 arrives mid-epoch 2 (its disk has nothing of the run); the world grows
     to 2 at a step boundary, and h5's worker reads the chief's backup from the store."""
     h4, h5 = site.hosts[ELASTIC]
-    run = new_run(site, "elastic")
+    run = site.run("elastic")
     timeline = run.out / "timeline.jsonl"
     env = run.env(KILL_AT="17", KILL_RANK="0", KILL_SIGNAL="EXTERNAL", STEP_SECONDS="0.05")
     alone = launcher(h4, "1:2", h4, {**env, "STRATKIT_TIMELINE": str(timeline)})
@@ -332,3 +144,184 @@ def test_launch_an_elastic_arrival_reads_the_chiefs_backup_from_the_store(site):
     worst = run.equals_reference()
     measured("elastic", retrained=len(again), max_weight_diff=worst,
              first_step_of_two_after_arrival_s=round(run.first_step_after(arrived, rank=1), 1))
+
+
+# -- Spark standalone ------------------------------------------------------------------------------------------------
+SPARK_DRIVER = r'''
+import json, os, sys, time
+
+from pyspark.sql import SparkSession
+
+from stratkit.spark import SparkRunner, SparkTrainingError
+
+MASTER, ADDRESS, SCRIPT = sys.argv[1:4]
+RUN, STORE_VARIABLES = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+
+
+def train(settings, script):
+    """tests/training/checkpoint_script.py as this task's training; its attempt is the runner's, from 0."""
+    import os, runpy, socket, sys
+
+    os.environ.update(settings)
+    os.environ["ATTEMPT"] = str(int(os.environ["STRATKIT_SPARK_ATTEMPT"]) - 1)
+    print("RUNNING ON " + socket.gethostname(), flush=True)
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
+    return socket.gethostname()
+
+
+builder = (SparkSession.builder.master(MASTER).appName("stratkit-storage-hosts")
+           .config("spark.driver.host", ADDRESS).config("spark.driver.bindAddress", ADDRESS)
+           .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+           .config("spark.executor.cores", "1").config("spark.task.cpus", "1").config("spark.cores.max", "2")
+           .config("spark.executor.memory", "512m")
+           # the retried barrier stage waits for the slot of the executor that replaces the lost one
+           .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
+           .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "300")
+           .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", "")))
+for name in STORE_VARIABLES:   # the store's endpoint and credentials, as docs/storage.md says: the executors' environment
+    builder = builder.config(f"spark.executorEnv.{name}", os.environ[name])
+spark = builder.getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+deadline = time.monotonic() + 120
+while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() < 3:   # the driver and two executors
+    if time.monotonic() > deadline:
+        raise SystemExit("the two executors did not register within 120 s")
+    time.sleep(0.2)
+print("EXECUTORS READY", flush=True)
+runner = SparkRunner(num_workers=2, max_retries=1, timeout=480)
+try:
+    out = {"result": runner.run(train, RUN, SCRIPT), "attempts": runner.last_run.attempts}
+except SparkTrainingError as error:
+    out = {"error": type(error).__name__, "message": str(error)}
+print("DRIVER " + json.dumps(out), flush=True)
+spark.stop()
+'''
+
+
+@pytest.mark.spark
+def test_spark_a_lost_worker_host_the_stage_retried_on_a_fresh_one_resumes_from_the_store(site):
+    """A master and the driver on h6, workers on h7 and h8 (1 core each, the app takes 2). Worker 1's host dies
+    before step 23; h9's worker registered meanwhile (as an autoscaler's replacement), so the master gives the app
+    an executor there, and `SparkRunner(max_retries=1)` runs the barrier stage again on the surviving host and h9."""
+    from test_spark_hosts import PORT, Cluster
+
+    head, *workers, spare = site.hosts[SPARK]
+    run = site.run("spark")
+    workdir = site.results / "spark-cluster"      # its logs, (empty) conf and driver script: never training files
+    workdir.mkdir()
+    cluster = Cluster(head, workers[0], workdir)
+    cluster.master = f"spark://{head.name}:{PORT}"
+
+    def worker(host: hosts.Host) -> None:        # its work directory (the executors' own) on the host's disk
+        cluster.start(f"worker-{host.name}", host, ["org.apache.spark.deploy.worker.Worker", cluster.master,
+                                                    "--host", host.name, "--cores", "1", "--memory", "1g",
+                                                    "--webui-port", "0", "--work-dir", "/tmp/spark-work"],
+                      "Successfully registered with master", timeout=120)
+
+    began, phases = time.monotonic(), {}
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - began, 1)
+
+    try:
+        cluster.start("master", head, ["org.apache.spark.deploy.master.Master", "--host", head.name, "--port",
+                                       str(PORT), "--webui-port", "0"], "I have been elected leader", timeout=120)
+        starting = [threading.Thread(target=worker, args=(host,)) for host in workers]  # their JVMs side by side
+        for thread in starting:
+            thread.start()
+        for thread in starting:
+            thread.join()
+        assert len(cluster.daemons) == 3, cluster.logs()
+        phase("cluster up")
+        script = workdir / "driver.py"
+        script.write_text(SPARK_DRIVER)
+        settings = run.settings(KILL_AT="23", KILL_RANK="1", KILL_SIGNAL="EXTERNAL")
+        env = {**cluster.env(head), **site.store.env}
+        driver = OnHost(head, [sys.executable, str(script), cluster.master, head.address, str(SCRIPT),
+                               json.dumps(settings), json.dumps(sorted(site.store.env))], env)
+        wait_until(lambda: "EXECUTORS READY" in driver.out, "the app's two executors", 180, [driver])
+        phase("executors")
+        worker(spare)                             # it joins while the app trains: the app holds all its cores
+        wait_until((run.out / "ready-1.json").exists, "worker 1 at step 23", 300, [driver])
+        wait_until(lambda: run.committed()[:1] == [(2, 1)], "the commit of step 21", 120, [driver])
+        phase("step 23")
+        assert staged(spare) == [] and spare.name not in run.ran_on()[0].values()
+        pid = json.loads((run.out / "ready-1.json").read_text())["pid"]
+        lost = next(h for h in workers if pid in h.pids())
+        killed = time.time()
+        lost.kill_all(rounds=20)                  # the host is gone: its Spark worker, executor, training process
+        staging_on(spare, [driver])
+        phase("resumed on the fresh host")
+        code = driver.finish(480)
+        phase("done")
+    finally:
+        cluster.stop()
+    out = driver.said("DRIVER ")
+    assert code == 0 and "result" in out, driver.tail(6000) + cluster.logs()
+    survivor = next(h for h in workers if h is not lost)
+    hosts_of = run.ran_on()
+    assert out["attempts"] == 2 and sorted(hosts_of[1].values()) == sorted([survivor.name, spare.name]), hosts_of
+    assert hosts_of[0][1] == lost.name and out["result"] == hosts_of[1][0]
+    fresh = next(rank for rank, name in hosts_of[1].items() if name == spare.name)
+    assert f"[worker:{fresh}] [stratkit] resumed from {run.url}/backups/" in driver.out + driver.err, driver.tail()
+    for rank in (0, 1):
+        assert run.retrained(rank) == [21, 22]
+    worst = run.equals_reference()
+    measured("spark", retrained=2, max_weight_diff=worst, first_step_after_kill_s=round(run.first_step_after(killed), 1),
+             seconds=phases)
+
+
+# -- Slurm -----------------------------------------------------------------------------------------------------------
+#: The user's train.py for examples/slurm_requeue.sh: checkpoint_script.py, its attempt Slurm's restart count.
+REQUEUE_TRAIN = f"""
+import os, runpy, sys
+os.environ["ATTEMPT"] = os.environ.get("SLURM_RESTART_COUNT", "0")
+sys.argv = [{str(SCRIPT)!r}]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_slurm_a_job_requeued_onto_other_nodes_resumes_from_the_store(site):
+    """examples/slurm_requeue.sh (2 nodes) runs on h10 and h11; the admin drains both and Slurm tells the job to
+    stop (USR1, the example's notice): every task backs up at one step, the backup is committed to the store before
+    they exit 75, the script requeues the job, and Slurm starts it on h12 and h13, whose disks never saw it."""
+    import slurm_cluster
+
+    hosts.gate(slurm_cluster.unavailable_reason())
+    nodes = site.hosts[SLURM]
+    run = site.run("slurm")
+    (run.out / "train.py").write_text(REQUEUE_TRAIN)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    # the shared directory is Slurm's configuration, state and spool, and the job's (submission) directory
+    with slurm_cluster.slurm_cluster(nodes, site.results / "slurm-cluster") as cluster:
+        submit = cluster.run(["sbatch", "--parsable", str(REPO_ROOT / "examples" / "slurm_requeue.sh")],
+                             timeout=60, env=run.env(PATH=path, STEP_SECONDS="0.05"), cwd=run.out)
+        assert submit.returncode == 0, submit.stdout
+        job = submit.stdout.strip()
+        output = run.out / f"stratkit-{job}.out"
+
+        def trained(attempt: int, at_least: int) -> bool:
+            return sum(a == attempt for a, _ in run.steps(0)) >= at_least
+
+        wait_until(lambda: trained(0, 16) and run.committed(), "16 steps and a commit of the first run", 300)
+        first = sorted(run.ran_on()[0].values())
+        drained = cluster.run(["scontrol", "update", f"NodeName={','.join(first)}", "State=DRAIN",
+                               "Reason=stratkit-test-hosts-going-away"], timeout=30)
+        assert drained.returncode == 0, drained.stdout
+        noticed = time.time()
+        sent = cluster.run(["scancel", "--signal=USR1", "--batch", job], timeout=30)
+        assert sent.returncode == 0, sent.stdout
+        wait_until(lambda: all((run.out / f"result-{r}.json").exists() for r in (0, 1)), "the requeued job's end",
+                   420)
+        record = cluster.wait_job(job, {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT"}, timeout=120)
+        text = output.read_text(errors="replace")
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, text[-6000:])
+    hosts_of = run.ran_on()
+    assert first == [nodes[0].name, nodes[1].name] and sorted(hosts_of[1].values()) == [nodes[2].name, nodes[3].name]
+    assert f"requeueing job {job}" in text and f"resumed from {run.url}/backups/" in text, text[-6000:]
+    again = [run.retrained(rank) for rank in (0, 1)]
+    assert all(len(steps) <= 1 for steps in again), again   # a notice: at most the step it came in
+    worst = run.equals_reference()
+    measured("slurm", retrained=max(map(len, again)), max_weight_diff=worst,
+             first_step_after_notice_s=round(run.first_step_after(noticed), 1))
