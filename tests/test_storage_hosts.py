@@ -42,7 +42,7 @@ import pytest
 
 import hosts
 import stores
-from procs import REPO_ROOT
+from procs import REPO_ROOT, child_env
 from storage_hosts import BACKUP_EVERY, SCRIPT, OnHost, Reference, Run, measured, staged, staging_on, wait_until
 from stratkit.launch.rendezvous import TOKEN_VAR
 
@@ -83,6 +83,28 @@ def launcher(host: hosts.Host, nnodes: str, serving: hosts.Host, env: dict[str, 
     argv = [sys.executable, "-m", "stratkit.cli", "launch", "--nnodes", nnodes, "--rdzv-endpoint",
             f"{serving.address}:29400", "--rdzv-timeout", "120", *extra, "--", sys.executable, str(SCRIPT)]
     return OnHost(host, argv, {**env, TOKEN_VAR: TOKEN})
+
+
+# -- the other stores ------------------------------------------------------------------------------------------------
+WRITE = """
+import sys
+from stratkit import storage
+storage.open_store(sys.argv[1]).write_bytes("probe.txt", ("from " + sys.argv[2]).encode())
+"""
+
+
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_gcs_and_azure_on_the_store_host_serve_the_other_hosts(site, scheme):
+    """The GCS emulator and Azurite start on a test host too: a process on h1 writes through stratkit.storage to the
+    store host's address, and the test reads the object back through its proxy (the training runs above use S3)."""
+    stores.gate(scheme)
+    with stores.SERVERS[scheme](host=site.hosts[STORE]) as server:
+        url = server.url(server.make_bucket(f"probe-{os.getpid()}-{os.urandom(3).hex()}"), "run1")
+        h1 = site.hosts[0]
+        wrote = h1.run([sys.executable, "-c", WRITE, url, h1.name], timeout=120,
+                       env=server.client_env(child_env()))
+        assert wrote.returncode == 0, wrote.stdout[-3000:]
+        assert server.fs().cat(f"{url.split('://', 1)[1]}/probe.txt") == b"from h1"
 
 
 # -- stratkit launch --nnodes ----------------------------------------------------------------------------------------
@@ -227,19 +249,29 @@ def test_spark_a_lost_worker_host_the_stage_retried_on_a_fresh_one_resumes_from_
     try:
         cluster.start("master", head, ["org.apache.spark.deploy.master.Master", "--host", head.name, "--port",
                                        str(PORT), "--webui-port", "0"], "I have been elected leader", timeout=120)
-        starting = [threading.Thread(target=worker, args=(host,)) for host in workers]  # their JVMs side by side
-        for thread in starting:
-            thread.start()
-        for thread in starting:
-            thread.join()
-        assert len(cluster.daemons) == 3, cluster.logs()
-        phase("cluster up")
         script = workdir / "driver.py"
         script.write_text(SPARK_DRIVER)
         settings = run.settings(KILL_AT="23", KILL_RANK="1", KILL_SIGNAL="EXTERNAL")
         env = {**cluster.env(head), **site.store.env}
+        # the workers' JVMs and the driver's start side by side (the driver waits for its two executors)
+        failed: list[BaseException] = []
+
+        def start(host: hosts.Host) -> None:
+            try:
+                worker(host)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+                failed.append(exc)
+
+        starting = [threading.Thread(target=start, args=(host,)) for host in workers]
+        for thread in starting:
+            thread.start()
         driver = OnHost(head, [sys.executable, str(script), cluster.master, head.address, str(SCRIPT),
                                json.dumps(settings), json.dumps(sorted(site.store.env))], env)
+        for thread in starting:
+            thread.join()
+        if failed:
+            raise failed[0]
+        phase("cluster up")
         wait_until(lambda: "EXECUTORS READY" in driver.out, "the app's two executors", 180, [driver])
         phase("executors")
         worker(spare)                             # it joins while the app trains: the app holds all its cores
