@@ -1,5 +1,7 @@
-"""What step backups cost: time per step without a backup, with `backup_dir` (epoch backups), and with
-`backup_every=K`, for two model sizes; the write time of one backup; the per-step agreement on 2 workers.
+"""What step backups cost: time per step without a backup, with `backup_dir` (epoch backups), with
+`backup_every=K`, and with `backup_every=K` to an object store (moto's S3 server on loopback), for two model
+sizes; the write time of one backup; how long a backup takes to be committed to the store; the per-step
+agreement on 2 workers.
 
 One process (one device) per model size runs the three variants side by side in alternating rounds (the
 order rotates each round), so machine noise hits all alike: the steady time per step of each (mean, min and
@@ -8,6 +10,12 @@ timed around the call). Then 2 workers under `stratkit launch` time the collecti
 preemption notices and timed backups (`stratkit.strategy.collectives.sum_over_workers`, an all-gather of
 two ints) alone, and the small model's time per step with and without `backup_dir`, in alternating rounds.
 The 1-minute load average is recorded before and after each row.
+
+The store runs at the lowest CPU priority (nice 19): a store is another machine, its CPU is not the
+training's, and on a 2-core machine moto parsing each upload would otherwise be counted as stratkit's cost.
+What the training process itself pays for a store (the local write, the hard links, the upload thread) is
+what the `every K s3` rows measure, against `every K` (the same backups to a local directory): the target
+is a ratio within 1.05.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
@@ -32,7 +42,7 @@ import json, os, sys, tempfile, time
 import stratkit
 trainer = stratkit.Trainer(strategy="one_device")
 import keras, numpy as np
-from stratkit.training.checkpoint import store
+from stratkit.training.checkpoint import store, uploads
 
 widths, rounds, steps, every, batch = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), 64
 writes = []
@@ -44,6 +54,17 @@ def timed(*args, **kwargs):
     finally:
         writes.append(time.perf_counter() - start)
 store.write_backup = timed
+
+submitted, lags = {}, []
+real_submit, real_landed = uploads.Uploads.submit, uploads.Uploads._landed_at
+def submit(self, position, global_step, directory):
+    submitted[position] = time.perf_counter()
+    return real_submit(self, position, global_step, directory)
+def landed(self, position, superseded=()):
+    if position in submitted:
+        lags.append(time.perf_counter() - submitted.pop(position))
+    return real_landed(self, position, superseded)
+uploads.Uploads.submit, uploads.Uploads._landed_at = submit, landed
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(steps * batch, widths[0])).astype("float32")
@@ -70,23 +91,27 @@ def run(variant):
     directory = tempfile.mkdtemp(prefix="bench-backups-")
     if variant != "none":
         options["backup_dir"] = os.path.join(directory, "backup")
+    if variant.endswith("s3"):
+        options["backup_dir"] = f"s3://bench/{os.path.basename(directory)}"
     if variant.startswith("every"):
         options["backup_every"] = every
-    del writes[:]
+    del writes[:], lags[:]
     trainer.fit(model, (x, y), epochs=2, global_batch_size=batch, callbacks=[timer], verbose=0, **options)
     t = timer.times
     second = t[steps:]  # epoch 2: traced, warm; its K-step backups included (the last boundary's is not)
     per_step = (second[-1] - second[0]) / (len(second) - 1)
-    return per_step, list(writes)
+    return per_step, list(writes), list(lags)
 
-variants = ["none", "epoch", f"every {every}"]
+variants = ["none", "epoch", f"every {every}", f"every {every} s3"]
 trainer.fit(model, (x, y), epochs=1, global_batch_size=batch, verbose=0)  # trace once
-out = {v: {"step_s": [], "writes": []} for v in variants}
+out = {v: {"step_s": [], "writes": [], "commit_lag_s": []} for v in variants}
 for r in range(rounds):
-    for v in variants[r % 3:] + variants[:r % 3]:
-        per_step, w = run(v)
+    shift = r % len(variants)
+    for v in variants[shift:] + variants[:shift]:
+        per_step, w, lag = run(v)
         out[v]["step_s"].append(per_step)
         out[v]["writes"].extend(w)
+        out[v]["commit_lag_s"].extend(lag)
 print(json.dumps({"params": params, "variants": out}))
 """
 
@@ -149,9 +174,43 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 3)
 
 
-def one_process(widths: list[int], rounds: int, steps: int, every: int) -> dict:
+class MotoS3:
+    """moto's S3 server on loopback at the lowest CPU priority, with the bucket "bench" (no credentials checked)."""
+
+    def __enter__(self) -> Self:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                      "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}", "AWS_EC2_METADATA_DISABLED": "true"}
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                     aws_access_key_id="bench", aws_secret_access_key="bench").create_bucket(Bucket="bench")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+
+
+def one_process(widths: list[int], rounds: int, steps: int, every: int, s3: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+               TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", **s3)
     env.pop("TF_CONFIG", None)
     out = subprocess.run([sys.executable, "-c", ONE_PROCESS, json.dumps(widths), str(rounds), str(steps),
                           str(every)], capture_output=True, text=True, env=env, timeout=1800)
@@ -185,23 +244,34 @@ def main(argv: list[str] | None = None) -> dict:
     rounds = 2 if args.quick else max(args.rounds, 3)
     steps, every = (12, 4) if args.quick else (40, 10)
     models = {"small": [16, 32]} if args.quick else MODELS
-    rows = []
-    for name, widths in models.items():
-        load_before = os.getloadavg()[0]
-        raw = one_process(widths, rounds, steps, every)
-        load_after = os.getloadavg()[0]
-        base = _stats(raw["variants"]["none"]["step_s"])["mean"]
-        for variant, values in raw["variants"].items():
-            step = _stats(values["step_s"])
-            write = _stats(values["writes"])
-            rows.append({"model": f"{name} ({raw['params']:,} params)", "variant": variant,
-                         "step ms": _ms(step["mean"]), "step min ms": _ms(step["min"]),
-                         "step max ms": _ms(step["max"]), "vs none": round(step["mean"] / base, 3) if base else None,
-                         "writes": len(values["writes"]), "write ms": _ms(write["mean"]),
-                         "write min ms": _ms(write["min"]), "write max ms": _ms(write["max"]),
-                         "load before": load_before, "load after": load_after})
+    rows, raws = [], {}
+    with MotoS3() as s3:
+        for name, widths in models.items():
+            load_before = os.getloadavg()[0]
+            raw = raws[name] = one_process(widths, rounds, steps, every, s3.env)
+            load_after = os.getloadavg()[0]
+            base = _stats(raw["variants"]["none"]["step_s"])["mean"]
+            local = raw["variants"][f"every {every}"]["step_s"]
+            for variant, values in raw["variants"].items():
+                step = _stats(values["step_s"])
+                write = _stats(values["writes"])
+                lag = _stats(values["commit_lag_s"])
+                # per-round ratio to the local backups of the same round (the rounds alternate the order)
+                ratios = [a / b for a, b in zip(values["step_s"], local)] if variant.endswith("s3") else []
+                rows.append({"model": f"{name} ({raw['params']:,} params)", "variant": variant,
+                             "step ms": _ms(step["mean"]), "step min ms": _ms(step["min"]),
+                             "step max ms": _ms(step["max"]),
+                             "vs none": round(step["mean"] / base, 3) if base else None,
+                             "vs local every": round(sum(ratios) / len(ratios), 3) if ratios else None,
+                             "round ratios": [round(r, 3) for r in ratios],
+                             "writes": len(values["writes"]), "write ms": _ms(write["mean"]),
+                             "write min ms": _ms(write["min"]), "write max ms": _ms(write["max"]),
+                             "commits": len(values["commit_lag_s"]), "commit lag ms": _ms(lag["mean"]),
+                             "commit lag max ms": _ms(lag["max"]),
+                             "load before": load_before, "load after": load_after})
     print_table(f"time per step and per backup write (one device, {rounds} alternating rounds; epoch 2 of each "
-                f"fit, {steps} steps of global batch 64; every: backup_every={every})", rows)
+                f"fit, {steps} steps of global batch 64; every: backup_every={every}; s3: moto on loopback, "
+                "nice 19)", rows)
     load_before = os.getloadavg()[0]
     calls = 20 if args.quick else 200
     workers = two_workers(rounds, steps, calls)
@@ -219,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "load after": load_after}]
     print_table(f"2 workers (stratkit launch --workers 2, {rounds} rounds, {calls} calls per round)", collective)
     payload = {"quick": args.quick, "rounds": rounds, "steps_per_epoch": steps, "backup_every": every,
-               "global_batch": 64, "rows": rows, "two_workers": collective, "raw_two_workers": workers}
+               "global_batch": 64, "rows": rows, "two_workers": collective, "raw_two_workers": workers,
+               "raw_one_process": raws}
     print(f"wrote {write_result('backups' + ('-quick' if args.quick else ''), payload)}")
     return payload
 

@@ -148,6 +148,7 @@ LONGEST_FIRST = (
     "tests/training/test_trainer_multiworker.py",
     "tests/strategy/test_global_gradient.py",
     "tests/training/test_step_backups.py",
+    "tests/training/test_remote_backups.py",
     "tests/strategy/test_model_fit_path.py",
     "tests/launch/test_nnodes.py",
     "tests/test_spark_hosts.py",

@@ -29,6 +29,10 @@ checkpoint)` and, after a restart (`FailureConfig(max_failures=k)`),
 * at the start of an attempt the callback copies Ray's latest checkpoint into
   a fresh private `backup_dir` on each worker, and `Trainer.fit` resumes from it
   at its epoch and step, with the data order of an uninterrupted run.
+* `RayReportCallback(backup_dir="s3://...")` (a store URL): `Trainer.fit` resumes
+  from the store's newest committed backup (`stratkit.training.checkpoint.remote`),
+  so Ray's checkpoint is not copied in; the reports still carry each backup, from
+  the chief's local staging directory.
 
 Imports Keras (it is a Keras callback) and Ray, checked by `stratkit.ray.versions`.
 """
@@ -45,6 +49,7 @@ import keras
 
 from stratkit import status
 from stratkit.ray.versions import import_ray
+from stratkit.storage import is_url, redact
 from stratkit.strategy.keras_compat import callback_state
 from stratkit.training import checkpoint as backups
 from stratkit.training.checkpoint import preemption
@@ -79,8 +84,12 @@ class RayReportCallback(keras.callbacks.Callback):
         self.resumed = backups.Position()
         self._warned = False
         self._per_step = False
+        self._backup: Any = None
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
+        if checkpoint is not None and is_url(self.backup_dir):
+            log.info("rank %d: backup_dir is %s: the run resumes from the store's newest committed backup, not "
+                     "from Ray's checkpoint", self.rank, redact(self.backup_dir))
+        elif checkpoint is not None:
             with checkpoint.as_directory() as directory:
                 self.resumed = _copy_backup(directory, self.backup_dir)
             self.resumed_epoch = self.resumed.epoch
@@ -92,6 +101,7 @@ class RayReportCallback(keras.callbacks.Callback):
         super().set_model(model)
         backup = next((c for c in callback_state.callbacks_of(self) or [] if isinstance(c, backups.Backup)), None)
         self._per_step = backup is not None and backup.every.per_step
+        self._backup = backup
 
     def on_backup_written(self, *, position: backups.Position, global_step: int, reason: str,
                           directory: str) -> None:
@@ -123,8 +133,11 @@ class RayReportCallback(keras.callbacks.Callback):
         if self.rank != 0:
             self._train.report(metrics)
             return
+        # The chief's own backup directory: backup_dir itself, or with a store URL its local staging directory
+        # (the backup at `position` is written there now; the store commits it a moment later).
+        source = self._backup.directory if self._backup is not None and is_url(self.backup_dir) else self.backup_dir
         with tempfile.TemporaryDirectory(prefix="stratkit-ray-checkpoint-") as staging:
-            if _copy_backup(self.backup_dir, staging) != position:
+            if _copy_backup(source, staging) != position:
                 if not self._warned:
                     self._warned = True
                     log.warning("RayReportCallback found no backup at %s in %s: reporting metrics without "

@@ -117,6 +117,9 @@ class Trainer:
             backup_dir: back up every epoch (or as `backup_every` says) and resume there after a failure; a
                 preemption notice (SIGTERM, or STRATKIT_PREEMPTION_SIGNAL; USR1 in a Slurm job) then makes every
                 worker stop at the same step, back up and exit with status 75 (see `stratkit.training.checkpoint`).
+                A directory every worker reads, or a store URL (``s3://bucket/run``, ``gs://``, ``az://``,
+                ``hdfs://``; checked before step 1): each worker then writes locally and uploads beside training,
+                and a resume takes the newest backup committed to the store (docs/storage.md).
             callbacks: Keras callbacks; TensorBoard/ModelCheckpoint write only
                 on the chief (other workers write to temp dirs).
             scale_learning_rate: multiply the compiled learning rate by

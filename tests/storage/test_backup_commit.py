@@ -9,12 +9,13 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from stratkit import storage
 from stratkit.errors import ConfigError
-from stratkit.training.checkpoint import commit, copy_backup, find_resume_point, remote
+from stratkit.training.checkpoint import commit, copy_backup, find_resume_point, readback, remote
 from stratkit.training.checkpoint.layout import STATE, WEIGHTS, Position, file_name, read_metadata, write_metadata
 from stratkit.training.checkpoint.uploads import Uploads
 
@@ -66,7 +67,7 @@ class Run:
         self.store = storage.open_store(url, "backup_dir")
         self.attempt = commit.claim(self.store, workers)
         self.dirs = [str(root / f"g{self.attempt.generation}-worker-{r}") for r in range(workers)]
-        chosen, _ = commit.newest_verified(self.store, 0, self.dirs[0], top=self.attempt.generation)
+        chosen, _ = readback.newest_verified(self.store, 0, self.dirs[0], top=self.attempt.generation)
         commit.set_base(self.store, self.attempt, chosen.name if chosen else None)
         self.uploads = [Uploads(self.store, self.attempt, rank=r, is_chief=r == 0, ranks=list(range(workers)),
                                 keep=keep, outbox=self.dirs[r] + ".outbox") for r in range(workers)]
@@ -99,7 +100,7 @@ def test_a_backup_commits_once_every_part_is_in_and_reads_back_verified(url, tmp
     # Worker 1's part of P2 is not in: no commit, the resume point stays P1.
     run.back_up(P2, ranks=[0])
     assert not run.committed(P2, 1.0)
-    assert commit.committed_positions(url) == [P1]
+    assert readback.committed_positions(url) == [P1]
     assert find_resume_point(url).position == P1
     run.back_up(P2, ranks=[1])
     assert run.committed(P2)
@@ -108,8 +109,8 @@ def test_a_backup_commits_once_every_part_is_in_and_reads_back_verified(url, tmp
     for rank in (1, 5):
         point = remote.read_back(url, str(tmp_path / f"fresh-{rank}"), rank=rank)
         assert point.position == P2 and point.checked and point.source.endswith(commit.backup_name(1, P2))
-        assert json.loads(open(point.files[STATE]).read())["rank"] == (1 if rank == 1 else 0)
-        assert open(point.path, "rb").read() == f"weights at {P2}".encode() * 100
+        assert json.loads(Path(point.files[STATE]).read_text())["rank"] == (1 if rank == 1 else 0)
+        assert Path(point.path).read_bytes() == f"weights at {P2}".encode() * 100
     copied = copy_backup(url, str(tmp_path / "copy"))
     assert copied.position == P2 and read_metadata(str(tmp_path / "copy")).latest == P2
     with pytest.raises(ConfigError, match="a store takes backups only through a run's own commit"):
@@ -118,11 +119,14 @@ def test_a_backup_commits_once_every_part_is_in_and_reads_back_verified(url, tmp
 
 
 def test_what_was_killed_mid_upload_or_damaged_is_never_read(url, tmp_path):
+    store = storage.open_store(url, "backup_dir")
+    store.write_bytes(f"backups/{commit.backup_name(1, P1)}/{file_name(P1, WEIGHTS)}", b"half")
+    point = find_resume_point(url)         # killed in its first upload: nothing to resume, and said
+    assert point.position == Position() and "holds no committed backup, only" in point.note
     run = Run(url, tmp_path, workers=1)
     for position in (P1, P2):
         run.back_up(position)
         assert run.committed(position)
-    store = run.store
     # killed mid-upload: a backup's files without its manifest
     store.write_bytes(f"backups/{commit.backup_name(1, P3)}/{file_name(P3, WEIGHTS)}", b"half")
     assert find_resume_point(url).position == P2
@@ -167,7 +171,7 @@ def test_a_leftover_of_an_earlier_attempt_can_neither_commit_nor_delete(url, tmp
     new.back_up(P3)
     assert new.committed(P3)
     commit.prune(old.store, 1, keep=2)
-    assert commit.committed_positions(url) == [P3, P2]
+    assert readback.committed_positions(url) == [P3, P2]
     assert not any(commit.backup_name(1, P1) in key for key in new.store.list())
     new.back_up(P4)
     assert new.committed(P4)
@@ -176,13 +180,14 @@ def test_a_leftover_of_an_earlier_attempt_can_neither_commit_nor_delete(url, tmp
                        {commit.backup_name(2, P3), commit.backup_name(2, P4)})
     assert _eventually(lambda: not any(key.startswith("attempts/00000001") for key in new.store.list()))
     commit.remove_all(old.store, 1)                 # a finished leftover's removal: its own generation only
-    assert commit.committed_positions(url) == [P4, P3]
+    assert readback.committed_positions(url) == [P4, P3]
     old.close()
     new.close()
 
 
 def test_uploads_go_on_while_the_store_is_down_with_one_warning_and_say_what_never_arrived(use_store, tmp_path,
                                                                                            caplog, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")   # botocore's own retries would hide each failure for ~8 s
     server = use_store("s3")
     url = server.url(server.make_bucket(_unique("down")), "run")
     monkeypatch.setattr("stratkit.training.checkpoint.uploads.RETRY_MAX", 0.5)
@@ -213,7 +218,7 @@ def test_uploads_go_on_while_the_store_is_down_with_one_warning_and_say_what_nev
     assert any("the newest committed backup is epoch 0 + 7 steps" in m for m in messages)
     assert sum("answers again" in m for m in messages) == 1
     assert report.lost == [P2]  # tried while the store was down, then replaced by P3 (which landed)
-    assert commit.committed_positions(url)[0] == P3
+    assert readback.committed_positions(url)[0] == P3
 
     # Down at the end: the run says which backups never reached the store.
     run2 = Run(url, tmp_path / "second", workers=1)
@@ -224,3 +229,67 @@ def test_uploads_go_on_while_the_store_is_down_with_one_warning_and_say_what_nev
     finally:
         server.up()
     assert report.lost == [P4] and "could not be reached" in report.failure and report.reached is None
+
+
+def test_urls_that_are_local_stay_local_and_hdfs_says_what_it_needs(tmp_path, monkeypatch):
+    from stratkit.callbacks import Backup
+
+    assert Backup(f"file://{tmp_path}/b").backup_dir == f"{tmp_path}/b"       # file://: the local directory
+    with pytest.raises(ConfigError, match="a s3:// URL with a slash missing|reads as a s3:// URL"):
+        Backup("s3:/bucket/run")                                             # never a local directory 's3:'
+    monkeypatch.delenv("HADOOP_HOME", raising=False)
+    monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
+    backup = Backup("hdfs://namenode:8020/runs/run1", is_chief=True, rank=0, staging=str(tmp_path / "staging"))
+    with pytest.raises(ConfigError, match=r"hdfs:// filesystem \(pyarrow\).*Java and HADOOP_HOME"):
+        backup.decide_position()                                             # before step 1: no server runs here
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))
+
+
+def test_a_store_that_refuses_or_lacks_is_refused_before_step_1(use_store, monkeypatch, tmp_path):
+    """Trainer.fit with backup_dir on a store: a wrong credential, a missing bucket, the store down at the start
+    are each a ConfigError naming the fix, before any step (and no credential in the message)."""
+    import keras
+    import numpy as np
+
+    import stratkit
+
+    server = use_store("s3")
+    url = server.url(server.make_bucket(_unique("refused")), "run1")
+    trainer = stratkit.Trainer(strategy="one_device")
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = trainer.build(build)
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: steps.append(batch))
+    x = np.zeros((32, 2), "float32")
+
+    def fit(backup_dir: str) -> str:
+        with pytest.raises(ConfigError) as caught:
+            trainer.fit(model, (x, x[:, :1]), global_batch_size=8, backup_dir=backup_dir, backup_every=2,
+                        callbacks=[counter], verbose=0)
+        return str(caught.value)
+
+    monkeypatch.setenv("STRATKIT_BACKUP_STAGING", str(tmp_path / "staging"))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")   # (the store down: refused at once, not after botocore's retries)
+    secret = "wrong-secret-0123456789"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    use_store.refresh()
+    text = fit(url)
+    assert "refused the credentials" in text and "AWS_SECRET_ACCESS_KEY" in text
+    assert secret not in text and server.secret not in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret)
+    use_store.refresh()
+    text = fit(server.url(_unique("missing"), "run1"))
+    assert "does not exist" in text and "Fix: create it" in text
+    server.down()
+    try:
+        text = fit(url)
+    finally:
+        server.up()
+    assert "could not be reached" in text and "Fix: check the store's endpoint" in text
+    assert steps == []                                       # before step 1, every time
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))

@@ -6,8 +6,8 @@ arrays. Environment:
 
   BACKUP_DIR, OUT       the backup directory; where results, logs and the best file go
   BACKUP_EVERY          Trainer.fit's backup_every (default 7; "" for epoch backups)
-  KILL_AT, KILL_RANK    on the first attempt only (STRATKIT_RESTART_COUNT 0, or FIRST=1 for plain
-  KILL_SIGNAL           processes), this rank signals itself before global step KILL_AT runs: KILL, or
+  KILL_AT, KILL_RANK    on the first attempt only (STRATKIT_RESTART_COUNT + ATTEMPT 0; or the attempt
+  KILL_SIGNAL           KILL_ATTEMPT names), this rank signals itself before global step KILL_AT runs: KILL, or
                         TERM followed by a SIGKILL 5 s later (as a platform does); or EXTERNAL: it writes
                         ready-<rank>.json (its pid) and waits there (up to 120 s) for the file `sent`, which
                         the test writes after it signalled this process from outside (an engine's tests)
@@ -72,7 +72,7 @@ class Evidence(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self.epoch * STEPS_PER_EPOCH + batch
-        if (ATTEMPT == 0 and os.environ.get("KILL_AT") and step == int(os.environ["KILL_AT"])
+        if (ATTEMPT == int(os.environ.get("KILL_ATTEMPT", "0")) and os.environ.get("KILL_AT") and step == int(os.environ["KILL_AT"])
                 and RANK == int(os.environ.get("KILL_RANK", "0"))):
             if os.environ.get("KILL_SIGNAL", "KILL") == "KILL":
                 os.kill(os.getpid(), signal.SIGKILL)

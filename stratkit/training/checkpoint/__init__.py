@@ -8,6 +8,9 @@ stop at the same step, write a backup and exit with status 75
 backup every worker has: at its epoch and step, reading the batches an
 uninterrupted run reads from there, with the metrics, random state and
 callbacks' state it had. With your own `model.fit`: `stratkit.callbacks.Backup`.
+`backup_dir` may be a store URL (``s3://bucket/run``): each worker writes locally
+as ever, a thread uploads beside training, the chief commits, and a resume takes
+the newest committed backup whose files verify (`remote`).
 
 One job per module (the API other engines build on, see docs/architecture.md):
 
@@ -21,6 +24,10 @@ One job per module (the API other engines build on, see docs/architecture.md):
 | `callbacks_state` | callbacks' state (Keras's, stratkit's, `get_state`/`set_state`), CSVLogger's rows |
 | `preemption` | the signals, the per-step agreement, `Preempted` and the exit |
 | `callback` | `Backup`, the Keras callback that ties them |
+| `remote` | `backup_dir` as a store URL: the local staging, the start of an attempt, the preemption wait, the end |
+| `uploads` | the thread per process that carries backups to the store, retried and coalesced |
+| `commit` | the store's layout: parts, receipts, the manifest (the commit), attempt records (the fence), pruning |
+| `readback` | a committed backup read back from the store, every file checked |
 """
 
 from __future__ import annotations

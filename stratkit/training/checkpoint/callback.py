@@ -26,6 +26,10 @@ backups to a local staging directory and they reach the store beside training, c
 
 A complete backup is told to the callbacks defining `on_backup_written(position=, global_step=, reason=,
 directory=)` (reason "epoch", the `backup_every` text or "preemption"): Ray Train's `RayReportCallback`.
+
+Size: one Keras callback's hooks over one run's state (the position, the pending epoch backup, the resume
+plan); each hook is a few lines that call the modules deciding (`store`, `remote`, `preemption`, `state`).
+Split by hook, that state would be shared between modules instead of held by one object.
 """
 
 from __future__ import annotations
@@ -399,11 +403,12 @@ class Backup(keras.callbacks.Callback):
         waited = time.monotonic() - self.notice.at if self.notice.noticed else 0.0
         where = f"{position} (global step {global_step})"
         saved = (f"backup written in {seconds:.2f} s" if seconds else "the newest backup is already at this step")
+        saved += f" ({self.directory})"
         if self._remote is not None:  # the exit waits for it to be in the store (within the grace period)
             saved += "; " + self._remote.final(self._last, self.notice.at if self.notice.noticed else None)
         self._preempting = True
         message = (f"preempted: {noticed}" + (f", {waited:.2f} s ago" if self.notice.noticed else "") +
-                   f"; stopped at {where}; {saved} ({self.directory}); exiting with status "
+                   f"; stopped at {where}; {saved}; exiting with status "
                    f"{status.EXIT_PREEMPTED} (preempted): a restart resumes here")
         if self.notice.repeats:
             message += f" ({self.notice.repeats} more notice(s) came during the save)"

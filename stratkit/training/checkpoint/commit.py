@@ -74,10 +74,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stratkit import files
 from stratkit.errors import ConfigError
 from stratkit.storage import Store
-from stratkit.training.checkpoint.layout import ARRAYS, STATE, WEIGHTS, WHAT, Position, position_of, sha256
+from stratkit.training.checkpoint.layout import WEIGHTS, WHAT, Position
 
 ATTEMPTS, BACKUPS = "attempts", "backups"
 MANIFEST, RECEIPTS = "manifest.json", "receipts"
@@ -110,7 +109,8 @@ def part(rank: int) -> str:
     return f"worker-{int(rank)}"
 
 
-def _path(*parts: str) -> str:
+def path_of(*parts: str) -> str:
+    """A store name from its parts ("backups", name, file)."""
     return "/".join(p.strip("/") for p in parts if p)
 
 
@@ -156,7 +156,7 @@ def scan(store: Store) -> Listing:
 
 
 def _record_name(generation: int, base: bool = False) -> str:
-    return _path(ATTEMPTS, f"{generation:08d}{'.base' if base else ''}.json")
+    return path_of(ATTEMPTS, f"{generation:08d}{'.base' if base else ''}.json")
 
 
 def read_attempts(store: Store, listing: Listing, cache: dict[int, Attempt] | None = None) -> dict[int, Attempt]:
@@ -262,7 +262,7 @@ class LocalFile:
 
 def upload_files(store: Store, name: str, local: list[LocalFile]) -> None:
     for item in local:
-        store.upload(item.path, _path(BACKUPS, name, item.name))
+        store.upload(item.path, path_of(BACKUPS, name, item.name))
 
 
 def _described(local: list[LocalFile]) -> dict[str, dict[str, Any]]:
@@ -272,13 +272,13 @@ def _described(local: list[LocalFile]) -> dict[str, dict[str, Any]]:
 def write_receipt(store: Store, name: str, generation: int, rank: int, local: list[LocalFile]) -> None:
     """A worker's part of `name` is in: its files' checksums (written after the files themselves)."""
     body = {"generation": generation, "rank": rank, "files": _described(local)}
-    store.write_bytes(_path(BACKUPS, name, RECEIPTS, f"{part(rank)}.json"), json.dumps(body).encode())
+    store.write_bytes(path_of(BACKUPS, name, RECEIPTS, f"{part(rank)}.json"), json.dumps(body).encode())
 
 
 def receipts(store: Store, name: str) -> set[int]:
     """The ranks whose receipt for `name` is in (one LIST)."""
     found = set()
-    for key in store.list(_path(BACKUPS, name, RECEIPTS)):
+    for key in store.list(path_of(BACKUPS, name, RECEIPTS)):
         stem = key.rsplit("/", 1)[-1]
         if stem.startswith("worker-") and stem.endswith(".json") and stem[7:-5].isdigit():
             found.add(int(stem[7:-5]))
@@ -291,103 +291,13 @@ def write_manifest(store: Store, attempt: Attempt, name: str, position: Position
     described = _described(chief)
     for rank in ranks:
         if rank != 0:
-            receipt = json.loads(store.read_bytes(_path(BACKUPS, name, RECEIPTS, f"{part(rank)}.json")))
+            receipt = json.loads(store.read_bytes(path_of(BACKUPS, name, RECEIPTS, f"{part(rank)}.json")))
             described.update({str(k): dict(v) for k, v in dict(receipt["files"]).items()})
     weights = next(item.name for item in chief if item.name.endswith(WEIGHTS))
     body = {"format": FORMAT, "generation": attempt.generation, "attempt": attempt.attempt,
             "epoch": position.epoch, "step": position.step, "global_step": global_step, "weights": weights,
             "workers": sorted(ranks), "chief": 0, "time": time.time(), "files": described}
-    store.write_bytes(_path(BACKUPS, name, MANIFEST), json.dumps(body, indent=1).encode())
-
-
-def read_manifest(store: Store, name: str) -> dict[str, Any]:
-    """The manifest of `name`, checked for the fields a reader uses (ValueError if it does not have them)."""
-    try:
-        body = json.loads(store.read_bytes(_path(BACKUPS, name, MANIFEST)))
-        position = Position(int(body["epoch"]), int(body["step"]))
-        entries = {str(k): (str(v["sha256"]), int(v["size"])) for k, v in dict(body["files"]).items()}
-        if parse_name(name) != (int(body["generation"]), position) or body["weights"] not in entries:
-            raise ValueError(f"it names {position} of attempt {body['generation']}, not {name}")
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{type(exc).__name__}: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(str(exc)) from None
-    body["position"], body["entries"] = position, entries
-    return body
-
-
-# --------------------------------------------------------------------------------------------
-# Reading back: the files a worker needs, downloaded and checked
-# --------------------------------------------------------------------------------------------
-
-
-def needed(manifest: dict[str, Any], rank: int) -> tuple[dict[str, tuple[str, int]], bool]:
-    """The files worker `rank` resumes from (the weights, its own state, or the chief's), and whether its own."""
-    entries = manifest["entries"]
-    own = [n for n in entries if n.startswith(part(rank) + "/")]
-    chosen = own or [n for n in entries if n.startswith(part(int(manifest.get("chief", 0))) + "/")]
-    names = [manifest["weights"]] + chosen
-    return {n: entries[n] for n in names}, bool(own)
-
-
-def materialize(store: Store, name: str, manifest: dict[str, Any], rank: int, target: str) -> dict[str, str]:
-    """Put the files worker `rank` needs of backup `name` in the local directory `target` and check them.
-
-    A file already there with the manifest's checksum is kept (a restart on the same host downloads
-    nothing); any other is downloaded (a private temporary, then a rename). Returns {part: local path}
-    ("weights.h5", "state.json", "arrays.npz").
-
-    Raises:
-        ValueError: a file does not match the manifest (its size or SHA-256), naming it.
-        OSError: the store could not be read (`StoreError`, or FileNotFoundError for a missing object).
-    """
-    files.check_dir(target, WHAT)
-    out: dict[str, str] = {}
-    for relative, (digest, size) in needed(manifest, rank)[0].items():
-        local = os.path.join(target, relative.rsplit("/", 1)[-1])
-        kind = position_of(os.path.basename(local))
-        if kind is None or kind[0] != manifest["position"] or kind[1] not in (WEIGHTS, STATE, ARRAYS):
-            raise ValueError(f"{relative} is not a file of the backup at {manifest['position']}")
-        if not (os.path.isfile(local) and os.path.getsize(local) == size and sha256(local) == digest):
-            store.download(_path(BACKUPS, name, relative), local)
-            if os.path.getsize(local) != size or sha256(local) != digest:
-                files.remove(local)
-                raise ValueError(f"{relative} is corrupt (its size or SHA-256 does not match the manifest)")
-        out[kind[1]] = local
-    return out
-
-
-@dataclass
-class Chosen:
-    """A committed backup read back: its name, manifest and the local files (part -> path)."""
-
-    name: str
-    manifest: dict[str, Any]
-    paths: dict[str, str]
-
-
-def newest_verified(store: Store, rank: int, target: str, cache: dict[int, Attempt] | None = None,
-                    top: int | None = None) -> tuple[Chosen | None, list[str]]:
-    """The newest committed backup of the lineage whose files (those worker `rank` needs) verify, read into
-    `target`; and what was skipped on the way ("<name> (<why>)", newest first).
-
-    Raises:
-        ConfigError: there are committed backups, but none can be used (nothing is deleted).
-        StoreError: the store failed (not a missing or damaged file: that one is skipped).
-    """
-    names, _ = committed_lineage(store, cache, top)
-    skipped = []
-    for name in names:
-        try:
-            manifest = read_manifest(store, name)
-            return Chosen(name, manifest, materialize(store, name, manifest, rank, target)), skipped
-        except (ValueError, FileNotFoundError) as exc:
-            skipped.append(f"{name} ({exc})")
-    if names:
-        raise ConfigError(f"{WHAT}={store.shown!r}: no committed backup can be used: {'; '.join(skipped)}. Nothing "
-                          "was deleted. Fix: move those backups away (or pass another backup_dir) to start over, or "
-                          "put back intact copies of those files")
-    return None, skipped
+    store.write_bytes(path_of(BACKUPS, name, MANIFEST), json.dumps(body, indent=1).encode())
 
 
 def committed_lineage(store: Store, cache: dict[int, Attempt] | None = None,
@@ -395,18 +305,6 @@ def committed_lineage(store: Store, cache: dict[int, Attempt] | None = None,
     """The committed backups the newest attempt (or attempt `top`) trusts, newest first, and the listing."""
     listing = scan(store)
     return lineage(read_attempts(store, listing, cache), listing.committed, top), listing
-
-
-def committed_positions(url: str) -> list[Position]:
-    """The positions of the committed backups in the store at `url` a resume would consider, newest first.
-
-    Nothing is downloaded or checked (see `find_resume_point` for that): for engines and tests that wait
-    for a commit.
-    """
-    from stratkit.storage import open_store
-
-    names, _ = committed_lineage(open_store(url, WHAT))
-    return [parse_name(n)[1] for n in names]  # type: ignore[index]
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,9 +327,9 @@ def prune(store: Store, generation: int, keep: int, busy: set[str] = frozenset()
             continue
         if parsed[0] == generation and newest is not None and name > newest:
             continue  # this attempt's newer backup, its commit still to come
-        doomed += [_path(BACKUPS, name, o) for o in objects if o != MANIFEST]
+        doomed += [path_of(BACKUPS, name, o) for o in objects if o != MANIFEST]
         if MANIFEST in objects:
-            doomed.append(_path(BACKUPS, name, MANIFEST))
+            doomed.append(path_of(BACKUPS, name, MANIFEST))
     oldest = min((parse_name(n)[0] for n in kept), default=generation)  # type: ignore[index]
     for record, kinds in listing.records.items():
         if record < oldest:
@@ -449,7 +347,7 @@ def remove_all(store: Store, generation: int) -> None:
         parsed = parse_name(name)
         if parsed is not None and parsed[0] <= generation:
             for o in objects:
-                (manifests if o == MANIFEST else rest).append(_path(BACKUPS, name, o))
+                (manifests if o == MANIFEST else rest).append(path_of(BACKUPS, name, o))
     records = [_record_name(g, kind == "base") for g, kinds in listing.records.items() if g <= generation
                for kind in kinds]
     store.remove_many(manifests)

@@ -44,12 +44,13 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
 from stratkit.storage import Store, check_store, open_store, redact
-from stratkit.training.checkpoint import commit
+from stratkit.training.checkpoint import commit, readback
 from stratkit.training.checkpoint.layout import WEIGHTS, WHAT, Position, on_disk, write_metadata
 from stratkit.training.checkpoint.store import ResumePoint, prepare_dir, remove_backup
 from stratkit.training.checkpoint.uploads import Report, Uploads
@@ -96,11 +97,11 @@ def _store_error(store: Store | None, exc: BaseException) -> ConfigError:
                        "machine of the cluster reaches it")
 
 
-def point_from(chosen: commit.Chosen, rank: int, directory: str, url: str) -> ResumePoint:
+def point_from(chosen: readback.Chosen, rank: int, directory: str, url: str) -> ResumePoint:
     """The `ResumePoint` of a backup read back into `directory` for worker `rank` (checkpoint.json names it)."""
     manifest = chosen.manifest
     position = manifest["position"]
-    digests = {rel.rsplit("/", 1)[-1]: digest for rel, (digest, _) in commit.needed(manifest, rank)[0].items()}
+    digests = {rel.rsplit("/", 1)[-1]: digest for rel, (digest, _) in readback.needed(manifest, rank).items()}
     write_metadata(directory, {position: {os.path.basename(p): digests[os.path.basename(p)]
                                           for p in chosen.paths.values()}})
     return ResumePoint(position.epoch, chosen.paths[WEIGHTS], checked=True, step=position.step,
@@ -116,11 +117,12 @@ def read_back(url: str, target: str, rank: int = 0) -> ResumePoint:
     """
     store = open_store(url, WHAT)
     try:
-        chosen, skipped = commit.newest_verified(store, rank, target)
+        chosen, skipped = readback.newest_verified(store, rank, target)
     except OSError as exc:
         raise _store_error(store, exc) from None
     if chosen is None:
-        return ResumePoint()
+        return ResumePoint(note=f"{WHAT}={store.shown!r} holds no committed backup, only {'; '.join(skipped)}"
+                           if skipped else None)
     point = point_from(chosen, rank, target, url)
     if skipped:
         point.note = f"{WHAT}={store.shown!r}: skipped {'; '.join(skipped)}; resuming from {chosen.name}"
@@ -195,7 +197,7 @@ class RemoteBackups:
         if self.is_chief:
             try:
                 self.attempt = commit.claim(self.store, workers)
-                chosen, skipped = commit.newest_verified(self.store, self.rank, self.directory, self._records,
+                chosen, skipped = readback.newest_verified(self.store, self.rank, self.directory, self._records,
                                                          top=self.attempt.generation)
                 commit.set_base(self.store, self.attempt, chosen.name if chosen else None)
             except (ConfigError, OSError) as exc:
@@ -214,8 +216,8 @@ class RemoteBackups:
             name = commit.backup_name(base_generation, Position.from_key(base_key))
             try:
                 if chosen is None:
-                    manifest = commit.read_manifest(self.store, name)
-                    chosen = commit.Chosen(name, manifest, commit.materialize(self.store, name, manifest, self.rank,
+                    manifest = readback.read_manifest(self.store, name)
+                    chosen = readback.Chosen(name, manifest, readback.materialize(self.store, name, manifest, self.rank,
                                                                                self.directory))
                 point = point_from(chosen, self.rank, self.directory, self.url)
             except (ValueError, OSError) as exc:
@@ -228,13 +230,17 @@ class RemoteBackups:
                 "another worker could not read the backup the run resumes from (its log says why)") +
                 ". Nothing was changed. Fix: check that every machine reaches the store with the same credentials")
         position = Position.from_key(base_key) if base_generation else Position()
+        note = None
         if point is not None and skipped:
-            point.note = (f"{WHAT}={self.shown!r}: skipped {'; '.join(skipped)}; resuming from {position} "
-                          f"({chosen.name}) instead")
+            note = point.note = (f"{WHAT}={self.shown!r}: skipped {'; '.join(skipped)}; resuming from {position} "
+                                 f"({chosen.name}) instead")
+        elif skipped:
+            note = (f"{WHAT}={self.shown!r} holds no committed backup, only {'; '.join(skipped)}: starting from "
+                    "the beginning")
         self.uploads = Uploads(self.store, self.attempt, rank=self.rank, is_chief=self.is_chief,
                                ranks=list(range(max(int(workers), 1))), keep=self.keep,
                                outbox=self.directory + ".outbox", reached=position if point is not None else None)
-        return position, point, point if point is not None else ResumePoint()
+        return position, point, point if point is not None else ResumePoint(note=note)
 
     def _from_chief(self, agree: Callable[[int], int], value: int) -> int:
         """The chief's `value` on every worker (a MIN where every other worker proposes more)."""

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 import keras
 
+from stratkit import storage
 from stratkit.errors import ConfigError
 from stratkit.strategy import keras_ps, side_effects, store_callbacks
 from stratkit.training import inputs
@@ -55,6 +56,11 @@ def fit_parameter_server(trainer: Any, model: Any, data: Any, *, epochs: int, st
     """
     keras_ps.check(model)  # an unsupported Keras fails here, not deep in a step
     check_steps_per_epoch(steps_per_epoch)
+    if backup_dir is not None and storage.is_url(backup_dir):
+        raise ConfigError(f"backup_dir={storage.redact(os.fspath(backup_dir))!r}: parameter-server training backs up "
+                          "to a directory its chief and evaluator share; a store URL is not supported here (the "
+                          "MultiWorkerMirrored Trainer.fit takes one). Fix: pass a directory on storage every task "
+                          "mounts")
     spec = trainer.spec
     if spec.task_type == "evaluator":
         return run_sidecar_evaluation(trainer, model, validation_data, backup_dir=backup_dir,
