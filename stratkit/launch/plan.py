@@ -228,6 +228,25 @@ class LaunchPlan:
     gpu: GpuRequest = field(default_factory=GpuRequest)
     #: A signal besides SIGTERM that means "preempted" (`--preemption-signal`), or None.
     preemption_signal: int | None = None
+    #: How the failure report names its reporter and the timeout (`stratkit.LocalRunner` speaks of its own
+    #: `timeout=` argument), and whether the supervisor prints it (a runner raises it in its error instead).
+    report_title: str = "stratkit launch"
+    timeout_setting: str = "--timeout"
+    print_report: bool = True
+    #: Seconds for the whole launch, restarts included (a runner's `timeout=`; `timeout` is per attempt), and
+    #: the monotonic time it ends at (the supervisor sets it when the launch starts).
+    run_timeout: float | None = None
+    run_deadline: float | None = None
+
+    def out_of_time(self, now: float, attempt_started: float) -> bool:
+        """True when the attempt outlived `timeout`, or the launch `run_timeout`."""
+        return ((self.timeout is not None and now - attempt_started > self.timeout)
+                or (self.run_deadline is not None and now > self.run_deadline))
+
+    @property
+    def timeout_told(self) -> float | None:
+        """The timeout a timed-out attempt's report names: the attempt's, else the whole launch's."""
+        return self.timeout if self.timeout is not None else self.run_timeout
 
     @property
     def preemption_signals(self) -> tuple[int, ...]:

@@ -57,6 +57,7 @@ from stratkit.spark.task import (
     arrow_partition_function,
     rdd_partition_function,
 )
+from stratkit.training.tracking import handoff
 
 log = status.logger(__name__)
 
@@ -126,7 +127,8 @@ class SparkRunner:
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
     (TF_CONFIG, `spec.source == "spark"`); train_fn runs in a fresh Python
     process, so it must import what it uses and create the strategy before any
-    other TensorFlow op.
+    other TensorFlow op. A run called inside `with mlflow.start_run():` hands that
+    run to the tasks: `stratkit.callbacks.MLflowLogger` on the chief logs into it.
     """
 
     def __init__(self, num_workers: int = 2, *, use_gpu: bool = False, gpus_per_worker: int | None = None,
@@ -209,7 +211,8 @@ class SparkRunner:
                 plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(roles), payload=payload,
                                 log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
                                 gpu_counts=tuple(gpu_counts[:len(roles)]), gpu_resource_name=self._gpu_resource_name,
-                                wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"))
+                                wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"),
+                                extra_env=tuple(handoff.hand_over().items()))
                 try:
                     result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report,
                                            attempts=self.max_retries + 1 + report.preempted)

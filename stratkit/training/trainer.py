@@ -226,6 +226,9 @@ class Trainer:
                               "Fix: pass scale_learning_rate=True, or drop warmup_epochs")
         if train.global_batch_size:
             callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
+        for callback in callback_list:  # a run's logger records the global batch (stratkit.callbacks.MLflowLogger)
+            if callable(getattr(callback, "set_global_batch_size", None)):
+                callback.set_global_batch_size(train.global_batch_size)
         from stratkit import timeline
 
         if timeline.enabled():

@@ -377,6 +377,8 @@ GATE_INVENTORY: dict[str, set[str]] = {
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
         "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict / *_on_batch
+        # another library's wrapper on keras.Model.fit (MLflow's autolog), guarded; and put back (revert)
+        "patch setattr(keras.Model, name)", "patch setattr(keras.Model, ...)",
     },
     "stratkit/strategy/keras_compat/internals.py": {
         "import tensorflow.python.eager.context",

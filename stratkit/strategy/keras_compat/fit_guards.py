@@ -29,6 +29,11 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
 
 A second guard catches Keras metrics updated in a parameter-server step
 (:mod:`.metric_guard`).
+
+A library that wrapped ``keras.Model.fit`` before the guards were installed
+(``mlflow.keras.autolog()`` / ``mlflow.tensorflow.autolog()`` called before
+``make_strategy()``) calls the ``fit`` it found then, Keras's own: its wrapper is
+guarded too, so the user's ``model.fit`` is guarded whichever came first.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 _FIT_METHODS = ("fit", "evaluate", "predict")
 _guards_lock = threading.Lock()
 _guard_originals: dict[str, Any] = {}
+_model_overrides: dict[str, Any] = {}  # another library's wrappers on keras.Model, guarded
 _inside_guarded_call = threading.local()
 
 
@@ -191,9 +197,9 @@ def _one_order(strategy: Any) -> Any:
         lambda values: array_shuffle.unless_chief(is_chief, chief_ints(strategy, values)))
 
 
-def _guarded(name: str, original: Any) -> Any:
-    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
-    signature = inspect.signature(original)
+def _guarded(name: str, original: Any, like: Any = None) -> Any:
+    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above (arguments read as ``like``'s)."""
+    signature = inspect.signature(like if like is not None else original)
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -276,6 +282,14 @@ def install(version: str, mode: str) -> bool:
             if not getattr(current, _PATCH_MARK, False):
                 _guard_originals[name] = current
                 setattr(cls, name, _guarded(name, current))
+        for name in _FIT_METHODS:
+            # A wrapper another library set on keras.Model before us (MLflow's autolog) calls the fit it found
+            # then, Keras's unguarded one: guarded too, or every model.fit would skip the guard. (A wrapper set
+            # after us calls ours.) Its arguments are read as Keras's: a wrapper may take *args, **kwargs.
+            current = keras.Model.__dict__.get(name)
+            if callable(current) and not getattr(current, _PATCH_MARK, False):
+                _model_overrides[name] = current
+                setattr(keras.Model, name, _guarded(name, current, like=_guard_originals.get(name)))
         for name in on_batch.METHODS:     # each replica its share of the batch (checks nothing: no guard)
             current = cls.__dict__[name]
             if not getattr(current, _PATCH_MARK, False):
@@ -298,5 +312,11 @@ def revert_fit_guards() -> None:
             for name in (*_FIT_METHODS, *on_batch.METHODS):
                 if name in _guard_originals:
                     setattr(cls, name, _guard_originals.pop(name))
+        import keras
+
+        for name, override in list(_model_overrides.items()):
+            if getattr(keras.Model.__dict__.get(name), _PATCH_MARK, False):  # (its library may have removed it)
+                setattr(keras.Model, name, override)
+            del _model_overrides[name]
         metric_guard.revert()
         array_shuffle.revert()
