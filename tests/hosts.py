@@ -297,7 +297,8 @@ def hosts_file(hosts: Sequence[Host]) -> str:
 #: The name holder: in the host's own mount and UTS namespaces (private propagation), it puts `hosts` on
 #: /etc/hosts and sets the hostname; with private disks it mounts them (the home's overlay layers on a tmpfs
 #: that is then detached, so no path reaches them) and binds each shared directory at its own path, through a
-#: descriptor opened before the tmpfs covered it (mount(8) would resolve a path to the new disk). Then it sleeps as long as the host lives.
+#: descriptor opened before the tmpfs covered it (mount(8) would resolve a path to the new disk). Then it sleeps
+#: as long as the host lives.
 _HOLDER = r"""
 import json, os, subprocess, sys
 etc_hosts, name, private, home, shared, size = sys.argv[1:7]

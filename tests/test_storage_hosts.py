@@ -8,12 +8,11 @@ is ``results``: what the training script writes as evidence (hosts.log, the step
 weights) and the engines' configuration (Slurm's conf, munge socket and spool; Spark's logs and driver script),
 never a backup, never a staging directory.
 
-The training is tests/training/checkpoint_script.py (`Trainer.fit`, 160 rows, global batch 16, epochs of 10 steps,
-``backup_every=7``, EarlyStopping, ReduceLROnPlateau, and ModelCheckpoint and CSVLogger writing to the store); one
-uninterrupted process with a local ``backup_dir`` is the reference each run must equal (weights and history within
-1e-5, its workers bit-identical). Kills are timed by events: the script holds before global step KILL_AT
-(``KILL_SIGNAL=EXTERNAL``: it writes ready-<rank>.json and waits), the test waits there for the commit it needs in
-the store and then takes the host away (`Host.kill_all`: every process on it SIGKILLed at once).
+The training and the checks are tests/storage_hosts.py's (tests/training/checkpoint_script.py, equal to one
+uninterrupted process within 1e-5, the workers bit-identical, the CSV log in the store whole). Kills are timed by
+events: the script holds before global step KILL_AT (``KILL_SIGNAL=EXTERNAL``: it writes ready-<rank>.json and
+waits), the test waits there for the commit it needs in the store and then takes the host away (`Host.kill_all`:
+every process on it SIGKILLed at once).
 
 What each test shows (the numbers print as ``MEASURED {...}``, for docs/fault-tolerance.md):
 
@@ -23,7 +22,9 @@ What each test shows (the numbers print as ``MEASURED {...}``, for docs/fault-to
 * a Spark standalone cluster (master and driver on h6, workers on h7 and h8): the host of worker 1 dies, and
   `SparkRunner(max_retries=1)` runs the stage again on the surviving worker and h9's, which joined meanwhile;
 * Slurm (h10 to h13): examples/slurm_requeue.sh on h10 and h11, the nodes drained and the job told to stop (USR1);
-  it is requeued onto h12 and h13.
+  it is requeued onto h12 and h13;
+* the GCS emulator and Azurite start on the store host too and serve the other hosts (no training: the backup
+  tests of tests/training/test_remote_backups.py run every store on loopback).
 
 RayRunner on hosts without a shared disk is tests/ray/test_ray_storage_hosts.py (``make test-ray``).
 """
@@ -201,7 +202,7 @@ builder = (SparkSession.builder.master(MASTER).appName("stratkit-storage-hosts")
            .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
            .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "300")
            .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", "")))
-for name in STORE_VARIABLES:   # the store's endpoint and credentials, as docs/storage.md says: the executors' environment
+for name in STORE_VARIABLES:   # the store's endpoint and credentials (docs/storage.md): the executors' environment
     builder = builder.config(f"spark.executorEnv.{name}", os.environ[name])
 spark = builder.getOrCreate()
 spark.sparkContext.setLogLevel("ERROR")
@@ -300,8 +301,8 @@ def test_spark_a_lost_worker_host_the_stage_retried_on_a_fresh_one_resumes_from_
     for rank in (0, 1):
         assert run.retrained(rank) == [21, 22]
     worst = run.equals_reference()
-    measured("spark", retrained=2, max_weight_diff=worst, first_step_after_kill_s=round(run.first_step_after(killed), 1),
-             seconds=phases)
+    measured("spark", retrained=2, max_weight_diff=worst,
+             first_step_after_kill_s=round(run.first_step_after(killed), 1), seconds=phases)
 
 
 # -- Slurm -----------------------------------------------------------------------------------------------------------
