@@ -9,7 +9,7 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-ray test-keras test-fast bench compat docs clean
+.PHONY: install demo test test-ray test-hosts test-keras test-fast bench compat docs clean
 
 install: $(STAMP)
 
@@ -42,10 +42,16 @@ $(AZURITE):
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray and not storage_hosts"
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q --durations=10 -m ray
+
+# Issue 44 on test hosts that share no disk (marker `storage_hosts`: tests/test_storage_hosts.py, one module of
+# ~4-6 min: launch --nnodes, an elastic arrival, Spark standalone and Slurm, each a lost or drained host replaced by
+# a fresh one that resumes from an S3 server on a host of its own). Its Ray test runs in test-ray. CI runs both.
+test-hosts: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m "storage_hosts and not ray"
 
 # Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
 # once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched

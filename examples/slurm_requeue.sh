@@ -2,7 +2,7 @@
 # stratkit on Slurm, for runs longer than the time limit or on a partition that preempts: copy this file,
 # change the resources and the srun line, then
 #   sbatch slurm_requeue.sh [arguments for train.py]
-# train.py calls Trainer.fit(..., backup_dir=<storage every node shares>, backup_every=...).
+# train.py calls Trainer.fit(..., backup_dir=<storage every node reaches: shared, or s3://...>, backup_every=...).
 #
 # What happens: 300 s (the @300) before the time limit Slurm sends USR1 to this shell (B: = the batch
 # shell only, not srun or the tasks). The trap hands it to srun, which hands it to every task; inside a

@@ -13,6 +13,18 @@ namespace, held by a small ``sleep`` process: its hostname is ``hN`` and an
 ``h2``, ... resolve on every host as on a real cluster (Slurm's slurmctld
 insists on running on the host its slurm.conf names).
 
+With ``private_disks=True`` each host also gets a disk of its own, as machines without a shared
+file system have: a tmpfs over /tmp and /var/tmp, and the user's home as an overlay (the machine
+image's files readable, every write kept on the host's tmpfs), all in the host's own mount
+namespace, so no other host and not the root namespace sees what it writes there, and all gone
+with the host. The repository and the virtualenv stay shared: they are the machine image. Each
+directory in ``shared`` (e.g. a test's results directory) is bind-mounted at its own path on every
+host, the one way files cross between hosts and the test; a process on a private-disk host starts
+in the home directory (`Host.home`) unless given a `cwd`::
+
+    with make_hosts(2, private_disks=True, shared=[results]) as (h1, h2):
+        h1.run(["sh", "-c", "echo x > /tmp/mine"], timeout=10)   # h2 has no /tmp/mine; nor has this machine
+
 Commands run "on" a host through ``nsenter`` (never ``ip netns exec``, which
 remounts /sys and hides the cgroup mount Slurm needs)::
 
@@ -33,14 +45,19 @@ what is missing (tests marked ``hosts`` skip with it, or fail when
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import json
 import math
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,6 +69,13 @@ NETWORK = "198.18.0"
 PREFIX = "stratkit-"
 REQUIRE_VARIABLE = "STRATKIT_REQUIRE_HOSTS"
 TOOLS = ("ip", "nsenter", "unshare", "mount", "hostname")
+#: The suite's network guard log (tests/netguard/): every private-disk host writes its refusals to the same file.
+GUARD_LOG_VARIABLE = "TESTS_NETGUARD_LOG"
+#: What a private disk covers with a tmpfs of its own (the user's home gets an overlay: see `make_hosts`).
+PRIVATE_PATHS = ("/tmp", "/var/tmp")
+#: The most a private disk's tmpfs may hold (tmpfs takes memory only for what is written).
+DISK_SIZE = "2g"
+_CLONE_NEWNET = 0x40000000
 _SEQUENCE = itertools.count()
 _PROBED: str | None | bool = False   # False: not probed yet
 
@@ -70,10 +94,13 @@ class Host:
     holder: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     switch: str = ""  # the namespace of the bridge this host's cable plugs into
     started: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    #: With a private disk: the home directory its processes start in (the run's working directory).
+    home: str | None = None
 
     def argv(self, argv: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
-        """`argv` prefixed so that it runs on this host (in `cwd`, default: the caller's)."""
-        wd = os.fspath(cwd) if cwd is not None else os.getcwd()
+        """`argv` prefixed so that it runs on this host (in `cwd`, default: the caller's, or with a private
+        disk the host's home)."""
+        wd = os.fspath(cwd) if cwd is not None else (self.home or os.getcwd())
         if self.holder is not None:
             return ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--uts",
                     f"--wd={wd}", "--", *argv]
@@ -122,6 +149,39 @@ class Host:
         """The host dies: SIGKILL every process on it but its name holder (which stays, as an empty machine
         would), again up to `rounds` times while any is left (one may fork meanwhile)."""
         _kill_until_gone(lambda: [p for p in self.pids() if self.holder is None or p != self.holder.pid], rounds)
+
+    def socket(self, family: int = socket.AF_INET, kind: int = socket.SOCK_STREAM) -> socket.socket:
+        """A socket in this host's network namespace, for the test's own process (which has no route to the
+        hosts): made by a thread that joined the namespace; a socket stays in the namespace it was made in."""
+        made: list[Any] = []
+
+        def make() -> None:
+            try:
+                with open(f"/run/netns/{self.netns}") as handle:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {self.netns}")
+                made.append(socket.socket(family, kind))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                made.append(exc)
+
+        thread = threading.Thread(target=make, name=f"netns-{self.name}")  # it ends in the namespace: it is only
+        thread.start()                                                     # this thread's, and it is gone
+        thread.join()
+        if isinstance(made[0], BaseException):
+            raise made[0]
+        return made[0]
+
+    def connect(self, address: tuple[str, int], timeout: float) -> socket.socket:
+        """A TCP connection to `address` made from this host (as `socket.create_connection`)."""
+        sock = self.socket()
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def unplug(self) -> None:
         """Pull the host's cable: its port on the switch goes down, and from then on every packet to or from
@@ -234,28 +294,94 @@ def hosts_file(hosts: Sequence[Host]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _hold_names(host: Host, etc_hosts: Path) -> subprocess.Popen[bytes]:
+#: The name holder: in the host's own mount and UTS namespaces (private propagation), it puts `hosts` on
+#: /etc/hosts and sets the hostname; with private disks it mounts them (the home's overlay layers on a tmpfs
+#: that is then detached, so no path reaches them) and binds each shared directory at its own path, through a
+#: descriptor opened before the tmpfs covered it (mount(8) would resolve a path to the new disk). Then it sleeps
+#: as long as the host lives.
+_HOLDER = r"""
+import json, os, subprocess, sys
+etc_hosts, name, private, home, shared, size = sys.argv[1:7]
+private, shared = json.loads(private), json.loads(shared)
+
+def mount(*args):
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"mount {' '.join(args)}: {done.stderr.strip()}")
+
+mount("--bind", etc_hosts, "/etc/hosts")
+subprocess.run(["hostname", name], check=True)
+opened = [(os.open(path, os.O_PATH), path) for path in shared]
+for path in private:
+    mode = oct(os.stat(path).st_mode & 0o7777)[2:]
+    mount("-t", "tmpfs", "-o", f"mode={mode},size={size}", f"disk-{name}", path)
+if home:
+    layers = private[0]  # a tmpfs there first, for the overlay's layers only: detached once the overlay holds them
+    mount("-t", "tmpfs", "-o", f"mode=700,size={size}", f"home-{name}", layers)
+    for part in ("upper", "work"):
+        os.mkdir(os.path.join(layers, part))
+    mount("-t", "overlay", "-o", f"lowerdir={home},upperdir={layers}/upper,workdir={layers}/work", f"home-{name}", home)
+    subprocess.run(["umount", "--lazy", layers], check=True)
+for fd, path in opened:
+    if os.path.isdir(f"/proc/{os.getpid()}/fd/{fd}"):
+        os.makedirs(path, exist_ok=True)
+    else:  # a file: bound over an empty one
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+    mount("--no-canonicalize", "--bind", f"/proc/{os.getpid()}/fd/{fd}", path)  # (not the path it now names)
+    os.close(fd)
+print("ready", flush=True)
+os.execvp("sleep", ["sleep", "infinity"])
+"""
+
+
+def _hold_names(host: Host, etc_hosts: Path, private_disks: bool = False,
+                shared: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """A process in the host's network namespace with its own mount and UTS namespaces: hostname
     `host.name`, `etc_hosts` bind-mounted on /etc/hosts (private propagation: the root namespace's
-    /etc/hosts is untouched). Commands join its namespaces with nsenter --target."""
-    script = 'mount --bind "$1" /etc/hosts && hostname "$2" && echo ready && exec sleep infinity'
+    /etc/hosts is untouched), and with `private_disks` its own disk (see `make_hosts`). Commands join its
+    namespaces with nsenter --target."""
+    private = list(PRIVATE_PATHS) if private_disks else []
+    home = os.path.expanduser("~") if private_disks else ""
     holder = subprocess.Popen(
         ["nsenter", f"--net=/run/netns/{host.netns}", "--", "unshare", "--mount", "--uts",
-         "--propagation", "private", "--", "sh", "-c", script, "sh", str(etc_hosts), host.name],
+         "--propagation", "private", "--", sys.executable, "-I", "-c", _HOLDER, str(etc_hosts), host.name,
+         json.dumps(private), home, json.dumps(list(shared)), DISK_SIZE],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     line = holder.stdout.readline() if holder.stdout else b""
     if line.strip() != b"ready":
         holder.kill()
         err = holder.communicate()[1].decode(errors="replace").strip()
-        raise HostsUnavailable(f"cannot give {host.name} its own hostname and /etc/hosts: {err}")
+        what = "its own disk, hostname and /etc/hosts" if private_disks else "its own hostname and /etc/hosts"
+        raise HostsUnavailable(f"cannot give {host.name} {what}: {err}")
+    if private_disks:
+        host.home = home
     return holder
 
 
 @contextmanager
-def make_hosts(n: int, names: bool = True) -> Iterator[list[Host]]:
-    """`n` test hosts h1..hn on 198.18.0.0/24, removed with every process on them at the end."""
+def make_hosts(n: int, names: bool = True, private_disks: bool = False,
+               shared: Sequence[str | os.PathLike[str]] = ()) -> Iterator[list[Host]]:
+    """`n` test hosts h1..hn on 198.18.0.0/24, removed with every process on them at the end.
+
+    Args:
+        n: how many hosts.
+        names: each host its own hostname and /etc/hosts (needed by `private_disks`).
+        private_disks: each host its own /tmp, /var/tmp and home (see the module docstring).
+        shared: existing directories (or files) every private-disk host sees at their own paths (results,
+            configs); the network guard's log is always among them.
+    """
     if not 1 <= n <= 250:
         raise ValueError("between 1 and 250 hosts")
+    if (private_disks or shared) and not names:
+        raise ValueError("private disks need names=True (the host's own mount namespace)")
+    shared = [os.path.abspath(os.fspath(path)) for path in shared]
+    for path in shared:
+        if not os.path.exists(path):
+            raise ValueError(f"shared directory {path} does not exist")
+    guard_log = os.environ.get(GUARD_LOG_VARIABLE, "")
+    if private_disks and os.path.isfile(guard_log):
+        shared.append(os.path.abspath(guard_log))
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)
@@ -283,7 +409,7 @@ def make_hosts(n: int, names: bool = True) -> Iterator[list[Host]]:
             etc_hosts.write_text(hosts_file(hosts))
             etc_hosts.chmod(0o644)
             for host in hosts:
-                host.holder = _hold_names(host, etc_hosts)
+                host.holder = _hold_names(host, etc_hosts, private_disks, shared)
         yield hosts
     finally:
         for host in hosts:

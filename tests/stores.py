@@ -10,6 +10,13 @@ Every server is reached through an `Outage` proxy of the test's own, so a test
 can take the store down (`server.down()`: connections refused, the open ones
 cut) and bring it back (`server.up()`) without losing what it holds.
 
+A server can also run on a test host (`S3Server(host=h3)`: tests/hosts.py), as a store is a network
+service every machine reaches and none holds on its disk: it listens on the host's 198.18 address,
+which the training processes on the other hosts get as their endpoint (`env`), while the test's own
+clients (`fs()`, `make_bucket`) go through the proxy, whose connections to the server are made in the
+store host's network namespace (the root namespace has no route to the hosts). Such a store goes off
+the network with `Host.unplug()`, not `down()`.
+
 S3 checks credentials (moto's IAM: the keys `env` gives are made at start, any
 other key is refused); Azurite checks its account key; the GCS emulator checks
 none. None of them reaches anything but loopback (Azurite's telemetry is off:
@@ -34,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +72,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None,
+                  connect: Callable[[tuple[str, int], float], socket.socket] = socket.create_connection) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it listened on {host}:{port}")
         try:
-            socket.create_connection((host, port), 0.5).close()
+            connect((host, port), 0.5).close()
             return
         except OSError:
             time.sleep(0.05)
@@ -82,9 +90,11 @@ class Outage:
     """A TCP proxy on loopback in front of a server: `down()` refuses new connections and cuts the open ones,
     `up()` serves again on the same port (what a store that went down and came back looks like to a client)."""
 
-    def __init__(self, target: tuple[str, int], host: str = "127.0.0.1") -> None:
+    def __init__(self, target: tuple[str, int], host: str = "127.0.0.1",
+                 connect: Callable[[tuple[str, int], float], socket.socket] = socket.create_connection) -> None:
         self.target = target
         self.host = host
+        self._connect = connect  # how a connection to the target is made (from a test host's namespace)
         self.port = free_port(host)
         self._listener: socket.socket | None = None
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -158,7 +168,7 @@ class Outage:
                 if sock is listener:
                     try:
                         client, _ = listener.accept()
-                        upstream = socket.create_connection(self.target, 5)
+                        upstream = self._connect(self.target, 5)
                     except OSError:
                         continue
                     with self._lock:
@@ -194,11 +204,14 @@ class Outage:
 
 
 class StoreServer:
-    """One store server on loopback behind an `Outage` proxy (`start` in `__enter__`, killed in `__exit__`)."""
+    """One store server on loopback behind an `Outage` proxy (`start` in `__enter__`, killed in `__exit__`), or on
+    test host `host` (see the module docstring)."""
 
     scheme = ""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Any = None) -> None:
+        self.host = host
+        self.address = host.address if host is not None else "127.0.0.1"  # where the server listens
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.proxy: Outage | None = None
@@ -214,16 +227,23 @@ class StoreServer:
 
     def start(self) -> StoreServer:
         self.port = free_port()
+        connect = self.host.connect if self.host is not None else socket.create_connection
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.server_env(), start_new_session=True, cwd=self.workdir,
-                                         preexec_fn=_die_with_parent)
+            if self.host is None:
+                self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                             env=self.server_env(), start_new_session=True, cwd=self.workdir,
+                                             preexec_fn=_die_with_parent)
+            else:  # its working directory on the host's own disk (a private /tmp does not have ours)
+                self.host.run(["mkdir", "-p", self.workdir], timeout=30, check=True)
+                self.proc = self.host.popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=self.server_env(), start_new_session=True, cwd=self.workdir,
+                                            preexec_fn=_die_with_parent)
         try:
-            wait_for_port("127.0.0.1", self.port, 60, self.proc)
+            wait_for_port(self.address, self.port, 60, self.proc, connect)
         except BaseException:
             self.stop()
             raise RuntimeError(f"{type(self).__name__} did not start: {self.log.read_text()[-2000:]}") from None
-        self.proxy = Outage(("127.0.0.1", self.port))
+        self.proxy = Outage((self.address, self.port), connect=connect)
         self.ready()
         return self
 
@@ -250,6 +270,7 @@ class StoreServer:
     # -- outages -------------------------------------------------------------------------------
     def down(self) -> None:
         """The store goes down: connections refused, open ones cut (what it holds is kept)."""
+        self._on_loopback("down")
         assert self.proxy is not None
         self.proxy.down()
 
@@ -261,6 +282,7 @@ class StoreServer:
     def hold(self, marker: bytes = b"") -> None:
         """The store stops answering the requests that name `marker` (b"": every request, and every one under
         way): they hang until `up()`; the others are served."""
+        self._on_loopback("hold")
         assert self.proxy is not None
         self.proxy.hold(marker)
 
@@ -270,9 +292,23 @@ class StoreServer:
         assert self.proxy is not None
         return b"".join(bytes(data) for data in list(self.proxy._held.values()))
 
+    def _on_loopback(self, what: str) -> None:
+        if self.host is not None:  # the proxy is the test's own way in, not the hosts'
+            raise RuntimeError(f"{what}() acts on the proxy, which the hosts do not use: unplug the store's host "
+                               f"({self.host.name}) instead")
+
     # -- for clients ---------------------------------------------------------------------------
     @property
     def endpoint(self) -> str:
+        """The URL clients of the store use: the proxy's on loopback; on a test host, the server's own address
+        (what the other hosts reach; the test's process uses `client_endpoint`)."""
+        if self.host is not None:
+            return f"http://{self.address}:{self.port}"
+        return self.client_endpoint
+
+    @property
+    def client_endpoint(self) -> str:
+        """The URL this test process reaches the store at (always the proxy on loopback)."""
         assert self.proxy is not None
         return f"http://127.0.0.1:{self.proxy.port}"
 
@@ -307,7 +343,7 @@ class S3Server(StoreServer):
     _UNCHECKED = 4
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        return [sys.executable, "-m", "moto.server", "-H", self.address, "-p", str(self.port)]
 
     def server_env(self) -> dict[str, str]:
         env = super().server_env()
@@ -317,7 +353,7 @@ class S3Server(StoreServer):
     def ready(self) -> None:
         import boto3
 
-        iam = boto3.client("iam", endpoint_url=f"http://127.0.0.1:{self.port}", region_name="us-east-1",
+        iam = boto3.client("iam", endpoint_url=self.client_endpoint, region_name="us-east-1",
                            aws_access_key_id="setup", aws_secret_access_key="setup")
         iam.create_user(UserName="stratkit-tests")
         policy = iam.create_policy(PolicyName="everything", PolicyDocument=json.dumps(
@@ -336,7 +372,7 @@ class S3Server(StoreServer):
         if not hasattr(self, "_reader"):
             import boto3
 
-            iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
+            iam = boto3.client("iam", endpoint_url=self.client_endpoint, region_name="us-east-1",
                                aws_access_key_id=self.key, aws_secret_access_key=self.secret)
             iam.create_user(UserName="stratkit-reader")
             policy = iam.create_policy(PolicyName="read-only", PolicyDocument=json.dumps(
@@ -350,13 +386,13 @@ class S3Server(StoreServer):
     def fs(self, **options: Any) -> Any:
         import s3fs
 
-        return s3fs.S3FileSystem(key=self.key, secret=self.secret, endpoint_url=self.endpoint, skip_instance_cache=True,
-                                 use_listings_cache=False, **options)
+        return s3fs.S3FileSystem(key=self.key, secret=self.secret, endpoint_url=self.client_endpoint,
+                                 skip_instance_cache=True, use_listings_cache=False, **options)
 
     def make_bucket(self, name: str) -> str:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=self.key,
+        boto3.client("s3", endpoint_url=self.client_endpoint, region_name="us-east-1", aws_access_key_id=self.key,
                      aws_secret_access_key=self.secret).create_bucket(Bucket=name)
         return name
 
@@ -368,7 +404,7 @@ class GCSServer(StoreServer):
 
     def command(self) -> list[str]:
         # The emulator's command line with its multipart reading made byte-exact (tests/gcs_emulator.py).
-        return [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+        return [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", self.address,
                 "--port", str(self.port), "--in-memory"]
 
     @property
@@ -383,7 +419,7 @@ class GCSServer(StoreServer):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         import gcsfs
 
-        return gcsfs.GCSFileSystem(endpoint_url=self.endpoint, token="anon", project="stratkit-tests",
+        return gcsfs.GCSFileSystem(endpoint_url=self.client_endpoint, token="anon", project="stratkit-tests",
                                    skip_instance_cache=True, use_listings_cache=False, **options)
 
 
@@ -393,12 +429,12 @@ class AzureServer(StoreServer):
     scheme = "az"
 
     def command(self) -> list[str]:
-        return [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.workdir,
+        return [str(AZURITE), "--blobHost", self.address, "--blobPort", str(self.port), "--location", self.workdir,
                 "--skipApiVersionCheck", "--loose", "--disableTelemetry", "--silent"]
 
-    def connection_string(self, key: str = AZURITE_KEY) -> str:
+    def connection_string(self, key: str = AZURITE_KEY, endpoint: str | None = None) -> str:
         return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={key};"
-                f"BlobEndpoint={self.endpoint}/{AZURITE_ACCOUNT};")
+                f"BlobEndpoint={endpoint or self.endpoint}/{AZURITE_ACCOUNT};")
 
     @property
     def env(self) -> dict[str, str]:
@@ -407,7 +443,8 @@ class AzureServer(StoreServer):
     def fs(self, **options: Any) -> Any:
         import adlfs
 
-        return adlfs.AzureBlobFileSystem(connection_string=self.connection_string(), skip_instance_cache=True,
+        return adlfs.AzureBlobFileSystem(connection_string=self.connection_string(endpoint=self.client_endpoint),
+                                         skip_instance_cache=True,
                                          use_listings_cache=False, **options)
 
 

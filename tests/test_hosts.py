@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -104,3 +105,58 @@ def test_skip_becomes_a_failure_when_hosts_are_required(monkeypatch):
         hosts.gate()
     monkeypatch.setattr(hosts, "unavailable_reason", lambda: None)
     hosts.gate()
+
+
+WRITE_EVERYWHERE = """
+import os, sys
+name = sys.argv[1]
+for directory in ("/tmp", "/var/tmp", os.path.expanduser("~"), os.path.expanduser("~/.cache"), os.getcwd()):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"stratkit-disk-{name}"), "w") as handle:
+        handle.write(name)
+with open(os.path.join(sys.argv[2], f"from-{name}"), "w") as handle:
+    handle.write(name)
+print("cwd", os.getcwd())
+"""
+
+LOOK = """
+import glob, os, sys
+paths = ["/tmp", "/var/tmp", os.path.expanduser("~"), os.path.expanduser("~/.cache"), os.getcwd()]
+print(sorted(os.path.basename(p) for d in paths for p in glob.glob(os.path.join(d, "stratkit-disk-*"))))
+print(sorted(os.listdir(sys.argv[1])))
+print(os.path.exists(os.path.expanduser("~/.pyenv")))
+"""
+
+
+@pytest.mark.hosts
+def test_private_disks_a_file_written_on_one_host_is_seen_by_no_other_nor_by_this_machine(tmp_path):
+    """`make_hosts(private_disks=True)`: /tmp, /var/tmp, the home (and so the working directory and ~/.cache) are
+    each host's own; the shared directory is the one way across; the image (Python, the repository) is everyone's."""
+    shared = tmp_path / "results"
+    shared.mkdir()
+    name = f"{os.getpid()}-{os.urandom(3).hex()}"   # this run's: a leftover of another run cannot pass the test
+    home = os.path.expanduser("~")
+    with hosts.make_hosts(2, private_disks=True, shared=[shared]) as (h1, h2):
+        assert h1.home == h2.home == home
+        wrote = h1.run([sys.executable, "-c", WRITE_EVERYWHERE, f"h1-{name}", str(shared)], timeout=60)
+        assert wrote.returncode == 0 and wrote.stdout.strip() == f"cwd {home}", wrote.stdout
+        for host, mine in ((h1, 5), (h2, 0)):
+            seen = host.run([sys.executable, "-c", LOOK, str(shared)], timeout=60)
+            lines = seen.stdout.splitlines()
+            assert seen.returncode == 0 and len(lines) == 3, seen.stdout
+            assert lines[0] == str([f"stratkit-disk-h1-{name}"] * mine), (host.name, lines[0])
+            assert lines[1] == str([f"from-h1-{name}"]) and lines[2] == "True", (host.name, lines)
+        # this machine sees none of h1's files but the shared one; h2 writes there too and h1 sees it
+        for directory in ("/tmp", "/var/tmp", home, os.path.join(home, ".cache")):
+            assert not os.path.exists(os.path.join(directory, f"stratkit-disk-h1-{name}")), directory
+        assert (shared / f"from-h1-{name}").read_text() == f"h1-{name}"
+        h2.run(["sh", "-c", f"echo h2 > {shared}/from-h2"], timeout=30, check=True)
+        assert h1.run(["cat", f"{shared}/from-h2"], timeout=30).stdout.strip() == "h2"
+        # the network guard's log is this machine's file on every host (a refusal on a host fails the test)
+        guard = os.environ[hosts.GUARD_LOG_VARIABLE]
+        seen = h2.run(["stat", "--format=%d %i", guard], timeout=30).stdout.strip()
+        assert seen == f"{os.stat(guard).st_dev} {os.stat(guard).st_ino}", seen
+        mounts = h1.run(["cat", "/proc/self/mounts"], timeout=30).stdout
+        assert "disk-h1 /tmp tmpfs" in mounts and f"home-h1 {home} overlay" in mounts, mounts
+    with open("/proc/self/mounts") as handle:   # nothing of the hosts' disks in this machine's mount table
+        assert "disk-h1" not in handle.read()

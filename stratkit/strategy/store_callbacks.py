@@ -15,8 +15,9 @@ reaches ``gs://`` only). When their path is a store URL that fsspec opens
 * `BackupAndRestore` first reads its backup back from the store (the pair of
   weights and epoch the last complete upload committed, `Mirror`'s manifest),
   and so does every other worker into its private copy, so every worker resumes
-  at the same epoch with the same weights; `CSVLogger(append=True)` reads its
-  file back.
+  at the same epoch with the same weights; `CSVLogger` reads its file back,
+  so that `append=True`, and a resume from `backup_dir` (which makes it append
+  from the backup's epoch on), continue it wherever this worker runs.
 
 A failed upload during training is a warning (the file is uploaded at the next
 epoch's end); the one at the end of training is tried again a few times, then
@@ -140,7 +141,8 @@ def to_store(callback: Any, temps: list[str]) -> list[Any]:
         root, name = url.rstrip("/").rsplit("/", 1)
         local = os.path.join(staging, name)
         mirror = Mirror(staging, storage.check_store(root, what))
-        pull = [name] if callback.append else []
+        pull = [name]  # for append=True, and for a resume from backup_dir, which makes it append (Keras truncates
+        #               the file at on_train_begin otherwise: the copy costs one GET)
     else:  # TensorBoard
         root, local = url, staging
         mirror = Mirror(staging, storage.check_store(root, what))

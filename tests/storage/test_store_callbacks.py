@@ -62,6 +62,33 @@ def test_the_chief_writes_each_callbacks_files_to_a_staging_dir_synced_to_the_st
     assert not any(os.path.exists(t) for t in temps)
 
 
+def test_a_resume_continues_a_csv_log_in_the_store_on_a_machine_that_never_had_it(s3):
+    """A CSVLogger(url) without append=True, as users write it: a resume from backup_dir makes it append at the
+    backup's epoch (callbacks_state.continue_csv_logs). Its file is read back first, so the rows of the epochs before
+    the resume are kept in the store, not replaced by the resumed epochs alone (seen on a fresh test host:
+    tests/test_storage_hosts.py kept epochs 2-4 of 0-4 before this)."""
+    from stratkit.training.checkpoint import callbacks_state
+
+    _, url = s3
+    store = storage.open_store(url)
+    store.write_bytes("log.csv", b"epoch,loss,val_loss\r\n0,4.0,NA\r\n1,3.0,NA\r\n2,2.5,NA\r\n")  # (Keras's columns)
+    logger = keras.callbacks.CSVLogger(url + "/log.csv")
+    routed, temps = route_side_effects([logger], is_chief=True)
+    try:
+        appending = callbacks_state.continue_csv_logs([logger], 2)   # the resume, at epoch 2
+        for callback in routed:
+            callback.on_train_begin()
+        for callback in routed:
+            callback.on_epoch_end(2, {"loss": 2.0})
+        for callback in routed:
+            callback.on_train_end()
+        callbacks_state.restore_csv_append(appending)
+    finally:
+        remove_dirs(temps)
+    assert store.read_bytes("log.csv").decode().split() == ["epoch,loss,val_loss", "0,4.0,NA", "1,3.0,NA", "2,2.0,NA"]
+    assert logger.filename == url + "/log.csv" and logger.append is False
+
+
 def test_a_store_the_chief_cannot_write_is_refused_before_training(s3):
     server, _ = s3
     callbacks = [keras.callbacks.TensorBoard(server.url("no-such-bucket-cbs", "tb"))]

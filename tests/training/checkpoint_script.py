@@ -16,16 +16,19 @@ arrays. Environment:
   STRATKIT_BACKUP_STAGING  with a store URL as BACKUP_DIR: "{rank}" in it is this worker's rank (a host's own disk)
   AFTER_NOTICE_SECONDS  on the rank that signals itself (TERM), sleep this long after each step once it has:
                         the steps after a notice take that long (every worker waits for it in the next step)
+  ARTIFACTS             where best.weights.h5 and log.csv go (default OUT; a store URL on hosts without a shared disk)
 
-Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
+Evidence it writes in OUT: hosts.log (one "attempt rank hostname" line per process, at its start),
+steps-<rank>.log (one "attempt global_step" line per step trained, written
 after the step; times-<rank>.log the same with the time it ended),
 result-<rank>.json (weights, history, epochs, stopping epoch), signal-<rank>.json (when
-the signal was sent), best.weights.h5 and log.csv (the chief's).
+the signal was sent), best.weights.h5 and log.csv (the chief's, in ARTIFACTS).
 """
 
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,10 +43,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 OUT = os.environ["OUT"]
+ARTIFACTS = os.environ.get("ARTIFACTS") or OUT
 RANK = max(spec.worker_rank, 0)
 if "{rank}" in os.environ.get("STRATKIT_BACKUP_STAGING", ""):  # each worker's staging on a disk of its own
     os.environ["STRATKIT_BACKUP_STAGING"] = os.environ["STRATKIT_BACKUP_STAGING"].format(rank=RANK)
 ATTEMPT = int(os.environ.get("STRATKIT_RESTART_COUNT", "0")) + int(os.environ.get("ATTEMPT", "0"))
+with open(os.path.join(OUT, "hosts.log"), "a") as handle:  # where each attempt's worker ran (test hosts' names)
+    handle.write(f"{ATTEMPT} {RANK} {socket.gethostname()}\n")
 STEPS_PER_EPOCH = 10
 rng = np.random.default_rng(0)
 x = rng.normal(size=(160, 6)).astype("float32")
@@ -100,9 +106,9 @@ stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.
 # EXTRA_CALLBACKS: passed by a caller that runs this file with runpy (Ray Train's RayReportCallback).
 callbacks = [*globals().get("EXTRA_CALLBACKS", []), Evidence(), stopper,
              keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.6),
-             keras.callbacks.ModelCheckpoint(os.path.join(OUT, "best.weights.h5"), monitor="loss", save_best_only=True,
-                                             save_weights_only=True),
-             keras.callbacks.CSVLogger(os.path.join(OUT, "log.csv"))]
+             keras.callbacks.ModelCheckpoint(os.path.join(ARTIFACTS, "best.weights.h5"), monitor="loss",
+                                             save_best_only=True, save_weights_only=True),
+             keras.callbacks.CSVLogger(os.path.join(ARTIFACTS, "log.csv"))]
 every = os.environ.get("BACKUP_EVERY", "7")
 model = trainer.build(build)
 history = trainer.fit(model, (x, y), epochs=int(os.environ.get("EPOCHS", "12")), global_batch_size=16,
