@@ -41,7 +41,7 @@ import threading
 from typing import Any
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import replica_check, scratch
+from stratkit.strategy import replica_check
 from stratkit.strategy.collectives import chief_ints, leave_together, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
@@ -260,8 +260,8 @@ def _guarded(name: str, original: Any) -> Any:
             return result
         finally:
             _inside_guarded_call.active = False
-            if temps:
-                scratch.remove(temps)
+            if temps:     # the user's callbacks name their own files again, the private dirs go
+                side_effects.remove_dirs(temps)
 
     setattr(method, _PATCH_MARK, True)
     return method
