@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[spark,ray,test,examples,bench,docs]"
+	$(PY) -m pip install --quiet -e ".[spark,ray,storage,test,examples,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,12 +28,20 @@ COMPAT_OVERLAYS := $(HOME)/.cache/stratkit-compat/keras-3.3.3/keras/__init__.py 
 $(COMPAT_OVERLAYS): | $(STAMP)
 	$(PY) tools/compat.py overlay 3.3.3 3.10.0
 
+# The storage tests' Azure server: Azurite (an npm package; node and npm come with the machine). Tests install
+# nothing: without it the Azure tests skip, or fail under STRATKIT_REQUIRE_STORES=1 (CI).
+AZURITE_VERSION := 3.37.0
+AZURITE := $(HOME)/.cache/stratkit-test/azurite/node_modules/.bin/azurite-blob
+
+$(AZURITE):
+	npm install --prefix $(HOME)/.cache/stratkit-test/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+
 # The Ray engine's tests (marker `ray`: real local Ray and Ray clusters on test hosts, ~5 min, plus 3-4.5 min for
 # tests/ray/test_ray_node_loss.py and 2.5-4 min for tests/ray/test_ray_preemption.py) run in their own
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
-test: $(STAMP) $(COMPAT_OVERLAYS)
+test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray"
 
 test-ray: $(STAMP)

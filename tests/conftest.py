@@ -52,6 +52,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     global LOG, OWNED
+    # gcsfs reads this once, at import: its bucket-type probe speaks gRPC, which the GCS emulator
+    # (tests/stores.py) does not, so it is off for the whole suite and every process it starts.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     if os.environ.get(netguard.LOG_VARIABLE):   # a pytest started by a test: its parent owns the log
         LOG = Path(os.environ[netguard.LOG_VARIABLE])
         return
@@ -96,6 +99,28 @@ def make_test_hosts():
 def two_hosts(make_test_hosts) -> list[hosts.Host]:
     """Test hosts h1 (198.18.0.1) and h2 (198.18.0.2), each resolving the other's name."""
     return make_test_hosts(2)
+
+
+@pytest.fixture(scope="session")
+def store_server():
+    """`store_server(scheme)` -> a running `tests/stores.py` server ("s3", "gs", "az"), one per session and scheme.
+
+    A test that takes it down (`server.down()`) brings it back up before it ends."""
+    import stores
+
+    started: dict = {}
+
+    def get(scheme: str):
+        stores.gate(scheme)
+        if scheme not in started:
+            started[scheme] = stores.SERVERS[scheme]().start()
+        server = started[scheme]
+        server.up()
+        return server
+
+    yield get
+    for server in started.values():
+        server.stop()
 
 
 @pytest.fixture(scope="session")
