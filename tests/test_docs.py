@@ -287,6 +287,7 @@ RUN_SAMPLES = {
     "examples/quickstart.py": "tests/examples/test_examples.py",
     "examples/spark_train.py": "tests/examples/test_examples.py",
     "examples/callback_state.py": "tests/examples/test_examples.py",
+    "examples/check_exact.py": "tests/examples/test_examples.py",
 }
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

@@ -47,7 +47,8 @@ hangs. Here, in a replica context of such a strategy:
    by N instead, and the optimizer then sums the all-reduced gradients rather
    than averaging them: each row's float16 gradient has one process's size
    (scale / N times N x share), the scale variable and what ``fit`` logs are
-   unchanged, and a float32 run without loss scaling does not pass here.
+   unchanged, and a float32 run without loss scaling does not pass here (a float8
+   model's does: :mod:`.float8`, 2.).
 
 Size: over 400 lines because the four parts are one convention (a loss in fit is N x its share, the
 optimizer undoes the N): splitting them would put the two halves of it in different modules.
