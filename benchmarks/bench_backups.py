@@ -1,12 +1,13 @@
 """What step backups cost: time per step without a backup, with `backup_dir` (epoch backups), and with
-`backup_every=K`, for two model sizes; the write time of one backup; the per-step agreement on 2 workers.
+`backup_every=K`, for two model sizes; the write time of one backup; 2 workers with and without `backup_dir`.
 
 One process (one device) per model size runs the three variants side by side in alternating rounds (the
 order rotates each round), so machine noise hits all alike: the steady time per step of each (mean, min and
 max over the rounds) and every backup's write time (`stratkit.training.checkpoint.store.write_backup`,
-timed around the call). Then 2 workers under `stratkit launch` time the collective that carries
-preemption notices and timed backups (`stratkit.strategy.collectives.sum_over_workers`, an all-gather of
-two ints) alone, and the small model's time per step with and without `backup_dir`, in alternating rounds.
+timed around the call). Then 2 workers under `stratkit launch` time the collective that carried
+preemption notices and timed backups before they went through TensorFlow's coordination service (and still
+does where none runs: `stratkit.strategy.collectives.sum_over_workers`, an all-gather of two ints) alone, and
+the small model's time per step with and without `backup_dir`, in alternating rounds.
 The 1-minute load average is recorded before and after each row.
 """
 

@@ -1,7 +1,8 @@
 """The replica check's cost: one epoch of `fit` with the check (the default) vs `STRATKIT_REPLICA_CHECK=off`.
 
-The check runs at every epoch's end and at the end of fit (stratkit/strategy/replica_check.py): per variable two
-int64 fingerprints, one all_gather. Two models: the MLP of bench_overhead (4 variables, 0.4M parameters) and a
+The check runs before a fit's first step, at every epoch's end and at the end of fit
+(stratkit/strategy/replica_check.py): per variable two int64 fingerprints, one all_gather; a one-epoch fit runs
+it three times. The check before the first step is what it adds per fit: one `check()` call. Two models: the MLP of bench_overhead (4 variables, 0.4M parameters) and a
 small ResNet with BatchNormalization (bench_scaling's shape: 9 BatchNorm layers, 50 variables). Two strategies:
 a local Mirrored over 2 logical CPUs and 2 MultiWorkerMirrored workers on 127.0.0.1. In each process the two
 settings alternate round by round (the env var is read at each fit), so machine noise hits both alike; also the

@@ -26,6 +26,10 @@ Jobs (the launcher and the task scripts come from this checkout; only the
   train step (every op type counted, nested functions included) and how many
   times it was traced. The same count on both trees means the same work per
   step; a retrace or an added collective shows here whatever the load.
+* ``backups``: 2 workers under `stratkit launch`, `Trainer.fit(backup_dir=...,
+  backup_every=10)` of bench_backups' small MLP (256-512-512-10), 40 steps of
+  global batch 64 per epoch, 3 epochs: steps/s over epochs 2-3 (the step backups
+  and whatever agrees on notices included) and CPU time per step (both workers).
 
 The base tree is a temporary `git worktree` of REF, removed afterwards.
 Results: benchmarks/results/compare-trees.json (one entry per run, kept).
@@ -106,6 +110,56 @@ print(json.dumps({"traces": function.experimental_get_tracing_count(), "ops": di
 """
 
 
+BACKUPS_CHILD = r"""
+import json, os, sys, tempfile, time
+import stratkit
+trainer = stratkit.Trainer()
+import keras, numpy as np
+config, result = json.loads(sys.argv[1]), sys.argv[2]
+steps, batch = config["steps"], 64
+rng = np.random.default_rng(0)
+x = rng.normal(size=(steps * batch, 256)).astype("float32")
+y = rng.integers(0, 10, size=steps * batch).astype("int32")
+def build():
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+model = trainer.build(build)
+marks = []
+class Clock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        marks.append((time.perf_counter(), time.process_time()))
+    def on_train_end(self, logs=None):
+        marks.append((time.perf_counter(), time.process_time()))
+trainer.fit(model, (x, y), epochs=config["epochs"], global_batch_size=batch, verbose=0, callbacks=[Clock()],
+            backup_dir=os.path.join(result + ".backup"), backup_every=config["every"])
+(wall0, cpu0), (wall1, cpu1) = marks[1], marks[-1]
+counted = steps * (config["epochs"] - 1)
+with open(f"{result}.{trainer.spec.worker_rank}", "w") as handle:
+    json.dump({"steps_per_sec": counted / (wall1 - wall0), "cpu_s_per_step": (cpu1 - cpu0) / counted}, handle)
+"""
+
+
+def run_backups(tree: Path, model: dict, timeout: float) -> dict:
+    from stratkit.launch import launch
+
+    config = {"steps": 8, "epochs": 2, "every": 3} if model is QUICK else {"steps": 40, "epochs": 3, "every": 10}
+    with tempfile.TemporaryDirectory(prefix="stratkit-compare-") as tmp:
+        result = Path(tmp) / "two"
+        script = Path(tmp) / "backups_child.py"
+        script.write_text(BACKUPS_CHILD)
+        out = io.StringIO()
+        load = os.getloadavg()[0]
+        outcome = launch([python(), str(script), json.dumps(config), str(result)], workers=2, env=_env(tree),
+                         timeout=timeout, stdout=out, stderr=out, handle_signals=False)
+        if not outcome.ok:
+            raise RuntimeError(f"backups job on {tree} failed: {outcome.report}\n{out.getvalue()[-3000:]}")
+        records = [json.loads(Path(f"{result}.{rank}").read_text()) for rank in (0, 1)]
+        return {"value": min(r["steps_per_sec"] for r in records), "unit": "steps/s", "load": load,
+                "cpu_ms_per_step": 1000 * sum(r["cpu_s_per_step"] for r in records)}
+
+
 def _env(tree: Path, **extra: str) -> dict[str, str]:
     env = clean_env(**extra)
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -161,7 +215,7 @@ def run_graph(tree: Path, model: dict, timeout: float) -> dict:
             "ops": result["ops"]}
 
 
-JOBS = {"scaling": run_scaling, "mirrored": run_mirrored, "graph": run_graph}
+JOBS = {"scaling": run_scaling, "mirrored": run_mirrored, "graph": run_graph, "backups": run_backups}
 
 
 def _threads(text: str) -> tuple[int | None, int | None]:

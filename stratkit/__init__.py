@@ -24,15 +24,17 @@ _LAZY = {
     "Trainer": "stratkit.training.trainer",
     "callbacks": "stratkit.callbacks",
     "check_replicas": "stratkit.strategy.replica_check",
+    "LocalRunner": "stratkit.launch.runner",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from stratkit.launch.runner import LocalRunner
     from stratkit.strategy.factory import make_strategy
     from stratkit.strategy.replica_check import check_replicas
     from stratkit.training.trainer import Trainer
 
-__all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "ReplicaDivergenceError", "STRATEGIES", "StratkitError",
-           "Trainer", "check_replicas", "detect", "make_strategy", "__version__"]
+__all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "LocalRunner", "ReplicaDivergenceError", "STRATEGIES",
+           "StratkitError", "Trainer", "check_replicas", "detect", "make_strategy", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,6 +24,7 @@ without the strategy layer importing the training layer:
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -233,6 +234,15 @@ def replace_dir_with(path: str, write: Callable[[str], None]) -> None:
         fsync_dir(directory)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def sha256(path: str) -> str:
+    """The SHA-256 of the file `path`, in hex (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def remove(path: str) -> None:

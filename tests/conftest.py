@@ -64,6 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[netguard.LOG_VARIABLE] = log
     paths = [str(GUARD_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    # MLflow sends usage telemetry to its own servers unless told not to (it decides when it is imported):
+    # here and in every process the tests start.
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     netguard.install()
 
 
@@ -153,6 +156,7 @@ LONGEST_FIRST = (
     "tests/test_spark_hosts.py",
     "tests/benchmarks/test_benchmarks_smoke.py",
     "tests/test_slurm_hosts.py",
+    "tests/training/test_tracking.py",
     "tests/training/test_step_resume_inputs.py",
     "tests/launch/test_nnodes_preemption.py",
     "tests/launch/test_launch_preemption.py",
@@ -170,6 +174,7 @@ LONGEST_FIRST = (
     "tests/strategy/test_compression.py",
     "tests/examples/test_examples.py",
     "tests/strategy/test_custom_loop.py",
+    "tests/storage/test_store_paths_multiworker.py",
 )
 
 

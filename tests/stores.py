@@ -23,6 +23,7 @@ or fail under STRATKIT_REQUIRE_STORES=1 (CI).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +294,22 @@ class S3Server(StoreServer):
         return {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
+    def read_only_env(self) -> dict[str, str]:
+        """`env` with the keys of a second IAM user that may only read (a worker that must never write)."""
+        if not hasattr(self, "_reader"):
+            import boto3
+
+            iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
+                               aws_access_key_id=self.key, aws_secret_access_key=self.secret)
+            iam.create_user(UserName="stratkit-reader")
+            policy = iam.create_policy(PolicyName="read-only", PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*", "Action": [
+                    "s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"]}]}))
+            iam.attach_user_policy(UserName="stratkit-reader", PolicyArn=policy["Policy"]["Arn"])
+            key = iam.create_access_key(UserName="stratkit-reader")["AccessKey"]
+            self._reader = (key["AccessKeyId"], key["SecretAccessKey"])
+        return {**self.env, "AWS_ACCESS_KEY_ID": self._reader[0], "AWS_SECRET_ACCESS_KEY": self._reader[1]}
+
     def fs(self, **options: Any) -> Any:
         import s3fs
 
@@ -356,6 +374,53 @@ class AzureServer(StoreServer):
 
 
 SERVERS = {"s3": S3Server, "gs": GCSServer, "az": AzureServer}
+
+
+def _filesystem_classes() -> list:
+    import fsspec
+
+    out = []
+    for protocol in ("s3", "gs", "az"):
+        try:
+            out.append(fsspec.get_filesystem_class(protocol))
+        except (ImportError, ValueError):
+            pass
+    return out
+
+
+def refresh_clients() -> None:
+    """Make this process's clients read the settings again: fsspec's config (read from FSSPEC_* once, at
+    import) from os.environ, and no filesystem cached with older credentials."""
+    import fsspec.config
+
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_env(fsspec.config.conf, os.environ)
+    for cls in _filesystem_classes():
+        cls.clear_instance_cache()
+
+
+@contextlib.contextmanager
+def client_settings(*servers: StoreServer) -> Iterator[None]:
+    """The servers' client settings in this process's os.environ and fsspec's config for the block (for a
+    module-scoped fixture, where pytest's monkeypatch cannot go); everything as it was afterwards."""
+    import fsspec.config
+
+    saved_env = dict(os.environ)
+    saved_conf = {k: dict(v) for k, v in fsspec.config.conf.items()}
+    try:
+        for name in CLEARED:
+            os.environ.pop(name, None)
+        for server in servers:
+            os.environ.update(server.env)
+        refresh_clients()
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(saved_conf)
+        for cls in _filesystem_classes():
+            cls.clear_instance_cache()
 
 
 def unavailable_reason(scheme: str) -> str | None:

@@ -252,7 +252,7 @@ def _public_names(module: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["stratkit", "stratkit.callbacks", "stratkit.launch", "stratkit.spark",
-                                    "stratkit.ray"])
+                                    "stratkit.ray", "stratkit.storage"])
 def test_every_public_name_is_in_the_api_reference(module):
     page = (DOCS / "reference" / "api.md").read_text()
     if module == "stratkit.callbacks":
@@ -288,6 +288,7 @@ RUN_SAMPLES = {
     "examples/spark_train.py": "tests/examples/test_examples.py",
     "examples/callback_state.py": "tests/examples/test_examples.py",
     "examples/check_exact.py": "tests/examples/test_examples.py",
+    "examples/mlflow_train.py": "tests/training/tracking_train.py",
 }
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

@@ -10,7 +10,9 @@ for the first failure, whole-cluster restarts, and no orphaned process.
 
 Public: `launch`, what it returns (`LaunchResult`, its `Attempt`s, their
 `TaskExit`s and `TaskFailure`) and `RESTART_VAR`, the variable each task
-reads to know its restart. The other names the first version exported
+reads to know its restart; `LocalTrainingError` and `LocalRunReport`, what
+`stratkit.LocalRunner` (`launch/runner.py`: the cluster runners' `run(train_fn)`
+on this machine, on the same machinery) raises and records. The other names the first version exported
 (`plan_tasks`, `describe_returncode`, ...: see `_MOVED`) still import from
 here, from the modules that own them now.
 
@@ -25,9 +27,11 @@ from typing import Any
 from stratkit.launch.local import launch
 from stratkit.launch.plan import RESTART_VAR
 from stratkit.launch.results import Attempt, LaunchResult, TaskExit
+from stratkit.launch.runner import LocalRunReport, LocalTrainingError
 from stratkit.process.report import TaskFailure
 
-__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "TaskExit", "TaskFailure", "launch"]
+__all__ = ["RESTART_VAR", "Attempt", "LaunchResult", "LocalRunReport", "LocalTrainingError", "TaskExit", "TaskFailure",
+           "launch"]
 
 _MOVED = {
     "Task": "stratkit.launch.plan",

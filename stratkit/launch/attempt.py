@@ -78,11 +78,11 @@ class TaskProcess:
         if self.pump is not None:
             self.pump.join(timeout)
 
-    def failure(self, attempt: int, timed_out_after: float | None) -> TaskFailure:
+    def failure(self, attempt: int, timed_out_after: float | None, timeout_setting: str = "--timeout") -> TaskFailure:
         tail = self.pump.tail.lines() if self.pump is not None else ()
         exception = self.pump.scanner.exception if self.pump is not None else ()
         return TaskFailure(self.task.name, self.returncode if timed_out_after is None else None, tail, self.pid,
-                           self.address, attempt, self.log_path, timed_out_after, exception)
+                           self.address, attempt, self.log_path, timed_out_after, exception, timeout_setting)
 
     def exit_record(self) -> TaskExit:
         assert self.proc is not None and self.returncode is not None
@@ -136,7 +136,8 @@ class AttemptRunner:
         seconds = time.monotonic() - started
         failure = None
         if culprit is not None:
-            failure = culprit.failure(self.number, self.plan.timeout if outcome == "timed_out" else None)
+            failure = culprit.failure(self.number, self.plan.timeout_told if outcome == "timed_out" else None,
+                                      self.plan.timeout_setting)
         exits = tuple(c.exit_record() for c in children if c.proc is not None)
         self.console.event("attempt_end", attempt=self.number, outcome=outcome, seconds=round(seconds, 2),
                            tasks=[asdict(e) for e in exits])
@@ -253,7 +254,7 @@ class AttemptRunner:
                              "wait longer)")
             self._stop(running, "after_success")
             return "succeeded", None, True
-        if self.plan.timeout is not None and now - watch.started > self.plan.timeout:  # 4. --timeout
+        if self.plan.out_of_time(now, watch.started):  # 4. --timeout (or a runner's timeout for the whole run)
             culprit = next((c for c in running if c.task == self.primary), running[0])
             return "timed_out", culprit, chief_done
         return None  # (5. a signal to the launcher is checked first, in `_watch`)

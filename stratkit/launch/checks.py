@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stratkit import storage
 from stratkit.errors import ConfigError
 
 
@@ -110,3 +111,23 @@ def check_command(command: Sequence[str], path: str | None = None) -> list[str]:
         raise ConfigError(f"the command {program!r} was not found on PATH. Fix: check the spelling, activate "
                           f"the environment that has it, or give its full path (e.g. {sys.executable})")
     return argv
+
+
+def check_log_dir(log_dir: str | os.PathLike[str] | None) -> str | None:
+    """`--log-dir` as a local directory (a ``file://`` URL becomes its path), or None.
+
+    A store URL is refused: the launcher appends each task's output to its file
+    as the lines come, and an object in a store is only ever written whole.
+
+    Raises:
+        ConfigError: a store URL, or a path that would be a local directory named after a scheme (``s3:/b``).
+    """
+    if not log_dir:
+        return None
+    text = os.fspath(log_dir)
+    if storage.is_url(text):
+        raise ConfigError(f"--log-dir {storage.redact(text)!r} is a store URL, but the launcher appends each task's "
+                          "output to its log file line by line, which an object store cannot do (an object is "
+                          "written whole). Fix: --log-dir with a local directory (e.g. --log-dir logs), and copy it "
+                          "to the store after the run")
+    return storage.local_path(text, "--log-dir")

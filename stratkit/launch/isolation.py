@@ -98,6 +98,15 @@ while True:
             finally:
                 for sock in held:
                     sock.close()
+        elif request["op"] == "listen":              # a listener inside, for a service of the machine's loopback
+            sock = socket.socket(request["family"], socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((request["host"], request["port"]))
+                sock.listen(64)
+                reply({"port": sock.getsockname()[1]}, [sock.fileno()])
+            finally:
+                sock.close()
     except OSError as exc:
         reply({"error": request["op"], "errno": exc.errno, "strerror": exc.strerror})
 """
@@ -250,6 +259,18 @@ class PrivateNetwork:
                 sock.close()
             raise
         return held
+
+    def listen(self, host: str, port: int) -> socket.socket:
+        """A socket listening on `host`:`port` inside the namespace (for `stratkit.launch.forward`).
+
+        Raises:
+            OSError: when the port cannot be bound there.
+        """
+        reply, fds = self._ask({"op": "listen", "host": host, "port": port,
+                                "family": int(socket.AF_INET6 if ":" in host else socket.AF_INET)}, 1)
+        if "error" in reply:
+            raise OSError(reply["errno"], reply["strerror"])
+        return socket.socket(fileno=fds[0])
 
     def listening_ports(self) -> set[int]:
         """TCP ports in LISTEN inside the namespace: /proc/<holder>/net shows the holder's network namespace.

@@ -28,6 +28,7 @@ from stratkit.errors import ConfigError
 from stratkit.launch.checks import (
     check_command,
     check_count,
+    check_log_dir,
     check_not_in_slurm_step,
     check_seconds,
     check_task_limit,
@@ -227,6 +228,25 @@ class LaunchPlan:
     gpu: GpuRequest = field(default_factory=GpuRequest)
     #: A signal besides SIGTERM that means "preempted" (`--preemption-signal`), or None.
     preemption_signal: int | None = None
+    #: How the failure report names its reporter and the timeout (`stratkit.LocalRunner` speaks of its own
+    #: `timeout=` argument), and whether the supervisor prints it (a runner raises it in its error instead).
+    report_title: str = "stratkit launch"
+    timeout_setting: str = "--timeout"
+    print_report: bool = True
+    #: Seconds for the whole launch, restarts included (a runner's `timeout=`; `timeout` is per attempt), and
+    #: the monotonic time it ends at (the supervisor sets it when the launch starts).
+    run_timeout: float | None = None
+    run_deadline: float | None = None
+
+    def out_of_time(self, now: float, attempt_started: float) -> bool:
+        """True when the attempt outlived `timeout`, or the launch `run_timeout`."""
+        return ((self.timeout is not None and now - attempt_started > self.timeout)
+                or (self.run_deadline is not None and now > self.run_deadline))
+
+    @property
+    def timeout_told(self) -> float | None:
+        """The timeout a timed-out attempt's report names: the attempt's, else the whole launch's."""
+        return self.timeout if self.timeout is not None else self.run_timeout
 
     @property
     def preemption_signals(self) -> tuple[int, ...]:
@@ -287,6 +307,7 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     for group in machines or [tasks]:
         gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)
+    log_dir = check_log_dir(log_dir)
     check_task_limit(len(tasks), serving, workers, ps, base_port, log_dir is not None)
     check_count(max_restarts, "--max-restarts", 0, "3")
     if timeout is not None:
@@ -316,7 +337,7 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,
                       environ={k: v for k, v in base_env.items() if k != "TF_CONFIG"})
     return LaunchPlan(
-        command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=os.fspath(log_dir) if log_dir else None,
+        command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=log_dir,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
         extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal)

@@ -100,7 +100,7 @@ def exit_code(attempt: Attempt) -> int:
 
 
 def failure_report(attempts: Sequence[Attempt], total: int, primary: str, stop_grace: float,
-                   private_network: bool) -> str:
+                   private_network: bool, title: str = "stratkit launch") -> str:
     """The root-cause report of a launch whose last attempt failed, with notes on restarts and the network.
 
     Args:
@@ -109,12 +109,13 @@ def failure_report(attempts: Sequence[Attempt], total: int, primary: str, stop_g
         primary: the task whose success ends training ("chief:0" or "worker:0").
         stop_grace: --stop-grace, to say how the other tasks were stopped.
         private_network: the tasks ran in the private network (a network error then gets a hint).
+        title: who reports (`stratkit.LocalRunner` passes its own).
     """
     last = attempts[-1]
     failure = last.failure
     assert failure is not None
     others = [describe_other(t, failure.task, stop_grace) for t in last.tasks if t.task != failure.task]
-    report = format_failure_report(failure, others, attempts=total)
+    report = format_failure_report(failure, others, attempts=total, title=title)
     if private_network:
         report += network_hint(failure)
     if last.after_success:

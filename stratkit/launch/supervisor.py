@@ -26,13 +26,16 @@ from typing import Any
 
 from stratkit.launch.attempt import AttemptRunner
 from stratkit.launch.console import Console
+from stratkit.launch.forward import Forward
 from stratkit.launch.isolation import PrivateNetwork, PrivateNetworkUnavailable, is_loopback
 from stratkit.launch.plan import DEFAULT_HOST, LaunchPlan
 from stratkit.launch.results import (Attempt, LaunchResult, exit_code, failure_report, preempted_note,
                                      saved_and_exited)
 from stratkit.status import EXIT_PREEMPTED
+from stratkit.process.ports import is_listening, listening_ports
 from stratkit.process.reaper import Reaper
 from stratkit.process.report import signal_name
+from stratkit.training.tracking.handoff import loopback_server
 
 
 class Supervisor:
@@ -44,6 +47,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.started = time.monotonic()
         self.network: PrivateNetwork | None = None
+        self.forward: Forward | None = None
 
     def run(self) -> LaunchResult:
         if self.plan.log_dir:
@@ -53,12 +57,16 @@ class Supervisor:
         except BaseException:
             self.console.close()
             raise
+        if self.plan.run_timeout is not None:
+            self.plan = dataclasses.replace(self.plan, run_deadline=self.started + self.plan.run_timeout)
         previous = self._install_signals()
         reaper = Reaper()
         try:
             return self._result(self._attempts(reaper))
         finally:
             reaper.close()
+            if self.forward is not None:
+                self.forward.close()
             if self.network is not None:
                 self.network.close()
             self.console.close()
@@ -87,8 +95,8 @@ class Supervisor:
                 self.console.event("preempted", attempt=number, task=failure.task)
                 continue
             failures += 1
-            if failures > allowed:
-                break
+            if failures > allowed or attempt.outcome == "timed_out" and self.plan.run_deadline is not None:
+                break  # (a runner's timeout covers the whole run: nothing is left for a restart)
             self.console.say(f"attempt {number + 1} of {self.plan.attempts} failed: {failure.task} {failure.reason}")
             self.console.say(f"restarting the whole cluster (restart {failures} of {allowed}); a script using "
                              "Trainer.fit(backup_dir=...) resumes at its newest backup (epoch, or step with "
@@ -143,7 +151,25 @@ class Supervisor:
                          "tasks cannot reach the network either (--no-private-network gives it back, and exposes "
                          "the servers)")
         self.console.event("private_network", pid=network.pid, namespaces=network.namespaces)
+        self._forward_tracking(network)
         return network
+
+    def _forward_tracking(self, network: PrivateNetwork) -> None:
+        """Make the MLflow server the tasks' tracking URI names on this machine's loopback reachable inside."""
+        server = loopback_server({**self.plan.env, **self.plan.extra_env})
+        if server is None:
+            return
+        try:
+            self.forward = Forward(network.listen(*server), server).start()
+        except OSError as exc:
+            self.console.say(f"could not make the MLflow server at {server[0]}:{server[1]} reachable from the "
+                             f"private network ({exc.strerror or exc}): the tasks cannot log to it")
+            return
+        self.console.say(f"the MLflow server at {server[0]}:{server[1]} (MLFLOW_TRACKING_URI) is relayed into the "
+                         "private network: the tasks reach it, and only it"
+                         + ("" if is_listening(server[0], server[1], listening_ports()) else
+                            " (nothing listens there now: start the server, or the tasks cannot log to it)"))
+        self.console.event("forward", host=server[0], port=server[1])
 
     def _warn_exposed(self, why_and_fix: str) -> None:
         self.console.say("WARNING: every task's TensorFlow gRPC server listens on all interfaces (0.0.0.0), not only "
@@ -184,8 +210,9 @@ class Supervisor:
         failure = last.failure
         assert failure is not None
         report = failure_report(attempts, total, self.plan.primary.name, self.plan.stop_grace,
-                                private_network=self.network is not None)
-        self.console.report(report)
+                                private_network=self.network is not None, title=self.plan.report_title)
+        if self.plan.print_report:
+            self.console.report(report)
         if self.plan.log_dir:
             with open(os.path.join(self.plan.log_dir, "root-cause.txt"), "w") as handle:
                 handle.write(report + "\n")

@@ -47,6 +47,7 @@ from stratkit.ray import elastic, failures
 from stratkit.ray.failures import RayTrainingError, TaskState
 from stratkit.ray.task import FIX, LAUNCHER, TaskActor
 from stratkit.ray.versions import import_ray
+from stratkit.training.tracking import handoff
 
 log = status.logger(__name__)
 
@@ -266,8 +267,9 @@ class RayRunner:
                 report.nodes[task.name] = hosts[rank]
                 report.actor_pids[task.name] = where[rank]["pid"]
             visible = task_devices(tasks, [w["gpus"] for w in where], self.gpus_per_worker)
+            handed = handoff.hand_over()  # the driver's MLflow run, continued by the chief (stratkit.tracking)
             replies = self._get(ray, [a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
-                                                     t == chief, devices)
+                                                     t == chief, devices, handed)
                                       for a, t, devices in zip(actors, tasks, visible)], deadline, attempt)
             for state, reply in zip(states, replies):
                 state.pid = reply.get("pid")

@@ -81,8 +81,12 @@ class TaskActor:
         return int(self._holder.getsockname()[1])
 
     def start(self, cluster: Mapping[str, Sequence[str]], role: str, index: int, chief: tuple[str, int],
-              payload: bytes, keep_result: bool, visible_devices: str | None) -> dict[str, Any]:
-        """Check the TF_CONFIG here, then start the training process; {"pid": ...} or {"error": ...}."""
+              payload: bytes, keep_result: bool, visible_devices: str | None,
+              extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Check the TF_CONFIG here, then start the training process; {"pid": ...} or {"error": ...}.
+
+        `extra_env`: the driver's MLflow run handed over (`stratkit.training.tracking.handoff`).
+        """
         task = cluster_layout.Task(role, index)
         environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         try:
@@ -90,7 +94,7 @@ class TaskActor:
                                       chief=cluster_layout.Task(*chief), allow_preset=False)
         except ConfigError as exc:
             return {"error": str(exc)}
-        env = dict(environ)
+        env = {**environ, **(extra_env or {})}
         env["TF_CONFIG"] = cluster_layout.tf_config_json(cluster, role, index)
         env[LAUNCHER_VAR] = LAUNCHER
         env["PYTHONUNBUFFERED"] = "1"

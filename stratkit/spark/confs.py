@@ -14,8 +14,7 @@ from typing import Any
 
 from stratkit import status
 from stratkit.errors import ConfigError
-from stratkit.spark import data as data_module
-from stratkit.spark import slots
+from stratkit.spark import slots, staging
 
 log = status.logger("stratkit.spark.runner")
 
@@ -46,7 +45,7 @@ def read_confs(spark: Any, sc: Any) -> dict[str, str]:
             confs.update(dict(spark.conf.getAll))
         except Exception as exc:  # noqa: BLE001 - older Connect clients
             log.debug("cannot list the session's confs: %s", exc)
-    for key in (STAGE_CONF, STANDBY_CONF, data_module.STAGING_CONF, slots.WAIT_CONF, *IGNORE_SSL_CONFS):
+    for key in (STAGE_CONF, STANDBY_CONF, staging.STAGING_CONF, slots.WAIT_CONF, *IGNORE_SSL_CONFS):
         try:
             value = spark.conf.get(key, None)
         except Exception:  # noqa: BLE001

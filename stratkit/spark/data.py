@@ -1,11 +1,11 @@
-"""A Spark DataFrame as training input: staged as Parquet on the driver, read per worker with pyarrow.
+"""A Spark DataFrame as training input: staged as Parquet, read per worker with pyarrow.
 
-Driver side (`DataFrameInput`, `stage`): the DataFrame's feature and label
-columns are written once as Parquet to a staging directory every executor
-can read (a local temp dir on `local`/`local-cluster` masters; on a real
-cluster a shared URI such as hdfs://, s3://, gs:// or a mounted path, from
-`staging_dir=` or the conf `spark.stratkit.stagingDir`). The driver reads
-the files' footers (row counts only) and hands every task the same small file
+Driver side (`DataFrameInput`; the staging itself: `stratkit.spark.staging`):
+the DataFrame's feature and label columns are written once as Parquet to a
+staging directory every executor can read (a local temp dir on
+`local`/`local-cluster` masters; on a real cluster a store URL such as
+s3://, gs://, az://, hdfs:// or a mounted path, from `staging_dir=` or the
+conf `spark.stratkit.stagingDir`), and every task gets the same small file
 table: no data travels through the Spark closure.
 
 Worker side (`ParquetShard`, what train_fn receives instead of the
@@ -23,31 +23,22 @@ smaller than the number of workers: when the largest shard needs one batch
 more than the smallest (N mod (W x per-replica batch) in 1..W-1), that last
 small batch is skipped for the epoch (a different row each epoch, as shards are
 reshuffled), because a worker with no rows left cannot take part in the step.
-No Petastorm: pyarrow reads Parquet directly.
-
-Size: over 400 lines because the driver's staging and the workers' reading
-share one file layout and row-ownership rule, which must change together.
+No Petastorm: pyarrow reads Parquet directly, through the store layer
+(`stratkit.storage`), so a store URL reads as a local directory does.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stratkit import storage
 from stratkit.errors import ConfigError
 from stratkit.training.inputs.rules import check_divisible
 
-log = logging.getLogger(__name__)
-
-STAGING_CONF = "spark.stratkit.stagingDir"
 DEFAULT_SEED = 20170601
-_NUMERIC = ("byte", "short", "integer", "long", "float", "double", "decimal", "boolean")
 
 
 class DataFrameInput:
@@ -65,9 +56,10 @@ class DataFrameInput:
             column except `label_col`.
         label_col: the label column; None for unlabeled data. Default "label"
             (None when the DataFrame has no such column).
-        staging_dir: where the Parquet copy is written (a directory or URI all
-            executors can read); default: conf spark.stratkit.stagingDir, else a
-            temp dir on local masters. It is removed after the run.
+        staging_dir: where the Parquet copy is written (a directory or store URL all
+            executors can read: s3://, gs://, az://, hdfs://, a shared mount); default: conf
+            spark.stratkit.stagingDir, else a temp dir on local masters. The run's part of it
+            is removed after the run.
         feature_dtype: numpy dtype of the feature matrix.
     """
 
@@ -104,7 +96,7 @@ class StagedData:
     """A staged DataFrame, as the tasks see it: the file table and the column mapping (small, picklable)."""
 
     path: str
-    files: tuple[tuple[str, int], ...]  # (uri, rows) in read order
+    files: tuple[tuple[str, int], ...]  # (path or URL, rows) in read order
     feature_cols: tuple[str, ...]
     label_col: str | None
     feature_dtype: str = "float32"
@@ -117,84 +109,6 @@ class StagedData:
     def shard(self, index: int, count: int) -> ParquetShard:
         """Worker `index` of `count`'s share of the rows."""
         return ParquetShard(self, index, count)
-
-
-def _is_local_master(master: str) -> bool:
-    return master == "local" or master.startswith(("local[", "local-cluster["))
-
-
-def _column_expression(df: Any, name: str) -> Any:
-    from pyspark.sql import functions as F
-
-    field_type = df.schema[name].dataType
-    type_name = field_type.typeName()
-    if type_name == "vector" or type(field_type).__name__ == "VectorUDT":
-        from pyspark.ml.functions import vector_to_array
-
-        return vector_to_array(F.col(name)).alias(name)
-    if type_name in _NUMERIC:
-        return F.col(name).cast("double").alias(name) if type_name in ("decimal", "boolean") else F.col(name)
-    if type_name == "array" and field_type.elementType.typeName() in _NUMERIC:
-        return F.col(name)
-    raise ConfigError(f"column {name!r} has type {field_type.simpleString()}, which cannot become a tensor. Fix: "
-                      "use numeric columns, arrays of numbers or Spark ML vectors (e.g. assemble them with "
-                      "pyspark.ml.feature.VectorAssembler), or leave the column out of feature_cols")
-
-
-def stage(data: DataFrameInput, spark: Any, run_id: str, name: str, num_shards: int) -> StagedData:
-    """Write `data`'s columns as Parquet and read back the file table (driver side)."""
-    import pyarrow.parquet as pq
-
-    master = str(spark.conf.get("spark.master", ""))
-    root = data.staging_dir or spark.conf.get(STAGING_CONF, None)
-    owned = root is None
-    if root is None:
-        if not _is_local_master(master):
-            raise ConfigError(f"a DataFrame argument must be staged where every executor can read it, but no "
-                              f"staging directory is set (spark.master={master!r}). Fix: pass "
-                              f"DataFrameInput(df, staging_dir='hdfs:///tmp/stratkit') (or s3://, gs://, a shared "
-                              f"mount), or set the conf {STAGING_CONF}")
-        root = tempfile.mkdtemp(prefix="stratkit-staging-")
-    path = f"{str(root).rstrip('/')}/{run_id}/{name}"
-    columns = [_column_expression(data.df, c) for c in data.feature_cols]
-    if data.label_col is not None:
-        columns.append(_column_expression(data.df, data.label_col))
-    data.df.select(*columns).write.mode("overwrite").parquet(path)
-    files = sorted(spark.read.parquet(path).inputFiles())
-    table = []
-    for uri in files:
-        filesystem, file_path = _filesystem(uri)
-        table.append((uri, int(pq.ParquetFile(filesystem.open_input_file(file_path)).metadata.num_rows)))
-    staged = StagedData(path=path if not owned else str(root), files=tuple(table),
-                        feature_cols=tuple(data.feature_cols), label_col=data.label_col,
-                        feature_dtype=data.feature_dtype, owned=owned)
-    if staged.num_rows < num_shards:
-        remove(staged)
-        raise ConfigError(f"the DataFrame for {name!r} has {staged.num_rows} row(s), fewer than the {num_shards} "
-                          "training workers (each needs at least one). Fix: pass more rows or fewer workers")
-    return staged
-
-
-def remove(staged: StagedData) -> None:
-    """Delete a staging directory the runner created (never a user-given one's parent)."""
-    if staged.owned:
-        shutil.rmtree(staged.path, ignore_errors=True)
-    else:
-        try:
-            filesystem, path = _filesystem(staged.path)
-            filesystem.delete_dir(path)
-        except Exception as exc:  # noqa: BLE001 - best effort on remote stores
-            log.warning("could not remove the staging directory %s: %s", staged.path, exc)
-
-
-def _filesystem(uri: str) -> tuple[Any, str]:
-    from pyarrow import fs
-
-    if "://" not in uri and not uri.startswith("file:"):
-        return fs.LocalFileSystem(), os.path.abspath(uri)
-    if uri.startswith("file:") and not uri.startswith("file://"):
-        uri = "file://" + uri[len("file:"):]  # Hadoop's file:/tmp/x form
-    return fs.FileSystem.from_uri(uri)
 
 
 class ParquetShard:
@@ -250,12 +164,15 @@ class ParquetShard:
         import pyarrow.parquet as pq
 
         offset = 0
+        stores: dict[str, storage.Store] = {}
         for uri, rows in self.staged.files:
             lo, hi = max(self.start, offset), min(self.stop, offset + rows)
             if lo < hi:
-                filesystem, path = _filesystem(uri)
-                parquet = pq.ParquetFile(filesystem.open_input_file(path))
-                yield from self._read_range(parquet, lo - offset, hi - offset, batch_rows)
+                parent, name = uri.rstrip("/").rsplit("/", 1)
+                if parent not in stores:
+                    stores[parent] = storage.open_store(parent, "the staged DataFrame")
+                with stores[parent].open(name) as handle:
+                    yield from self._read_range(pq.ParquetFile(handle), lo - offset, hi - offset, batch_rows)
             offset += rows
             if offset >= self.stop:
                 break

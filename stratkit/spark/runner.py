@@ -37,7 +37,7 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
-from stratkit.spark import elastic, layout, slots
+from stratkit.spark import elastic, layout, slots, staging
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.confs import (
     STANDBY_CONF,
@@ -57,6 +57,7 @@ from stratkit.spark.task import (
     arrow_partition_function,
     rdd_partition_function,
 )
+from stratkit.training.tracking import handoff
 
 log = status.logger(__name__)
 
@@ -126,7 +127,8 @@ class SparkRunner:
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
     (TF_CONFIG, `spec.source == "spark"`); train_fn runs in a fresh Python
     process, so it must import what it uses and create the strategy before any
-    other TensorFlow op.
+    other TensorFlow op. A run called inside `with mlflow.start_run():` hands that
+    run to the tasks: `stratkit.callbacks.MLflowLogger` on the chief logs into it.
     """
 
     def __init__(self, num_workers: int = 2, *, use_gpu: bool = False, gpus_per_worker: int | None = None,
@@ -209,7 +211,8 @@ class SparkRunner:
                 plan = TaskPlan(run_id=run_id, attempt=attempt, roles=tuple(roles), payload=payload,
                                 log_host=driver_host, log_port=0, log_token="", use_gpu=self.use_gpu,
                                 gpu_counts=tuple(gpu_counts[:len(roles)]), gpu_resource_name=self._gpu_resource_name,
-                                wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"))
+                                wrap=self._wrap, standby=conf_bool(confs, STANDBY_CONF, "true"),
+                                extra_env=tuple(handoff.hand_over().items()))
                 try:
                     result = self._attempt(spark, sc, stage, plan, bind_host, deadline, report,
                                            attempts=self.max_retries + 1 + report.preempted)
@@ -246,7 +249,7 @@ class SparkRunner:
                 return result
         finally:
             for item in staged:
-                data_module.remove(item)
+                staging.remove(item)
             report.seconds = time.monotonic() - started
             report.mark("driver", "run() returns")
             report.timeline.sort(key=lambda e: e["t"])
@@ -284,7 +287,7 @@ class SparkRunner:
                                   f"num_ps={self.num_ps} (parameter-server workers read data through the "
                                   "coordinator's dataset_fn). Fix: train synchronously (num_ps=0), or read the "
                                   "data inside train_fn")
-            item = data_module.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
+            item = staging.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
             staged.append(item)
             return item
 

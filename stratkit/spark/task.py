@@ -95,6 +95,7 @@ class TaskPlan:
     rendezvous_port: int = 0  # the driver's address exchange (stratkit.spark.rendezvous); 0: Spark's all-gather
     rendezvous_token: str = ""
     standby: bool = True  # keep a warm standby process in the Spark Python worker for the next run
+    extra_env: tuple[tuple[str, str], ...] = ()  # the driver's MLflow run for the chief (training.tracking.handoff)
 
     @property
     def num_tasks(self) -> int:
@@ -343,6 +344,7 @@ def _keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
 
 def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:
     env = {
+        **dict(plan.extra_env),
         child_module.RUN_VAR: plan.run_id,
         child_module.RANK_VAR: str(role.rank),
         child_module.NUM_TASKS_VAR: str(plan.num_tasks),

@@ -37,7 +37,8 @@ from stratkit import files
 from stratkit.errors import ConfigError
 from stratkit.storage import errors as _errors
 from stratkit.storage.errors import StoreError
-from stratkit.storage.store import Store, temporary_dir
+from stratkit.storage.mirror import Mirror
+from stratkit.storage.store import PROBE_PREFIX, Store, temporary_dir
 from stratkit.storage.urls import SCHEMES, basename, is_url, join, local_path, redact, split
 
 #: Seconds the start-up probe waits for a store (STRATKIT_STORE_TIMEOUT overrides).
@@ -56,6 +57,28 @@ def _missing_package(scheme: str, what: str, path: str, exc: BaseException) -> C
     return ConfigError(f"{what}={redact(path)!r} needs the {scheme}:// filesystem ({known.package}), which is not "
                        f"installed{hint}. Fix: pip install \"stratkit[{known.extra}]\" (or pip install "
                        f"{known.package}) on every machine of the cluster")
+
+
+def has_filesystem(path: str | os.PathLike[str]) -> bool:
+    """Whether the filesystem `path` needs is installed: True for a local path or ``file://``, and for a URL
+    whose fsspec implementation imports (s3fs for ``s3://``, ...); no I/O, nothing raised.
+
+    Callers with a fallback of their own ask this first (Keras's own ``tf.io.gfile`` reaches ``gs://`` without
+    gcsfs); everyone else calls `open_store`, whose `ConfigError` names the extra to install.
+    """
+    scheme, _ = split(os.fspath(path))
+    if scheme is None or scheme == "file":
+        return True
+    known = SCHEMES.get(scheme)
+    try:
+        if known is not None:
+            importlib.import_module(known.module)
+        import fsspec
+
+        fsspec.get_filesystem_class(known.protocol if known is not None else scheme)
+    except (ImportError, ValueError):
+        return False
+    return True
 
 
 def open_store(path: str | os.PathLike[str], what: str = "path") -> Store:
@@ -145,7 +168,7 @@ def check_store(path: str | os.PathLike[str], what: str = "path", *, write: bool
     store = open_store(path, what)
     if store.local:
         return store
-    probe = f".stratkit-probe-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    probe = f"{PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
 
     def run() -> None:
         if write:
@@ -185,12 +208,25 @@ def write_with(path: str | os.PathLike[str], write: Callable[[str], None], what:
     fsync, rename; the parent directories created); a URL is written to a local
     temporary and uploaded as one object. Either way nobody ever reads half a
     file, and nothing is left behind.
+
+    A writer that makes more than the one file (Keras's sharded ``save_weights``
+    writes ``name`` and its shards beside it; ``zipped=False`` makes ``name`` a
+    directory) has every file it made uploaded, `path` itself last, so a reader
+    that finds `path` finds the rest.
     """
     text = os.fspath(path)
     store_root = local_path(text, what)
     if store_root is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(store_root)), exist_ok=True)
-        files.write_with(store_root, write)
+        directory = os.path.dirname(os.path.abspath(store_root))
+        os.makedirs(directory, exist_ok=True)
+
+        def with_siblings(tmp: str) -> None:
+            write(tmp)
+            for entry in os.listdir(os.path.dirname(tmp)):    # a sharded save's shards: in place before `path`
+                if entry != os.path.basename(tmp):
+                    os.replace(os.path.join(os.path.dirname(tmp), entry), os.path.join(directory, entry))
+
+        files.write_with(store_root, with_siblings)
         return text
     parent, name = text.rstrip("/").rsplit("/", 1)
     store = open_store(parent, what)
@@ -198,10 +234,28 @@ def write_with(path: str | os.PathLike[str], write: Callable[[str], None], what:
     try:
         tmp = os.path.join(scratch, name)
         write(tmp)
-        store.upload(tmp, name)
+        _upload_made(store, scratch, name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return text
+
+
+def _upload_made(store: Store, scratch: str, name: str) -> None:
+    """Upload what a writer made in `scratch` for `name`: the files beside it first, `name` (a file, or a
+    directory's files with a SavedModel's or a Keras directory's index last) last."""
+    main = os.path.join(scratch, name)
+    for entry in sorted(os.listdir(scratch)):
+        source = os.path.join(scratch, entry)
+        if entry != name and os.path.isfile(source):
+            store.upload(source, entry)
+        elif entry != name and os.path.isdir(source):
+            store.upload_dir(source, entry)
+    if os.path.isdir(main):
+        store.upload_dir(main, name, last=("config.json", "saved_model.pb", "fingerprint.pb"))
+    elif os.path.exists(main):
+        store.upload(main, name)
+    else:
+        raise FileNotFoundError(f"the writer made no file {name!r} to upload to {store.path(name)}")
 
 
 def replace_dir_with(path: str | os.PathLike[str], write: Callable[[str], None], what: str = "path",
@@ -232,7 +286,18 @@ def replace_dir_with(path: str | os.PathLike[str], write: Callable[[str], None],
 
 @contextlib.contextmanager
 def local_copy(path: str | os.PathLike[str], what: str = "path") -> Iterator[str]:
-    """A local path holding the file `path` names (a URL is downloaded for the block, then removed)."""
+    """A local path holding the file or directory `path` names (a URL is downloaded for the block, then removed).
+
+    For what Keras or TensorFlow cannot read from a store themselves::
+
+        with stratkit.storage.local_copy("s3://bucket/run1/model.keras") as path:
+            model = keras.models.load_model(path)
+
+    A URL naming a prefix (an export, an unzipped ``.keras``) is downloaded as a directory.
+
+    Raises:
+        FileNotFoundError: nothing is stored at `path`.
+    """
     text = os.fspath(path)
     root = local_path(text, what)
     if root is not None:
@@ -243,11 +308,16 @@ def local_copy(path: str | os.PathLike[str], what: str = "path") -> Iterator[str
     scratch = temporary_dir("stratkit-download-")
     try:
         target = os.path.join(scratch, name)
-        store.download(name, target)
+        try:
+            store.download(name, target)
+        except FileNotFoundError:
+            if not store.download_dir(name, target):   # a prefix: a directory's files
+                raise
         yield target
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-__all__ = ["PROBE_TIMEOUT", "SCHEMES", "Store", "StoreError", "check_store", "is_url", "join", "local_copy",
-           "local_path", "open_store", "redact", "replace_dir_with", "write_with"]
+__all__ = ["PROBE_PREFIX", "PROBE_TIMEOUT", "SCHEMES", "Mirror", "Store", "StoreError", "check_store",
+           "has_filesystem", "is_url", "join", "local_copy", "local_path", "open_store", "redact",
+           "replace_dir_with", "write_with"]

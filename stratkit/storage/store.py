@@ -34,6 +34,10 @@ from stratkit import files
 from stratkit.storage import urls
 from stratkit.storage.errors import StoreError, translate
 
+#: The start-up probe's objects (`stratkit.storage.check_store`: written and deleted at once, yet a listing
+#: made meanwhile shows one).
+PROBE_PREFIX = ".stratkit-probe-"
+
 
 class Store:
     """A local directory or a prefix of an object store.
@@ -120,6 +124,15 @@ class Store:
             with open(self.path(name), "rb") as handle:
                 return handle.read()
         return self._call("read", name, lambda: self.fs.cat_file(self._key(name)))
+
+    def open(self, name: str) -> Any:
+        """The object `name` as a binary file for reading, with seek (Parquet reads a footer, then row groups).
+
+        A remote object is read in ranged requests as the reader asks; the caller closes it (``with``).
+        """
+        if self.local:
+            return open(self.path(name), "rb")  # the caller's `with` closes it
+        return self._call("open", name, lambda: self.fs.open(self._key(name), "rb"))
 
     def download(self, name: str, local_file: str) -> None:
         """Copy the object `name` to `local_file` (written under a temporary name, then renamed)."""
@@ -227,4 +240,4 @@ def temporary_dir(prefix: str = "stratkit-store-") -> str:
     return tempfile.mkdtemp(prefix=prefix)
 
 
-__all__ = ["Store", "StoreError", "temporary_dir", "urls_join"]
+__all__ = ["PROBE_PREFIX", "Store", "StoreError", "temporary_dir", "urls_join"]

@@ -90,7 +90,7 @@ def check_not_scheme_dir(path: str, what: str) -> None:
         scheme = first[:-1]
         rest = path[len(first):].lstrip("/")
         raise ConfigError(f"{what}={path!r} would be a local directory named {first!r}: it reads as a "
-                          f"{scheme}:// URL with a slash missing. Fix: {what}={scheme}://{rest!r}")
+                          f"{scheme}:// URL with a slash missing. Fix: {what}='{scheme}://{rest}'")
 
 
 def scheme_of(url: str) -> Scheme | None:

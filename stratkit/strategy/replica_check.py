@@ -7,6 +7,12 @@ per replica), the copies drift apart with no error, and the saved model depends
 on which worker happened to be the chief. PyTorch DDP checks its parameters
 once, at construction; this check runs where a model leaves training:
 
+* at the start of ``fit``, before its first step, once every callback's
+  ``on_train_begin`` and ``on_epoch_begin`` ran (a backup resumed by stratkit's
+  ``Backup`` or Keras's ``BackupAndRestore`` has loaded): weights loaded on one
+  worker only (``if is_chief: model.load_weights(...)``) stop the run before it
+  trains an epoch on different models (one ``all_gather``, measured in
+  ``docs/performance.md``);
 * at the end of every epoch and at the end of ``fit`` (a callback the fit guards
   put right after BatchNormalization's averaging, so before ``ModelCheckpoint``
   and stratkit's backup write anything);
@@ -189,6 +195,14 @@ def find_divergences(model: Any, strategy: Any, optimizer: Any = None) -> list[D
     return found
 
 
+#: What differs before a fit's first step was not made by training: a load or an assignment on some copies only.
+AT_START = ("the weights were loaded or set on some workers (or devices) only before fit, e.g. `if is_chief: "
+            "model.load_weights(path)`, a variable was assigned on one device by hand, or the workers resumed from "
+            "copies of a backup that differ. Fix: load (or set) the "
+            "weights on every worker, each from a path it can read (the same file), after building the model in "
+            "the strategy's scope")
+
+
 def _likely_cause(found: list[Divergence]) -> str:
     if any(not d.trainable and not d.optimizer and d.aggregation == "none" for d in found):
         return ("state a layer assigns in a replica context with aggregation='none' keeps each replica's own value "
@@ -204,7 +218,7 @@ def _likely_cause(found: list[Divergence]) -> str:
 
 
 def describe(found: list[Divergence], when: str, replicas: int, replicas_per_worker: int,
-             stopping: bool = True) -> str:
+             stopping: bool = True, cause: str | None = None) -> str:
     """The message for `found`: the variables, their layers, the largest difference, the likely cause and the fix."""
     lines = []
     for d in sorted(found, key=lambda d: -d.largest)[:_LISTED]:
@@ -218,7 +232,8 @@ def describe(found: list[Divergence], when: str, replicas: int, replicas_per_wor
             f"{'; '.join(lines)}{more}. "
             + ("Nothing was saved at this point (each worker would save a different model). " if stopping else
                f"Training goes on ({ENV_VAR}=warn): what the chief saves is its own copy. ")
-            + f"Likely cause: {_likely_cause(found)}. {ENV_VAR}=warn only warns; {ENV_VAR}=off skips this check")
+            + f"Likely cause: {cause or _likely_cause(found)}. {ENV_VAR}=warn only warns; {ENV_VAR}=off skips "
+            "this check")
 
 
 def _replicas_per_worker(strategy: Any) -> int:
@@ -228,7 +243,8 @@ def _replicas_per_worker(strategy: Any) -> int:
         return 1
 
 
-def check(model: Any, strategy: Any = None, *, when: str = "", optimizer: Any = None) -> list[Divergence]:
+def check(model: Any, strategy: Any = None, *, when: str = "", optimizer: Any = None,
+          cause: str | None = None) -> list[Divergence]:
     """Run the replica check on `model` (and `optimizer`) under `strategy`, as :data:`ENV_VAR` says.
 
     Nothing on one replica or off Mirrored/MultiWorkerMirrored strategies. Returns what differed (in ``warn``
@@ -247,7 +263,8 @@ def check(model: Any, strategy: Any = None, *, when: str = "", optimizer: Any = 
     log.debug("replica check %s: %d variable(s) differ (%.3f s)", when, len(found), time.perf_counter() - started)
     if not found:
         return []
-    message = describe(found, when or "now", replicas, _replicas_per_worker(strategy), stopping=mode() == "error")
+    message = describe(found, when or "now", replicas, _replicas_per_worker(strategy), stopping=mode() == "error",
+                       cause=cause)
     if mode() == "warn":
         log.warning("%s", message)
         return found
@@ -274,10 +291,20 @@ def check_replicas(model: Any, optimizer: Any = None, *, strategy: Any = None) -
 
 
 def callback(model: Any, strategy: Any) -> Any:
-    """A Keras callback that checks at every epoch's end and at the end of training."""
+    """A Keras callback that checks before the first step, at every epoch's end and at the end of training."""
     import keras
 
     class ReplicaCheck(keras.callbacks.Callback):
+        started = False
+
+        def on_train_begin(self, logs: dict | None = None) -> None:
+            self.started = False
+
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            if not self.started:    # after every on_train_begin / on_epoch_begin: a resume has loaded
+                self.started = True
+                check(model, strategy, when="at the start of fit, before its first step", cause=AT_START)
+
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
             check(model, strategy, when=f"at the end of epoch {epoch + 1}")
 

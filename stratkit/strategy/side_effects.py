@@ -34,7 +34,7 @@ from typing import Any
 import keras
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import scratch
+from stratkit.strategy import scratch, store_callbacks, store_paths
 from stratkit.strategy.collectives import gather_ints
 from stratkit.strategy.keras_compat.internals import resume_epoch
 
@@ -135,36 +135,39 @@ _BY_DIR: dict[str, list[_Redirect]] = {}
 
 
 def _redirect(callback: Any, temps: list[str], prefix: str, attribute: str,
-              place: Callable[[str, str], tuple[str, str, str]]) -> None:
+              place: Callable[[Any, str, str], tuple[str, str, str]]) -> None:
     """Point `callback`'s files into a new private directory until `remove_dirs` undoes it.
 
-    `place(user_value, private_dir)` gives (the user's root, its private root, the attribute's private value).
+    `place(callback, user_value, private_dir)` gives (the user's root, its private root, the attribute's
+    private value).
     """
     temps.append(scratch.make(prefix))
-    root, private, private_value = place(os.fspath(getattr(callback, attribute)), temps[-1])
+    root, private, private_value = place(callback, os.fspath(getattr(callback, attribute)), temps[-1])
     redirect = _Redirect(callback, attribute, root, private, private_value)
     _BY_DIR.setdefault(temps[-1], []).append(redirect)
     _ACTIVE[id(callback)] = redirect
     redirect.apply()
 
 
-def _file_in(user_value: str, directory: str) -> tuple[str, str, str]:
+def _file_in(callback: Any, user_value: str, directory: str) -> tuple[str, str, str]:
     """A file the callback names (a checkpoint, a CSV log): its directory moves, its name stays."""
     name = os.path.basename(user_value)
     return os.path.dirname(user_value), directory, os.path.join(directory, name)
 
 
-def _directory_in(user_value: str, directory: str) -> tuple[str, str, str]:
+def _directory_in(callback: Any, user_value: str, directory: str) -> tuple[str, str, str]:
     return user_value, directory, directory
 
 
-def _backup_in(user_value: str, directory: str) -> tuple[str, str, str]:
+def _backup_in(callback: Any, user_value: str, directory: str) -> tuple[str, str, str]:
     """`keras.callbacks.BackupAndRestore` starts from a copy of the chief's backup (when this worker can read
-    it), so every worker resumes at the same epoch with the same weights, the way tf_keras's multi-worker
-    BackupAndRestore reads the chief's files. Keras says the backup directory holds nothing else, so the
-    whole directory is copied."""
+    it; from the store for a URL, as the chief reads it), so every worker resumes at the same epoch with the
+    same weights, the way tf_keras's multi-worker BackupAndRestore reads the chief's files. Keras says the
+    backup directory holds nothing else, so the whole directory is copied."""
     private = os.path.join(directory, "backup")
-    if os.path.isdir(user_value):
+    if store_callbacks.route(callback, "") == store_paths.STORE:
+        store_callbacks.pull_backup(user_value, private, "BackupAndRestore(backup_dir=...)")
+    elif os.path.isdir(user_value):
         shutil.copytree(user_value, private)
     return user_value, private, private
 
@@ -203,7 +206,7 @@ class AgreeOnResume(keras.callbacks.Callback):
 
 #: (Keras callback class, scratch prefix, the attribute naming its files, where they go): the callbacks whose
 #: files move on other workers, subclasses included (the first class that matches decides)
-_ROUTES: tuple[tuple[Any, str, str, Callable[[str, str], tuple[str, str, str]]], ...] = (
+_ROUTES: tuple[tuple[Any, str, str, Callable[[Any, str, str], tuple[str, str, str]]], ...] = (
     (keras.callbacks.TensorBoard, "stratkit-tb-worker-", "log_dir", _directory_in),
     (keras.callbacks.ModelCheckpoint, "stratkit-ckpt-worker-", "filepath", _file_in),
     (keras.callbacks.CSVLogger, "stratkit-csv-worker-", "filename", _file_in),
@@ -216,7 +219,8 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
     """The callbacks to train with: on non-chief workers, file writers write to private temp dirs.
 
     Every worker still runs every callback (reading synchronised variables may
-    need all workers), but only the chief's files land where the user asked.
+    need all workers), but only the chief's files land where the user asked
+    (a store URL: written locally and uploaded whole, `stratkit.strategy.store_callbacks`).
     On other workers the user's own `TensorBoard`, `ModelCheckpoint`, `CSVLogger`
     and `BackupAndRestore` objects (and subclasses of them) train with their
     files pointed into a private temporary directory until :func:`remove_dirs`
@@ -235,18 +239,26 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
     callbacks = list(callbacks or ())
     for callback in callbacks:  # on every worker, so that all of them stop before training
         _refuse_unroutable(callback)
+        store_callbacks.route(callback, "")   # a URL nothing opens, or "s3:/b" (a directory "s3:"): ConfigError
     if multi_worker:
         agreed: list[Any] = []
         for callback in callbacks:
             agreed.append(callback)
             if isinstance(callback, keras.callbacks.BackupAndRestore):
                 active = _ACTIVE.get(id(callback))      # moved by Trainer.fit already: name the user's dir
-                agreed.append(AgreeOnResume(os.fspath(active.saved["backup_dir"] if active else callback.backup_dir)))
+                users = os.fspath(active.saved["backup_dir"] if active else callback.backup_dir)
+                agreed.append(AgreeOnResume(store_callbacks.shown(callback, users)))
         callbacks = agreed
-    if is_chief:
-        return callbacks, []
     routed: list[Any] = []
     temps: list[str] = []
+    if is_chief:  # the user's files: a store URL is written locally and uploaded (`store_callbacks`)
+        try:
+            for callback in callbacks:
+                routed.extend(store_callbacks.to_store(callback, temps))
+        except BaseException:
+            remove_dirs(temps)
+            raise
+        return routed, temps
     try:
         for callback in callbacks:
             if isinstance(callback, keras.callbacks.RemoteMonitor):
@@ -267,13 +279,15 @@ def route_side_effects(callbacks: Iterable[Any], is_chief: bool, *,
 def remove_dirs(paths: Iterable[str]) -> None:
     """End what `route_side_effects` did: the callbacks it moved name the user's files again (their attributes
     hold the objects the user set, and a path noted during `fit` under a private directory names the user's
-    place), and the private directories are removed (they go anyway when the worker ends)."""
+    place), the callbacks staged for a store point back at their URLs, and the private directories are removed
+    (they go anyway when the worker ends)."""
     paths = list(paths)
     try:
         for path in paths:
             for redirect in _BY_DIR.pop(path, ()):
                 _ACTIVE.pop(id(redirect.callback), None)
                 redirect.undo()
+        store_callbacks.restore(paths)
     finally:
         scratch.remove(paths)
 

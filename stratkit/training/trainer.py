@@ -190,8 +190,7 @@ class Trainer:
         backup, position = None, Position(initial_epoch or 0)
         if backup_dir is not None:
             backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
-                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers,
-                            agree_flags=self._sum_over_workers if self._multi_worker else None)
+                            rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers)
             position = max(backup.decide_position(), position)
             data = resumable_input_for(data, position)
         # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
@@ -224,6 +223,9 @@ class Trainer:
                                                            train.steps_per_epoch or steps_per_epoch))
         if train.global_batch_size:
             callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
+        for callback in callback_list:  # a run's logger records the global batch (stratkit.callbacks.MLflowLogger)
+            if callable(getattr(callback, "set_global_batch_size", None)):
+                callback.set_global_batch_size(train.global_batch_size)
         from stratkit import timeline
 
         if timeline.enabled():
@@ -251,12 +253,6 @@ class Trainer:
     @property
     def _multi_worker(self) -> bool:
         return self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1
-
-    def _sum_over_workers(self, values: list[int]) -> list[int]:
-        """SUM of a few ints over all workers (one small collective; the backup's per-step agreement)."""
-        from stratkit.strategy.collectives import sum_over_workers
-
-        return sum_over_workers(self.strategy, values)
 
     def _min_over_workers(self, value: int) -> int:
         """MIN of an int over all workers (a collective); identity on one worker."""
@@ -310,53 +306,23 @@ class Trainer:
     def save(self, model: Any, path: str | os.PathLike[str]) -> str | None:
         """Save `model` (a `.keras` file, or `.weights.h5`) from the chief; atomic; creates parent dirs.
 
+        `path` is a local path or a store URL (``s3://``, ``gs://``, ``az://``/``abfs://``, ``hdfs://``,
+        ``file://``; `stratkit.storage`): a URL is checked first (a missing bucket, refused credentials, a
+        store that does not answer or a missing extra are a `ConfigError` on every worker before anything
+        is written), then the chief saves to a local temporary and uploads it as one object.
+
         Every worker must call it (reading synchronised variables can need all
         of them); non-chief workers write to a temp dir and remove it. First
         the replica check (`stratkit.check_replicas`): replicas whose copies of
         the model differ raise `ReplicaDivergenceError` and nothing is written.
 
         Returns:
-            The path written on the chief, None on other workers.
+            The path (or URL) written on the chief, None on other workers.
         """
-        path = os.fspath(path)
-        if not (path.endswith(".keras") or path.endswith(".weights.h5")):
-            raise ConfigError(f"save path {path!r} must end in .keras (whole model) or .weights.h5 (weights). "
-                              "Fix: e.g. trainer.save(model, 'out/model.keras')")
-        suffix = ".weights.h5" if path.endswith(".weights.h5") else ".keras"
-        if not self._ps:
-            from stratkit.strategy import replica_check
+        from stratkit.training import saving
 
-            # every worker is here (see above): the same copies everywhere, or no file at all
-            replica_check.check(model, self.strategy, when=f"before trainer.save({path!r})")
-        if self.is_chief:
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
-            tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)[:-len(suffix)]}{suffix}")
-            try:
-                self._write(model, tmp)
-                os.replace(tmp, path)  # the user's file is never half-written
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-            return path
-        from stratkit.strategy import scratch  # removed even if this worker is killed mid-save
-
-        private = scratch.make("stratkit-save-worker-")
-        try:
-            self._write(model, os.path.join(private, "model" + suffix))
-        finally:
-            scratch.remove([private])
-        return None
-
-    @staticmethod
-    def _write(model: Any, path: str) -> None:
-        from stratkit.strategy.keras_compat import save_guards
-
-        with save_guards.own_path():     # save() already chose the chief's path or a private one
-            if path.endswith(".weights.h5"):
-                model.save_weights(path, overwrite=True)
-            else:
-                model.save(path, overwrite=True)
+        return saving.save(model, path, strategy=self.strategy, is_chief=self.is_chief, check=not self._ps,
+                           agree=self._min_over_workers)
 
 
 #: Said once on a resume of a shuffled tf.data.Dataset: tf.data's reshuffle restarts its sequence in a new process

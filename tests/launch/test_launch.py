@@ -157,6 +157,9 @@ class _Launcher:
     (["--base-port", "65535", "--workers", "2", "--", "python", "x.py"], r"--base-port must leave room for 2"),
     (["--hosts", "h1,h2", "--", "python", "x.py"], r"--hosts h1,h2 names several machines.*--print-tf-config"),
     (["--hosts", "h1:2222,h2", "--print-tf-config", "--", "python", "x.py"], r"'h1:2222' has a port"),
+    (["--log-dir", "s3://bucket/logs", "--", "python", "x.py"], r"--log-dir 's3://bucket/logs' is a store URL.*"
+                                                               r"Fix: --log-dir with a local directory"),
+    (["--log-dir", "gs:/bucket/logs", "--", "python", "x.py"], r"would be a local directory named 'gs:'"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag_and_the_fix(argv, expected, capsys):
     assert main(["launch", *argv]) == 2

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import stores
 
@@ -25,29 +23,11 @@ def use_store(monkeypatch, store_server):
         refresh()
         return server
 
-    def refresh() -> None:
-        """Read the settings again: fsspec's config, and no filesystem cached with the old credentials."""
-        fsspec.config.conf.clear()
-        fsspec.config.set_conf_env(fsspec.config.conf, os.environ)
-        for cls in _filesystems():
-            cls.clear_instance_cache()
-
+    refresh = stores.refresh_clients   # read the settings again: fsspec's config, no cached filesystem
     use.refresh = refresh
 
     yield use
     fsspec.config.conf.clear()
     fsspec.config.conf.update(saved)
-    for cls in _filesystems():
+    for cls in stores._filesystem_classes():
         cls.clear_instance_cache()
-
-
-def _filesystems() -> list:
-    import fsspec
-
-    out = []
-    for protocol in ("s3", "gs", "az"):
-        try:
-            out.append(fsspec.get_filesystem_class(protocol))
-        except (ImportError, ValueError):
-            pass
-    return out

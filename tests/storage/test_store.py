@@ -162,7 +162,7 @@ def test_a_url_whose_filesystem_is_missing_names_the_extra():
 
 def test_paths_that_are_not_what_they_seem(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"local directory named 's3:'.*Fix: backup_dir=s3://'bucket/run'"):
+    with pytest.raises(ConfigError, match=r"local directory named 's3:'.*Fix: backup_dir='s3://bucket/run'"):
         storage.open_store("s3:/bucket/run", "backup_dir")
     with pytest.raises(ConfigError, match="names a file on host 'elsewhere'"):
         storage.open_store("file://elsewhere/x", "path")

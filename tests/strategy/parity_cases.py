@@ -487,6 +487,85 @@ def planted_divergence():
         del os.environ["STRATKIT_REPLICA_STATE"]
 
 
+def diverged_before_fit():
+    """Copies that differ before fit starts: on 2 workers the chief alone loads other weights (`if is_chief:
+    model.load_weights(...)`), on Mirrored one device's copy is moved by hand. The replica check stops a plain
+    model.fit and Trainer.fit before their first step. Loading on every worker is fine; a Trainer.fit resumed
+    from a backup is checked after the backup loaded (which makes the chief's other weights moot: no alarm),
+    and on 2 workers a backup whose copies differ (worker 1's rewritten) stops the resumed fit before its step."""
+    import tempfile
+
+    from stratkit.training.checkpoint import find_resume_point, worker_backup_dir, write_backup
+
+    x, y = np.arange(48, dtype="float32").reshape(16, 3) / 48, ONES(16)   # 4 steps of 4 rows
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="zeros")])  # no strategy
+    weights = os.path.join(tempfile.mkdtemp(prefix="other-"), "other.weights.h5")
+    other.save_weights(weights)
+    steps = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: steps.append(batch))
+
+    def build():
+        with scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="ones")])
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        return model
+
+    def plant(model):
+        if MODE == "mwms" and trainer.is_chief:
+            model.load_weights(weights)
+        elif MODE.startswith("mirrored"):
+            copies = model.layers[0].kernel.value.values     # one device's copy, moved by hand
+            copies[1].assign(copies[1] + 1.0)
+        return model
+
+    def attempt(run, **kwargs):
+        del steps[:]
+        try:
+            run(callbacks=[counter], verbose=0, **kwargs)
+            return {"raised": None, "steps": len(steps)}
+        except stratkit.ReplicaDivergenceError as exc:
+            return {"raised": str(exc), "steps": len(steps)}
+
+    class FailAt(keras.callbacks.Callback):
+        """Every worker fails at global step 2, after the backup there: a run that left its backups."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                raise RuntimeError("stopped at step 2")
+
+    def interrupted():
+        backup, model = tempfile.mkdtemp(prefix="resume-"), build()
+        try:
+            trainer.fit(model, (x, y), epochs=1, global_batch_size=4, shuffle=False, backup_dir=backup,
+                        backup_every=1, callbacks=[FailAt()], verbose=0)
+        except RuntimeError:
+            pass
+        return backup
+
+    def resume(backup, model):
+        return attempt(lambda **kw: trainer.fit(model, (x, y), epochs=1, global_batch_size=4, shuffle=False,
+                                                backup_dir=backup, backup_every=1, **kw))
+
+    out = {"model_fit": attempt(lambda **kw: plant(build()).fit(x, y, batch_size=4, epochs=1, shuffle=False, **kw)),
+           "trainer": attempt(lambda **kw: trainer.fit(plant(build()), (x, y), epochs=1, global_batch_size=4,
+                                                       shuffle=False, **kw))}
+    everywhere = build()
+    everywhere.load_weights(weights)
+    out["loaded_everywhere"] = attempt(lambda **kw: everywhere.fit(x, y, batch_size=4, epochs=1, shuffle=False, **kw))
+    out["resumed"] = resume(interrupted(), plant(build()))
+    if MODE == "mwms":          # worker 1's copy of the backup rewritten with other weights (its check off)
+        backup, model = interrupted(), build()
+        if not trainer.is_chief:
+            own = worker_backup_dir(backup, False, 1)
+            point = find_resume_point(own)
+            model.load_weights(weights)
+            os.environ["STRATKIT_REPLICA_CHECK"] = "off"
+            write_backup(model, own, point.position, point.state(), point.arrays(), keep=2)
+            del os.environ["STRATKIT_REPLICA_CHECK"]
+        out["diverged_backup"] = resume(backup, build())
+    return {"per_mode": out}
+
+
 def case(name):
     if name in input_cases.CASES:
         return input_cases.case(name, MODE, trainer, strategy)
@@ -509,6 +588,8 @@ def case(name):
         return loop_accumulation()
     if name == "planted_divergence":
         return planted_divergence()
+    if name == "diverged_before_fit":
+        return diverged_before_fit()
     if name in ("running_mean", "running_mean_uneven"):
         return running_mean(8 if name == "running_mean" else 7)
     if name == "random_draws":

@@ -41,7 +41,7 @@ CASES = ["shuffled", "shuffled_batch", "added_losses", "regularized_empty_shard"
          "scalar_loss", "compute_loss", "accumulation", "custom_metric", "train_step", "batchnorm_exact", "batchnorm", "loss_scaling",
          "trainer_uneven", "loss_scale_headroom", "output_losses", "sum_loss", "gan_exact", "dcgan", "vae_exact",
          "random_draws", "custom_loop", "gan_loop", "on_batch", "loop_accumulation", "running_mean",
-         "running_mean_uneven", "planted_divergence"]
+         "running_mean_uneven", "planted_divergence", "diverged_before_fit"]
 CASES += INPUT_CASES  # issue 39: every input form (PyDataset, generators, TFRecord files) reads as one process
 CASES += finetune_cases.CASES  # issue 46: callbacks' objects on every worker, float8, variables without a gradient
 #: float16 cases: the loss-scale sequence and the applied steps exact, the rest within 1e-3
@@ -239,8 +239,8 @@ def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_w
                                                                                        two_workers):
     """STRATKIT_REPLICA_STATE=keep leaves each replica its own running mean: fit stops at the first epoch's end,
     before ModelCheckpoint writes, on Mirrored and on both workers alike, naming the variable and its layer;
-    a custom loop's stratkit.check_replicas() says the same; STRATKIT_REPLICA_CHECK=warn warns at the epoch's end
-    and at the end of fit and goes on; Trainer.fit(backup_every=1) stops before its first backup, writing none.
+    a custom loop's stratkit.check_replicas() says the same; STRATKIT_REPLICA_CHECK=warn warns at the start of the
+    next fit (on the model already diverged), at the epoch's end and at the end of fit and goes on; Trainer.fit(backup_every=1) stops before its first backup, writing none.
     One replica has nothing to compare."""
     one = one_process["planted_divergence"]["per_mode"]
     assert one["raised"] is None and one["saved"] is True and one["check_replicas"] is None and one["warned"] == []
@@ -256,9 +256,32 @@ def test_the_replica_check_stops_a_planted_divergence_before_the_checkpoint_is_w
         assert got["backup_raised"] == "the 2 replicas no longer hold the same model before the backup at epoch 0 + 1 " \
                                        "steps", got         # Trainer.fit(backup_every=1): before the first backup
         assert got["backup_files"] == [], got
-        assert [m.split(":")[0] for m in got["warned"]] == [
+        assert [m.split(":")[0] for m in got["warned"]] == [  # that fit starts on the diverged model: warned at once
+            "the 2 replicas no longer hold the same model at the start of fit, before its first step",
             "the 2 replicas no longer hold the same model at the end of epoch 1",
             "the 2 replicas no longer hold the same model at the end of fit"], got["warned"]
+def test_copies_that_differ_before_fit_stop_it_before_its_first_step(one_process, mirrored, two_workers):
+    """Issue 44: the chief alone loading other weights before fit (2 workers), one device's copy moved by hand
+    (Mirrored): a plain model.fit and Trainer.fit stop before step 1, saying what happened and the fix (load on
+    every worker), not an epoch later; loading on every worker trains; a resume is checked after its backup
+    loaded (the chief's other weights are then overwritten: no alarm); a backup whose workers' copies differ
+    stops the resumed fit before its step. One replica has nothing to compare."""
+    one = one_process["diverged_before_fit"]["per_mode"]
+    assert one == {"model_fit": {"raised": None, "steps": 4}, "trainer": {"raised": None, "steps": 4},
+                   "loaded_everywhere": {"raised": None, "steps": 4}, "resumed": {"raised": None, "steps": 2}}, one
+    for run in (mirrored, *two_workers):
+        got = run["diverged_before_fit"]["per_mode"]
+        starts = [got["model_fit"], got["trainer"]] + ([got["diverged_backup"]] if "diverged_backup" in got else [])
+        for stopped in starts:
+            assert stopped["steps"] == 0, got
+            assert stopped["raised"].startswith("the 2 replicas no longer hold the same model at the start of fit, "
+                                                "before its first step: "), stopped
+            assert "Fix: load (or set) the weights on every worker" in stopped["raised"], stopped
+        assert got["loaded_everywhere"] == {"raised": None, "steps": 4}, got
+        assert got["resumed"] == {"raised": None, "steps": 2}, got
+    assert all("diverged_backup" in run["diverged_before_fit"]["per_mode"] for run in two_workers)
+
+
 # --------------------------------------------------------------------------
 # Issue 39: every input form reads as one process (tests/strategy/input_cases.py)
 # --------------------------------------------------------------------------

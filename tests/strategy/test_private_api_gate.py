@@ -391,6 +391,13 @@ GATE_INVENTORY: dict[str, set[str]] = {
     },
     "stratkit/strategy/keras_compat/fit_guards.py": {
         "patch setattr(cls, name)",  # TensorFlowTrainer.fit / evaluate / predict / *_on_batch
+        # another library's wrapper on keras.Model.fit (MLflow's autolog), guarded; and put back (revert)
+        "patch setattr(keras.Model, name)", "patch setattr(keras.Model, ...)",
+    },
+    "stratkit/strategy/keras_compat/coordination.py": {
+        # the coordination service's key-value store (insert / blocking get / delete): how a preemption notice
+        # and the chief's timed backup reach every worker without a collective (TF's PreemptionCheckpointHandler's way)
+        "import tensorflow.python.eager.context",
     },
     "stratkit/strategy/keras_compat/internals.py": {
         "import tensorflow.python.eager.context",

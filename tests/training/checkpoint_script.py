@@ -13,6 +13,8 @@ arrays. Environment:
                         the test writes after it signalled this process from outside (an engine's tests)
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
   STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
+  AFTER_NOTICE_SECONDS  on the rank that signals itself (TERM), sleep this long after each step once it has:
+                        the steps after a notice take that long (every worker waits for it in the next step)
 
 Evidence it writes in OUT: steps-<rank>.log (one "attempt global_step" line per step trained, written
 after the step; times-<rank>.log the same with the time it ended),
@@ -79,6 +81,7 @@ class Evidence(keras.callbacks.Callback):
             deadline = threading.Timer(5.0, os.kill, (os.getpid(), signal.SIGKILL))  # the platform's deadline
             deadline.daemon = True
             deadline.start()
+            self.noticed = True
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -86,7 +89,8 @@ class Evidence(keras.callbacks.Callback):
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch}\n")
         with open(os.path.join(OUT, f"times-{RANK}.log"), "a") as handle:  # when each step ended (time.time())
             handle.write(f"{ATTEMPT} {self.epoch * STEPS_PER_EPOCH + batch} {time.time():.3f}\n")
-        time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
+        slow = getattr(self, "noticed", False) and os.environ.get("AFTER_NOTICE_SECONDS")
+        time.sleep(float(slow or os.environ.get("STEP_SECONDS", "0")))
 
 
 stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.25)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from procs import Result, cluster_tf_configs, describe, free_ports, run_cluster, run_process
+from procs import REPO_ROOT, Result, cluster_tf_configs, describe, free_ports, run_cluster, run_process
 
 from stratkit.cluster import ClusterSpec
 from stratkit.errors import ConfigError
@@ -234,10 +234,14 @@ def test_chief_two_workers_one_ps_train_digits_with_exact_step_count(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_evaluator_follows_the_chief_and_a_partitioned_embedding_spans_two_ps(tmp_path):
-    backup, tensorboard = tmp_path / "backup", tmp_path / "tb"
+def test_evaluator_follows_the_chief_and_a_partitioned_embedding_spans_two_ps(tmp_path, store_server):
+    # TensorBoard's log_dir is a bucket on moto's S3 server: the chief's callback and the evaluator's summaries
+    # are written locally and uploaded (stratkit.strategy.store_callbacks, the evaluator's mirror).
+    s3 = store_server("s3")
+    tensorboard = s3.url(s3.make_bucket(f"ps-tb-{os.getpid()}-{os.urandom(3).hex()}"), "tb")
+    backup = tmp_path / "backup"
     results, out = _train(tmp_path, _cluster(workers=2, ps=2, evaluator=True), MODE="embedding", PARTITION="1",
-                          DATA_KIND="dataset", BACKUP_DIR=str(backup), TB_DIR=str(tensorboard))
+                          DATA_KIND="dataset", BACKUP_DIR=str(backup), TB_DIR=tensorboard, **s3.env)
     assert all(r.ok for r in results), describe(results)
     report = _report(out)
     _assert_trained(report)
@@ -251,8 +255,10 @@ def test_evaluator_follows_the_chief_and_a_partitioned_embedding_spans_two_ps(tm
                                                                      abs=1e-6)
     assert "[stratkit] evaluator: epoch 5" in results[-1].stdout
     # TensorBoard: the chief's callback wrote train and validation curves, the evaluator its own run.
+    names = s3.fs().find(tensorboard.split("://", 1)[1])
     for run in ("train", "validation", "eval"):
-        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tensorboard / run)), run
+        assert any(f"/tb/{run}/events.out.tfevents" in name for name in names), (run, names)
+    assert not (REPO_ROOT / "s3:").exists()       # the tasks' working directory holds no directory "s3:"
     assert json.loads((backup / "training-done.json").read_text())["epoch"] == EPOCHS
     _assert_reloads_identically(tmp_path, out, "embedding")
 

@@ -1,4 +1,4 @@
-"""The per-step agreement of step backups (stratkit/training/checkpoint/preemption.py `Agreement`) on several workers.
+"""The per-step agreement of step backups (stratkit/training/checkpoint/agreement.py `Agreement`, used where no coordination service runs) on several workers.
 
 Two workers are two threads here, each with its own `Agreement`, and their collective is a real exchange between
 them (a barrier and a shared sum), so what is tested is the agreement's own rule: both take the same interval from
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from stratkit.training.checkpoint.preemption import Agreement
+from stratkit.training.checkpoint.agreement import Agreement
 
 
 class TwoWorkers:

@@ -36,7 +36,8 @@ The modules, one responsibility each:
 * :mod:`.distributed_input`: every dataset a Mirrored/MWMS strategy distributes gets its auto-shard policy
   (:mod:`.sharding`: exact DATA unless FILE was chosen, FILE checked against the files) and a copy of the
   tensors Python made (:mod:`.dataset_graph` reads the pipeline);
-* :mod:`.internals`: small private reads/writes the training code needs;
+* :mod:`.internals`: small private reads/writes the training code needs; :mod:`.coordination`: TensorFlow's
+  coordination service key-value store (how a preemption notice reaches every worker, beside the steps);
 * :mod:`.resume_step`: a resumed ``fit`` starts its first epoch at the backup's step
   (installed on demand by :func:`install_resume_step`); :mod:`.callback_state`: the counters
   of Keras's own callbacks (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, TensorBoard,

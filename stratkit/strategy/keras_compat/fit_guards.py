@@ -29,6 +29,11 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
 
 A second guard catches Keras metrics updated in a parameter-server step
 (:mod:`.metric_guard`).
+
+A library that wrapped ``keras.Model.fit`` before the guards were installed
+(``mlflow.keras.autolog()`` / ``mlflow.tensorflow.autolog()`` called before
+``make_strategy()``) calls the ``fit`` it found then, Keras's own: its wrapper is
+guarded too, so the user's ``model.fit`` is guarded whichever came first.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from stratkit.strategy.collectives import chief_ints, leave_together, min_over_w
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
-from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective, _trainer_module
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 _FIT_METHODS = ("fit", "evaluate", "predict")
 _guards_lock = threading.Lock()
 _guard_originals: dict[str, Any] = {}
+_model_overrides: dict[str, Any] = {}  # another library's wrappers on keras.Model, guarded
 _inside_guarded_call = threading.local()
 
 
@@ -159,14 +165,6 @@ def check_jit_compile(model: Any, strategy: Any) -> None:
             f"(model.compile(..., jit_compile=False), or leave Keras's default)")
 
 
-def _is_chief(strategy: Any) -> bool:
-    """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
-    try:
-        return bool(strategy.extended.should_checkpoint)
-    except Exception:  # noqa: BLE001 - an exotic strategy: behave as the single-process default
-        return True
-
-
 _said_batchnorm = False
 #: how many BatchNormalization layers the notice names (a ResNet has dozens)
 _NAMED = 8
@@ -199,9 +197,9 @@ def _one_order(strategy: Any) -> Any:
         lambda values: array_shuffle.unless_chief(is_chief, chief_ints(strategy, values)))
 
 
-def _guarded(name: str, original: Any) -> Any:
-    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above."""
-    signature = inspect.signature(original)
+def _guarded(name: str, original: Any, like: Any = None) -> Any:
+    """Wrap one of ``fit``/``evaluate``/``predict`` with the checks above (arguments read as ``like``'s)."""
+    signature = inspect.signature(like if like is not None else original)
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -260,8 +258,10 @@ def _guarded(name: str, original: Any) -> Any:
             return result
         finally:
             _inside_guarded_call.active = False
-            if temps:     # the user's callbacks name their own files again, the private dirs go
-                side_effects.remove_dirs(temps)
+            if temps:
+                from stratkit.strategy import side_effects
+
+                side_effects.remove_dirs(temps)   # the user's callbacks name their own files (or URLs) again
 
     setattr(method, _PATCH_MARK, True)
     return method
@@ -282,6 +282,14 @@ def install(version: str, mode: str) -> bool:
             if not getattr(current, _PATCH_MARK, False):
                 _guard_originals[name] = current
                 setattr(cls, name, _guarded(name, current))
+        for name in _FIT_METHODS:
+            # A wrapper another library set on keras.Model before us (MLflow's autolog) calls the fit it found
+            # then, Keras's unguarded one: guarded too, or every model.fit would skip the guard. (A wrapper set
+            # after us calls ours.) Its arguments are read as Keras's: a wrapper may take *args, **kwargs.
+            current = keras.Model.__dict__.get(name)
+            if callable(current) and not getattr(current, _PATCH_MARK, False):
+                _model_overrides[name] = current
+                setattr(keras.Model, name, _guarded(name, current, like=_guard_originals.get(name)))
         for name in on_batch.METHODS:     # each replica its share of the batch (checks nothing: no guard)
             current = cls.__dict__[name]
             if not getattr(current, _PATCH_MARK, False):
@@ -304,5 +312,11 @@ def revert_fit_guards() -> None:
             for name in (*_FIT_METHODS, *on_batch.METHODS):
                 if name in _guard_originals:
                     setattr(cls, name, _guard_originals.pop(name))
+        import keras
+
+        for name, override in list(_model_overrides.items()):
+            if getattr(keras.Model.__dict__.get(name), _PATCH_MARK, False):  # (its library may have removed it)
+                setattr(keras.Model, name, override)
+            del _model_overrides[name]
         metric_guard.revert()
         array_shuffle.revert()

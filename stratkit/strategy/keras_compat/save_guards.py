@@ -15,6 +15,15 @@ load that back.
 Only under multi-worker MWMS (one process, Mirrored, one worker: Keras's own
 method, untouched), and only for a path (not ``overwrite=False``, not a sharded
 or unzipped save: Keras's own method).
+
+A store URL (``s3://``, ``gs://``, ``az://``, ...; `stratkit.strategy.store_paths`
+decides) never becomes a local directory named after its scheme: the chief
+saves to a local temporary and uploads it whole through `stratkit.storage`
+(after a probe: a missing bucket or refused credentials are a `ConfigError`
+before anything is written); the other workers save to a private directory
+that is removed, so nothing of theirs reaches the store. A URL that only
+``tf.io.gfile`` reaches (``gs://`` without gcsfs) is Keras's own save, on every
+worker, as plain Keras does it.
 What Keras prints while it writes (``export``'s "Saved artifact at '...'")
 named the private temporary a user then looked for; it is held back while
 Keras writes, and printed once the path is in place, naming the path the user
@@ -32,7 +41,7 @@ from collections.abc import Iterator
 import threading
 from typing import Any
 
-from stratkit.strategy.keras_compat.trainer_patches import _is_multi_worker_collective
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _METHODS = ("save", "save_weights", "export")
@@ -71,33 +80,73 @@ def _guarded(name: str, original: Any) -> Any:
         if (getattr(_inside, "active", False) or not isinstance(filepath, (str, os.PathLike))
                 or strategy is None or not _is_multi_worker_collective(strategy)):
             return original(self, filepath, *args, **kwargs)
+        from stratkit.strategy import store_paths
+
         path = os.fspath(filepath)
+        how = store_paths.route(path, f"model.{name}")   # a URL nothing can open: ConfigError, nothing written
+        if how == store_paths.KERAS:
+            return original(self, filepath, *args, **kwargs)   # gs:// without gcsfs: tf.io.gfile, as plain Keras
         _inside.active = True  # save_weights inside save, export's own saves: decided once, here
         try:
+            if how == store_paths.STORE:
+                return _to_store(name, original, self, path, strategy, args, kwargs)
+            path = store_paths.local(path, f"model.{name}")
             # Every worker writes the path it was given (TF's tutorials have each non-chief worker save to its
             # own temporary path and load it back), always through a private temporary and a rename: workers
             # that share a path replace it whole, one after the other, never a mix or a half-written file.
             if not _atomic(name, path, kwargs):
-                return original(self, filepath, *args, **kwargs)
+                return original(self, path, *args, **kwargs)
             from stratkit import files
 
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            result: list[Any] = []
-            temporary: list[str] = []
             write = files.replace_dir_with if name == "export" else files.write_with
-
-            def into(tmp: str) -> None:
-                temporary.append(tmp)
-                result.append(original(self, tmp, *args, **kwargs))
-
-            with _said_after(lambda message: message.replace(temporary[0], path) if temporary else message):
-                write(path, into)
-            return result[0] if result else None
+            return _written(write, path, lambda tmp: original(self, tmp, *args, **kwargs))
         finally:
             _inside.active = False
 
     setattr(method, _PATCH_MARK, True)
     return method
+
+
+def _written(write: Any, path: str, save: Any) -> Any:
+    """`write(path, into)` with Keras's `save(tmp)` as the writer; what Keras said names `path`, not `tmp`."""
+    result: list[Any] = []
+    temporary: list[str] = []
+
+    def into(tmp: str) -> None:
+        temporary.append(tmp)
+        result.append(save(tmp))
+
+    with _said_after(lambda message: message.replace(temporary[0], path) if temporary else message):
+        write(path, into)
+    return result[0] if result else None
+
+
+def _to_store(name: str, original: Any, model: Any, url: str, strategy: Any, args: tuple, kwargs: dict) -> Any:
+    """A save to a store URL on several workers: the chief uploads it whole, the others save privately.
+
+    Every worker still saves (a save may read synchronised variables); only the
+    chief's file reaches the store, as one object (a SavedModel or a sharded
+    save: its files, the index last), after a probe that turns a missing bucket
+    or refused credentials into a `ConfigError` before Keras writes anything.
+    """
+    from stratkit import storage
+    from stratkit.strategy import scratch
+
+    parent, base = url.rsplit("/", 1)
+    if kwargs.get("overwrite", True) is False and storage.open_store(parent).exists(base) and \
+            not _io_utils().ask_to_proceed_with_overwrite(url):   # what Keras asks before replacing a file
+        return None
+    if not _is_chief(strategy):
+        private = scratch.make("stratkit-save-worker-")
+        try:
+            return original(model, os.path.join(private, storage.basename(url)), *args, **kwargs)
+        finally:
+            scratch.remove([private])
+    storage.check_store(parent, f"model.{name}")
+    write = storage.replace_dir_with if name == "export" else storage.write_with
+    return _written(lambda path, into: write(path, into, f"model.{name}"), url,
+                    lambda tmp: original(model, tmp, *args, **kwargs))
 
 
 def _io_utils() -> Any:
@@ -127,6 +176,35 @@ def _said_after(rename: Any) -> Iterator[None]:
         io_utils.print_msg = say
     for (message, *args), kwargs in held:  # only after the write succeeded: the path now holds it
         say(rename(message), *args, **kwargs)
+
+
+#: staging path -> the URL it stands in for, in what Keras prints (`name_in_messages`).
+_names: dict[str, str] = {}
+_plain_say: list[Any] = []
+
+
+def name_in_messages(local: str, url: str | None) -> None:
+    """What Keras prints (``ModelCheckpoint``'s "saving model to ...") names `url` where it would name the
+    staging path `local` (`stratkit.strategy.store_callbacks`); `url=None` forgets `local`."""
+    io_utils = _io_utils()
+    with _lock:
+        if url is None:
+            _names.pop(local, None)
+        else:
+            _names[local] = url
+        if _names and not _plain_say:
+            say = io_utils.print_msg
+            _plain_say.append(say)
+
+            def renamed(message: Any, *args: Any, **kwargs: Any) -> Any:
+                text = str(message)
+                for staged, shown in list(_names.items()):
+                    text = text.replace(staged, shown)
+                return say(text, *args, **kwargs)
+
+            io_utils.print_msg = renamed
+        elif not _names and _plain_say:
+            io_utils.print_msg = _plain_say.pop()
 
 
 def install() -> None:

@@ -163,6 +163,14 @@ def _static_rank(strategy: Any, value: Any) -> int | None:
     return getattr(shape, "rank", len(shape) if isinstance(shape, tuple) else None)
 
 
+def _is_chief(strategy: Any) -> bool:
+    """Whether this task writes the run's files (``StrategyExtended.should_checkpoint``)."""
+    try:
+        return bool(strategy.extended.should_checkpoint)
+    except Exception:  # noqa: BLE001 - an exotic strategy: behave as the single-process default
+        return True
+
+
 def _is_multi_worker_collective(strategy: Any) -> bool:
     """True for an MWMS whose cluster has more than one worker (where bug 2 bites)."""
     import tensorflow as tf

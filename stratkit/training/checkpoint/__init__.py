@@ -19,7 +19,8 @@ One job per module (the API other engines build on, see docs/architecture.md):
 | `schedule` | `parse_every`: `backup_every` as steps or a duration; when one is due |
 | `data` | where the data stands, per input kind; `ResumedPyDataset` |
 | `callbacks_state` | callbacks' state (Keras's, stratkit's, `get_state`/`set_state`), CSVLogger's rows |
-| `preemption` | the signals, the per-step agreement, `Preempted` and the exit |
+| `preemption` | the signals, `Preempted` and the exit |
+| `agreement` | the step boundary every worker acts at on a notice or the chief's clock (out of band through TensorFlow's coordination service; a collective where none runs) |
 | `callback` | `Backup`, the Keras callback that ties them |
 """
 

@@ -13,8 +13,8 @@ class (put it last in `callbacks`, see `Backup`). When it acts:
   Keras's reset), the callbacks' state, and the plan that starts the epoch at
   the backup's step (`stratkit.strategy.keras_compat.resume_step`);
 * `on_train_batch_begin`, every step boundary: the agreement (a notice on any
-  worker, the chief's clock), then a step backup when due, or the preemption
-  backup and the exit;
+  worker, the chief's clock: `agreement.py`), then a step backup when due, or
+  the preemption backup and the exit;
 * `on_epoch_end`: the epoch backup (without `backup_every`; it keeps the
   name and place today's epoch backups have); the callbacks' state of that
   epoch's end is added at the next `on_epoch_begin`, when every callback ran;
@@ -26,6 +26,7 @@ directory=)` (reason "epoch", the `backup_every` text or "preemption"): Ray Trai
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -38,7 +39,7 @@ from stratkit.errors import ConfigError
 from stratkit.strategy import keras_compat
 from stratkit.strategy.keras_compat import callback_state as keras_state
 from stratkit.strategy.keras_compat import resume_step
-from stratkit.training.checkpoint import callbacks_state, preemption, state as state_lib, store
+from stratkit.training.checkpoint import agreement, callbacks_state, preemption, state as state_lib, store
 from stratkit.training.checkpoint.data import DataPosition, data_position, model_fit_position
 from stratkit.training.checkpoint.layout import WHAT, Position, worker_backup_dir
 from stratkit.training.checkpoint.schedule import Clock, parse_every
@@ -58,8 +59,8 @@ class Backup(keras.callbacks.Callback):
         rank: this worker's rank, which names its subdirectory (default: `stratkit.detect()`).
         agree_on_epoch: callable(int) -> int, the MIN over all workers (a collective); identity on one worker
             (default: from the model's strategy).
-        agree_flags: callable(list[int]) -> list[int], the SUM over all workers (one collective every few
-            steps: `preemption.Agreement`); None on one process (default: from the model's strategy).
+        agree_flags: callable(list[int]) -> list[int], a SUM over all workers to agree on notices and the chief's
+            clock every few steps with (`agreement.Agreement`); default: `agreement.for_fit`, no collective.
         keep: backups kept on disk (at least 2, so a corrupt newest one has a fallback).
         resume_note: a warning the chief gives when it resumes (what a resume does not continue).
         facts: the run's global batch, steps per epoch and dataset size (checked against the backup's).
@@ -82,6 +83,7 @@ class Backup(keras.callbacks.Callback):
         self.facts = facts
         self.data = data
         self.notice = preemption.Notice(status.preemption_signals())  # checks the variable up front
+        self._agreement: Any = agreement.Agreement(None)
         self.resumed_epoch = 0
         self.resumed = Position()
         self._decided: tuple[Position, Any, Any] | None = None
@@ -120,16 +122,13 @@ class Backup(keras.callbacks.Callback):
 
     def _collectives(self) -> None:
         """Default agreements from the model's strategy: collectives on several workers, identity on one."""
-        if self.agree_on_epoch is not None and self.agree_flags is not None:
+        if self.agree_on_epoch is not None:
             return
-        strategy = getattr(self.model, "distribute_strategy", None) if self.model is not None else None
+        strategy = getattr(self.model, "distribute_strategy", None)
         multi = strategy is not None and keras_compat._is_multi_worker_collective(strategy)
         from stratkit.strategy import collectives
 
-        if self.agree_on_epoch is None:
-            self.agree_on_epoch = (lambda v: collectives.min_over_workers(strategy, v)) if multi else (lambda v: v)
-        if self.agree_flags is None and multi:
-            self.agree_flags = lambda values: collectives.sum_over_workers(strategy, values)
+        self.agree_on_epoch = (lambda v: collectives.min_over_workers(strategy, v)) if multi else (lambda v: v)
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
@@ -216,6 +215,9 @@ class Backup(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         position = self.decide_position()
         self.notice = preemption.Notice(status.preemption_signals())
+        self._agreement.close()  # a fit that raised without release(): its threads end here; then this fit's
+        self._agreement = agreement.for_fit(getattr(self.model, "distribute_strategy", None), self.agree_flags)
+        self._agreement.start(self.notice)
         _, point, local = self._decided
         if position != Position():
             if local.note and point is local:
@@ -245,7 +247,6 @@ class Backup(keras.callbacks.Callback):
         saved = (self._state or {}).get("position", {}).get("global_step")
         self._epoch_start = (int(saved) if saved is not None else position.epoch * steps) - position.step
         self._clock = Clock(self.every, bool(self.is_chief))
-        self._agreement = preemption.Agreement(self.agree_flags)
         epochs = (self.params or {}).get("epochs")
         # Every worker decides the same (same position, same epochs); only the chief says it.
         self._past_end = store.past_end(position.epoch, epochs, self.backup_dir, say=bool(self.is_chief))
@@ -318,6 +319,7 @@ class Backup(keras.callbacks.Callback):
         if self.model is not None:
             keras_compat.set_resume_epoch(self.model, None)
         resume_step.disarm()
+        self._agreement.close()
         if not self._preempting:
             self.notice.uninstall()
         callbacks_state.restore_csv_append(self._csv)
@@ -393,8 +395,6 @@ class Backup(keras.callbacks.Callback):
             return
         store.remove_backup(self.backup_dir)
         shutil.rmtree(os.path.join(self.backup_dir, "workers"), ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(self.backup_dir)  # only if nothing of the user's is left in it
-        except OSError:
-            pass
 

@@ -5,11 +5,11 @@ spot VMs, `stratkit launch` forwarding its own), or a signal the job asked
 for (Slurm's `--signal=USR1@120`: USR1 is one inside a Slurm job; else name it with
 STRATKIT_PREEMPTION_SIGNAL=USR1 or `stratkit launch --preemption-signal USR1`). While a backup is configured,
 `Notice` catches those signals (in the main thread; the handler only records
-the time), and at every step boundary `Agreement` folds every worker's "I saw
-a notice" and the chief's "a timed backup is due" into one all-reduce of two
-int32s (nothing on one process or a local Mirrored strategy): every worker
-sees the same answer at the same step, writes its backup there and exits
-with `stratkit.status.EXIT_PREEMPTED` (75). Further signals during the save
+the time and wakes its `listener`), and `stratkit.training.checkpoint.agreement`
+makes every worker stop at one step boundary (on several workers the notice
+travels through TensorFlow's coordination service while they train, so it is
+acted on within a step whatever the step time): every worker writes its
+backup there and exits with `stratkit.status.EXIT_PREEMPTED` (75). Further signals during the save
 are counted and ignored: the save finishes (or a SIGKILL leaves the previous
 backup standing: every file is renamed into place only when complete). The
 handlers stay until the process is gone, so a launcher's SIGTERM to a task
@@ -85,6 +85,8 @@ class Notice:
         self.wall: float = 0.0       # time.time() of the first notice (for the log)
         self.at: float = 0.0         # time.monotonic() of the first notice
         self.repeats = 0
+        #: Called (in the handler) at the first notice; it must be safe there (`queue.SimpleQueue.put`).
+        self.listener: Callable[[], None] | None = None
         self._previous: dict[int, Any] = {}
 
     @property
@@ -128,7 +130,9 @@ class Notice:
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signum is None:
             self.signum, self.wall, self.at = signum, time.time(), time.monotonic()
-        else:
+            listener = self.listener
+            if listener is not None:
+                listener()
             self.repeats += 1  # e.g. a second SIGTERM during the save: the save goes on
 
     def describe(self) -> str:
@@ -143,62 +147,6 @@ def _name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-class Agreement:
-    """At a step boundary: did any worker see a notice, and did the chief's clock make a backup due?
-
-    `reduce(values) -> values` sums a few ints over the workers (one collective; every worker calls
-    `decide` at every boundary); None on one process or a local Mirrored strategy, where every boundary
-    decides at once. On several workers the collective has a fixed cost (measured: 11 ms per call on 2
-    loaded CPU workers, where a small model's step took 45 ms; 4.2 ms of a 21 ms step unloaded), so it runs at every boundary only for the
-    first :attr:`WARMUP` ones, which time it and the step; then every `interval` boundaries, the interval
-    every worker takes from their proposals' mean (carried by the same collective, so all agree): the
-    fewest boundaries that keep the collective under :attr:`BUDGET` of the training time, and no more than
-    fit in :attr:`LATENCY` seconds, the longest a notice waits. Between two collectives nothing is decided:
-    a notice is acted on at the next one (every worker stops at that same boundary), and what it stops
-    there is saved, so no step is trained twice.
-    """
-
-    WARMUP = 8
-    BUDGET = 0.02
-    LATENCY = 0.5
-
-    def __init__(self, reduce: Callable[[list[int]], list[int]] | None) -> None:
-        self.reduce = reduce
-        self.interval = 1
-        self.boundaries = 0
-        self._costs: list[float] = []
-        self._gaps: list[float] = []
-        self._last: float | None = None
-
-    def _proposal(self) -> int:
-        """The interval this worker proposes from what it timed (0 while it is still timing)."""
-        if len(self._gaps) < self.WARMUP - 1:
-            return 0
-        cost = sorted(self._costs)[len(self._costs) // 2]
-        step = max(sorted(self._gaps)[len(self._gaps) // 2] - cost, 1e-6)      # training time per step
-        wanted = int(cost / (self.BUDGET * step)) + 1
-        return max(1, min(wanted, int(self.LATENCY / (step + cost))))
-
-    def decide(self, noticed: bool, due: bool) -> tuple[bool, bool]:
-        if self.reduce is None:
-            return noticed, due
-        now = time.monotonic()
-        if self._last is not None and self.interval == 1:
-            self._gaps.append(now - self._last)
-        self._last = now
-        self.boundaries += 1
-        if self.boundaries % self.interval:
-            return False, False
-        proposal = self._proposal() if self.interval == 1 else 0
-        started = time.monotonic()
-        agreed = self.reduce([int(noticed), int(due), proposal, int(proposal > 0)])
-        self._costs.append(time.monotonic() - started)
-        if agreed[3] and self.interval == 1:     # every worker proposed: take their mean, all alike
-            self.interval = max(1, round(agreed[2] / agreed[3]))
-            self.boundaries = 0
-        return agreed[0] > 0, agreed[1] > 0
 
 
 def exit_soon(code: int = status.EXIT_PREEMPTED, deadline: float = EXIT_DEADLINE) -> None:

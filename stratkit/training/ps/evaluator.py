@@ -15,7 +15,9 @@ every task:
     `tf.data.Dataset` unbatched (batched here with `global_batch_size`) or
     already batched with the global batch, or a dataset_fn).
   * optionally a `keras.callbacks.TensorBoard` in `callbacks`: the summaries go
-    to `<its log_dir>/eval`; without one, to `<backup_dir>/eval`.
+    to `<its log_dir>/eval`; without one, to `<backup_dir>/eval`. A store URL
+    (``s3://...``) is written to a local staging directory and uploaded after
+    each evaluation (`stratkit.storage.Mirror`).
 
 When it ends: the chief writes `training-done.json` naming the final weights
 when training ends; the evaluator evaluates that file (unless it already saw
@@ -38,8 +40,9 @@ from typing import Any, Iterable
 
 import keras
 
-from stratkit import files, status
+from stratkit import files, status, storage
 from stratkit.errors import ChiefGoneError, ConfigError
+from stratkit.strategy import scratch
 from stratkit.training import backup as backup_lib
 from stratkit.training import inputs
 from stratkit.training.ps import variables
@@ -52,11 +55,28 @@ STARTED_FILE = "evaluator-started"
 
 
 def summary_dir(backup_dir: str, callbacks: Iterable[Any] = ()) -> str:
-    """Where the evaluator writes its TensorBoard summaries."""
+    """Where the evaluator writes its TensorBoard summaries (a directory or a store URL)."""
     for callback in callbacks or ():
         if isinstance(callback, keras.callbacks.TensorBoard):
-            return os.path.join(os.fspath(callback.log_dir), "eval")
-    return os.path.join(backup_dir, "eval")
+            return storage.join(os.fspath(callback.log_dir), "eval")
+    return storage.join(backup_dir, "eval")
+
+
+def _staged(out_dir: str) -> tuple[str, storage.Mirror | None]:
+    """The local directory the summary writer writes, and for a store URL the mirror that uploads it."""
+    if not storage.is_url(out_dir):
+        return out_dir, None
+    staging = scratch.make("stratkit-eval-summaries-")
+    return staging, storage.Mirror(staging, storage.check_store(out_dir, "TensorBoard(log_dir=...) eval"))
+
+
+def _push(mirror: storage.Mirror | None) -> None:
+    if mirror is None:
+        return
+    try:
+        mirror.push()
+    except OSError as exc:   # the next evaluation's push tries again
+        log.warning("evaluator: could not upload the summaries to %s (%s)", mirror.store.shown, exc)
 
 
 def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
@@ -92,11 +112,12 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
     metrics = Metrics.of(model)
 
     out_dir = summary_dir(directory, callbacks)
-    os.makedirs(out_dir, exist_ok=True)
+    local_out, mirror = _staged(out_dir)
+    os.makedirs(local_out, exist_ok=True)
     os.makedirs(directory, exist_ok=True)
     # In backup_dir itself: compared with the chief's marker there, on that filesystem's clock.
     started = _touch(os.path.join(directory, STARTED_FILE))
-    writer = tf.summary.create_file_writer(out_dir)
+    writer = tf.summary.create_file_writer(local_out)
     history = keras.callbacks.History()
     history.set_model(model)
     history.on_train_begin()
@@ -126,6 +147,7 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
                 if isinstance(value, float):
                     tf.summary.scalar(f"epoch_{name[len('val_'):]}", value)
         writer.flush()
+        _push(mirror)
         history.on_epoch_end(epoch, logs)
         if not quiet:
             values = " - ".join(f"{k}: {v:.4f}" for k, v in logs.items() if isinstance(v, float))
@@ -157,6 +179,9 @@ def run_sidecar_evaluation(trainer: Any, model: Any, validation_data: Any, *,
                     "longer")
         time.sleep(poll_seconds)
     writer.close()
+    _push(mirror)
+    if mirror is not None:
+        scratch.remove([local_out])
     if not quiet:
         log.info("evaluator: training ended; evaluated %d checkpoint(s)", len(history.epoch))
     return history

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 import keras
 
 from stratkit.errors import ConfigError
-from stratkit.strategy import keras_ps
+from stratkit.strategy import keras_ps, side_effects, store_callbacks
 from stratkit.training import inputs
 from stratkit.training.ps import variables
 from stratkit.training.ps.coordinator import CoordinatorLoop
@@ -69,10 +69,16 @@ def fit_parameter_server(trainer: Any, model: Any, data: Any, *, epochs: int, st
                           "checkpoints in backup_dir. Fix: pass backup_dir=<a directory every task can read> to "
                           "trainer.fit (the same on every task)")
     loop = CoordinatorLoop.for_model(trainer, model)
-    return loop.fit(data, epochs=epochs, steps_per_epoch=int(steps_per_epoch), validation_data=validation_data,
-                    global_batch_size=global_batch_size,
-                    backup_dir=None if backup_dir is None else os.fspath(backup_dir), callbacks=callbacks,
-                    verbose=verbose, validation_steps=validation_steps)
+    # The chief alone runs the callbacks: a store URL as their path is written locally and uploaded.
+    temps: list[str] = []
+    try:
+        routed = [c for callback in callbacks or () for c in store_callbacks.to_store(callback, temps)]
+        return loop.fit(data, epochs=epochs, steps_per_epoch=int(steps_per_epoch), validation_data=validation_data,
+                        global_batch_size=global_batch_size,
+                        backup_dir=None if backup_dir is None else os.fspath(backup_dir), callbacks=routed,
+                        verbose=verbose, validation_steps=validation_steps)
+    finally:
+        side_effects.remove_dirs(temps)
 
 
 def check_steps_per_epoch(steps_per_epoch: Any) -> None:
