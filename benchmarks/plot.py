@@ -447,8 +447,31 @@ def plot_backups(data: dict, path: Path) -> Path:
                    path)
 
 
+# -- batch inference (written by bench_inference.py) ----------------------------------------------
+def plot_inference(data: dict, path: Path) -> Path:
+    """Rows per second per way: mean bars, min-max whiskers, each run a dot."""
+    plt = _pyplot()
+    rows = data["rows"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    means = [r["rows/s"] for r in rows]
+    colors = [BLUE if r["way"].startswith("stratkit") else GREY if "zeros" in r["way"] else ORANGE for r in rows]
+    ax.bar(range(len(rows)), means, 0.55, capsize=3, color=colors,
+           yerr=[[m - r["min rows/s"] for m, r in zip(means, rows)], [r["max rows/s"] - m for m, r in zip(means, rows)]])
+    for i, row in enumerate(rows):
+        runs = [run["rows_per_second"] for run in data["runs"] if run["way"] == row["way"]]
+        ax.plot([i] * len(runs), runs, "k.", markersize=4)
+        ax.text(i, row["max rows/s"], f"{row['vs pandas UDF']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [_wrap(r["way"], 22) for r in rows], fontsize=7)
+    ax.set_ylabel("rows / second (mean, min-max)")
+    loads = [v for run in data["runs"] for v in (run["load_before"][0], run["load_after"][0])]
+    job = data["job"]
+    return _finish(plt, fig, data, f"Scoring {job['rows']:,} rows on {job['master']} ({job['rounds']} rounds, "
+                   f"load {min(loads):.1f}-{max(loads):.1f})", path)
+
+
 PLOTS = {"scaling": plot_scaling, "overhead": plot_overhead, "allreduce": plot_allreduce, "spark": plot_spark,
-         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic, "ray": plot_ray, "backups": plot_backups}
+         "input": plot_input, "ps": plot_ps, "elastic": plot_elastic, "ray": plot_ray, "backups": plot_backups,
+         "inference": plot_inference}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -330,8 +330,9 @@ class GCSServer(StoreServer):
     scheme = "gs"
 
     def command(self) -> list[str]:
-        binary = Path(sys.executable).parent / "gcp-storage-emulator"
-        return [str(binary), "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory"]
+        # The emulator's command line with its multipart reading made byte-exact (tests/gcs_emulator.py).
+        return [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+                "--port", str(self.port), "--in-memory"]
 
     @property
     def env(self) -> dict[str, str]:

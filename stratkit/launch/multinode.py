@@ -89,7 +89,7 @@ class _Remote:
     def __init__(self, failure: TaskFailure) -> None:
         self._failure = failure
 
-    def failure(self, attempt: int, timed_out_after: float | None) -> TaskFailure:
+    def failure(self, attempt: int, timed_out_after: float | None, timeout_setting: str = "--timeout") -> TaskFailure:
         return self._failure
 
     def join_output(self, timeout: float = 0.0) -> None:

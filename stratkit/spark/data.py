@@ -208,6 +208,20 @@ class ParquetShard:
             y = y[:, 0] if y.shape[1] == 1 and not _is_list(column.type) else y.astype("float32")
         return x, y
 
+    def column_widths(self) -> dict[str, int]:
+        """Values per row of each staged column (1 for a scalar), from the first row: the feature matrix of
+        `iter_batches` is the feature columns' values side by side, in `feature_cols` order."""
+        import pyarrow.parquet as pq
+
+        for uri, rows in self.staged.files:
+            if rows:
+                parent, name = uri.rstrip("/").rsplit("/", 1)
+                with storage.open_store(parent, "the staged DataFrame").open(name) as handle:
+                    batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=self._columns()))
+                return {column: _column_matrix(batch.column(batch.schema.get_field_index(column)), column).shape[1]
+                        for column in self._columns()}
+        raise ConfigError("the staged DataFrame has no rows")
+
     def to_numpy(self) -> tuple[Any, Any]:
         """The whole shard in memory as `(x, y)` numpy arrays."""
         import numpy as np

@@ -43,15 +43,16 @@ def _is_local_master(master: str) -> bool:
     return master == "local" or master.startswith(("local[", "local-cluster["))
 
 
-def _column_expression(df: Any, name: str) -> Any:
+def _column_expression(df: Any, name: str, vector_dtype: str = "float64") -> Any:
+    """The column as something Arrow carries as numbers (a Spark ML vector as an array of `vector_dtype`)."""
     from pyspark.sql import functions as F
 
     field_type = df.schema[name].dataType
     type_name = field_type.typeName()
-    if type_name == "vector" or type(field_type).__name__ == "VectorUDT":
+    if _is_vector(field_type):
         from pyspark.ml.functions import vector_to_array
 
-        return vector_to_array(F.col(name)).alias(name)
+        return vector_to_array(F.col(name), vector_dtype).alias(name)
     if type_name in _NUMERIC:
         return F.col(name).cast("double").alias(name) if type_name in ("decimal", "boolean") else F.col(name)
     if type_name == "array" and field_type.elementType.typeName() in _NUMERIC:
@@ -59,6 +60,24 @@ def _column_expression(df: Any, name: str) -> Any:
     raise ConfigError(f"column {name!r} has type {field_type.simpleString()}, which cannot become a tensor. Fix: "
                       "use numeric columns, arrays of numbers or Spark ML vectors (e.g. assemble them with "
                       "pyspark.ml.feature.VectorAssembler), or leave the column out of feature_cols")
+
+
+def _is_vector(field_type: Any) -> bool:
+    return field_type.typeName() in ("vector", "vectorudt") or type(field_type).__name__ == "VectorUDT"
+
+
+def column_width(field: Any) -> int | None:
+    """Values per row of a DataFrame column (a `StructField`) as its schema tells: 1 for a number, a Spark ML
+    vector's size from its ML attribute metadata (VectorAssembler, StandardScaler, ... write it), else None
+    (an array column, or a vector without that metadata: known at its first row)."""
+    if _is_vector(field.dataType):
+        attributes = (field.metadata or {}).get("ml_attr", {})
+        if "num_attrs" in attributes:
+            return int(attributes["num_attrs"])
+        groups = attributes.get("attrs", {})
+        count = sum(len(group) for group in groups.values()) if isinstance(groups, dict) else 0
+        return count or None
+    return 1 if field.dataType.typeName() in _NUMERIC else None
 
 
 def _part_writer(path: str) -> Any:

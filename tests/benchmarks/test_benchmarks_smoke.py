@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Not here: bench_ray.py. Its --quick starts a local Ray twice and a SparkSession once (three engines, cold and
 # warm) and took 5 min 45 s on the shared 2 cores (load 13-18), most of it Ray Train importing TensorFlow in its
 # controller and workers: over this file's budget. `python benchmarks/bench_ray.py --quick` checks it by hand.
+# Nor bench_inference.py: its --quick starts a SparkSession whose Python workers import TensorFlow, and scores
+# with three UDFs (~1 min on the shared 2 cores); `python benchmarks/bench_inference.py --quick` checks it.
 EXPECTED = {
     "overhead": ({"benchmark", "machine", "quick", "rows", "goal_ratio"},
                  {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),

@@ -4,7 +4,7 @@ A local-cluster session's executors and their Python workers cost 25-50 s to sta
 machine; spark_helpers.shared_session keeps one session for every module asking for the same one, as long
 as no other session starts in between. test_logserver_spark.py sorts before modules that start other
 sessions (test_spark_connect.py, test_spark_gpu.py), so its tests move to just before test_spark_runner.py's;
-test_spark_storage.py's too.
+test_spark_ml.py's and test_spark_storage.py's too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from spark_helpers import stop_shared_session
 
 #: Modules moved to just before the module whose session they share.
-SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_storage.py": "test_spark_runner.py"}
+SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_ml.py": "test_spark_runner.py",
+           "test_spark_storage.py": "test_spark_runner.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ import time
 
 import cloudpickle
 import pytest
-from spark_helpers import processes_of_run, stop_shared_session
+from spark_helpers import REPO_ROOT, processes_of_run, stop_shared_session
 
 from stratkit.spark import MirroredStrategyRunner, SparkRunner, SparkTrainingError
 
@@ -34,9 +34,15 @@ def spark():
         pytest.skip(f"the Spark Connect client needs pyspark[connect]: {exc}")
     import os
 
-    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON")}
+    saved = {k: os.environ.get(k) for k in ("SPARK_LOCAL_IP", "PYSPARK_PYTHON", "PYTHONPATH")}
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    # The local server's Python workers import this checkout's stratkit (as spark_helpers' executors do), not the
+    # one installed in the venv, which may be another worktree's. Measured: spark.executorEnv.PYTHONPATH did not reach
+    # them; they inherit the JVM's environment, so this holds when this module starts the JVM (run it first, or
+    # alone, from a worktree whose stratkit differs from the installed one).
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests"),
+                                                *filter(None, [saved["PYTHONPATH"]])])
     from pyspark.sql import SparkSession
 
     # Startup confs (BASE_CONFS) cannot be set from a Connect client; SPARK_LOCAL_IP keeps it on loopback.
@@ -213,3 +219,33 @@ def test_without_a_reachable_log_server_the_last_lines_come_with_the_error(spark
     assert (info.value.task, info.value.rank, info.value.exit_code) == ("worker:1", 1, 1)
     assert info.value.lines[-1] == "ValueError: injected failure on worker 1"
     assert "worker 1 line 149" in info.value.lines
+
+
+# -- the Spark ML stages over Connect --------------------------------------------------------------
+
+def test_a_keras_pipeline_fits_scores_saves_and_loads_over_connect(spark, tmp_path):
+    import ml_models
+    import numpy as np
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+
+    from stratkit.spark import KerasEstimator
+
+    cloudpickle.register_pickle_by_value(ml_models)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)) * [1.0, 10.0, 100.0]
+    rows = [(i, *map(float, v), float(v @ [1.0, 0.1, 0.01])) for i, v in enumerate(x)]
+    df = spark.createDataFrame(rows, "id long, a double, b double, c double, label double")
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=["a", "b", "c"], outputCol="raw"),
+                                StandardScaler(inputCol="raw", outputCol="features", withMean=True),
+                                KerasEstimator(buildFn=ml_models.build_regressor, labelCols=["label"], epochs=1,
+                                               batchSize=32, seed=3)])
+    model = pipeline.fit(df)
+    scored = sorted(model.transform(df).select("id", "features", "prediction").collect())
+    features = np.array([row["features"].toArray() for row in scored], "float32")
+    expected = model.stages[-1].keras_model().predict(features, verbose=0)[:, 0]
+    np.testing.assert_allclose([row["prediction"] for row in scored], expected, atol=1e-5, rtol=0)
+    model.write().overwrite().save(str(tmp_path / "pipeline"))
+    loaded = PipelineModel.load(str(tmp_path / "pipeline"))
+    again = dict(loaded.transform(df).select("id", "prediction").collect())
+    assert all(again[row["id"]] == row["prediction"] for row in scored)

@@ -13,7 +13,8 @@ local mode, num_slots <= 0, the SSL refusal and its override), plus what the
 peer cannot do: Keras 3 multi-worker fit, repeated runs in reused Python
 workers, a parameter-server cluster. This module runs the RDD barrier stage
 (spark.stratkit.stage=rdd, where Spark reuses Python workers); the other
-module runs mapInArrow.
+module runs mapInArrow. Last, scoring with `keras_predict(use_gpu=True)`: one
+of each task's GPUs per Python worker, with memory growth.
 """
 
 from __future__ import annotations
@@ -259,3 +260,39 @@ def test_parameter_server_cluster_chief_coordinates_workers_and_ps_on_spark(spar
     assert runner.last_run.exit_codes == {"chief:0": 0, "worker:0": 0, "worker:1": 0, "ps:0": 0}
     for label in ("worker:0", "worker:1", "ps:0"):
         assert any("the chief finished training" in line for line in runner.last_run.tails[label])
+
+
+# -- scoring (stratkit.spark.keras_predict / KerasModel.transform) on GPUs ------------------------
+# Each Python worker starts TensorFlow on one of its task's Spark GPUs. TensorFlow cannot use the fake GPUs, so
+# the model runs on the CPU; what is checked is the environment TensorFlow started with in each worker, which
+# the model's probe layer (tests/spark/ml_models.py) records when the worker loads it: the task's GPU still set,
+# and TensorFlow's runtime already started (it read CUDA_VISIBLE_DEVICES then).
+
+def test_each_scoring_task_sees_one_of_its_spark_gpus_with_memory_growth(spark, tmp_path):
+    import json
+
+    import ml_models
+    import numpy as np
+    from pyspark.ml.feature import VectorAssembler
+
+    from stratkit.spark import keras_predict
+
+    cloudpickle.register_pickle_by_value(ml_models)
+    log = tmp_path / "loads.jsonl"
+    model = ml_models.two_inputs_two_heads(str(log))
+    model.save(tmp_path / "model.keras")
+    rng = np.random.default_rng(2)
+    rows = [(i, [float(v) for v in rng.normal(size=4)], *map(float, rng.normal(size=3))) for i in range(40)]
+    frame = spark.createDataFrame(rows, "id long, pixels array<float>, e0 double, e1 double, e2 double")
+    frame = VectorAssembler(inputCols=["e0", "e1", "e2"], outputCol="extra").transform(frame.coalesce(1))
+    scored = keras_predict(frame, str(tmp_path / "model.keras"), ["pixels", "extra"], use_gpu=True,
+                           custom_objects={"Probe": ml_models.probe_class()})
+    assert len(scored.select("prediction_price", "prediction_kind").collect()) == 40  # count() would skip the UDF
+    loads = [json.loads(line) for line in log.read_text().splitlines()]
+    workers = [load for load in loads if load["pid"] != os.getpid()]
+    assert workers, loads
+    for load in workers:
+        # one GPU, one of the executor's (Spark's address translated through its CUDA_VISIBLE_DEVICES)
+        assert load["visible"] in PRESET.split(","), load
+        assert load["growth"] == "true", load
+        assert load["started"], f"TensorFlow's runtime started after the task's GPU was set back: {load}"

@@ -66,6 +66,19 @@ def test_whole_objects_listings_and_directories(root, tmp_path):
     assert store.list() == []
 
 
+def test_every_byte_arrives_whatever_the_object_ends_with(root, tmp_path):
+    """Line endings at the end of an object are content: an emulator that took a final
+    carriage return for its multipart framing stored 1 random upload in 256 a byte short (tests/gcs_emulator.py)."""
+    store = storage.check_store(root, "backup_dir")
+    for number, tail in enumerate([b"\r", b"\n", b"\r\n", b"\r\n\r\n", b"\x00"]):
+        data = os.urandom(64) + tail
+        (tmp_path / "object.bin").write_bytes(data)
+        store.upload(str(tmp_path / "object.bin"), f"tail/{number}.bin")
+        store.write_bytes(f"tail/{number}.bytes", data)
+        assert store.read_bytes(f"tail/{number}.bin") == data, tail
+        assert store.read_bytes(f"tail/{number}.bytes") == data, tail
+
+
 def test_write_with_and_local_copy_land_whole(root, tmp_path):
     target = storage.join(root, "out", "model.bin")
     written = storage.write_with(target, lambda tmp: open(tmp, "wb").write(b"x" * 1000), "path")

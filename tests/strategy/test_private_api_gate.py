@@ -55,6 +55,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("BarrierTaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("TaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",
+    ("Params", "_dummy"): "pyspark: the placeholder parent of a Param declared on a class (pyspark.ml's own stages "
+                          "and its docs for custom ones)",
 }
 
 
