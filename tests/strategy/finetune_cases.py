@@ -15,6 +15,10 @@
   `Trainer.fit` and a custom `strategy.run` loop (float32), and `model.fit` under `mixed_float16`: trained as one
   process trains it (Keras's warning once, the variable unchanged). Before: step 1 died with `TypeError:
   category must be a Warning subclass, not 'list'`.
+
+Cost in test_global_gradient's fixtures (measured at load 2, each case timed inside its process): one process
+6.8 s, Mirrored over 2 CPUs 17.2 s, over 4 CPUs 25.0 s (`FOUR_REPLICAS`), 2 workers 26.3 s: 75 s in all, no
+process start of their own.
 """
 
 import os
