@@ -216,13 +216,14 @@ class Trainer:
             if shuffle and train.kind == "dataset" and not train.endless:
                 backup.resume_note = _RESHUFFLED
 
+        if warmup_epochs and not scale_learning_rate:
+            raise ConfigError(f"warmup_epochs={warmup_epochs} only applies with scale_learning_rate=True. "
+                              "Fix: pass scale_learning_rate=True, or drop warmup_epochs")
+        # the last step before the try: other workers' file writers now point into private dirs until its finally
         callback_list, temps = side_effects.route_side_effects(callbacks, self.is_chief)
         if scale_learning_rate:
             callback_list.insert(0, cb.LinearScalingWarmup(self.num_replicas, warmup_epochs,
                                                            train.steps_per_epoch or steps_per_epoch))
-        elif warmup_epochs:
-            raise ConfigError(f"warmup_epochs={warmup_epochs} only applies with scale_learning_rate=True. "
-                              "Fix: pass scale_learning_rate=True, or drop warmup_epochs")
         if train.global_batch_size:
             callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
         for callback in callback_list:  # a run's logger records the global batch (stratkit.callbacks.MLflowLogger)

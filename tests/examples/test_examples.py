@@ -42,6 +42,18 @@ def test_resnet_style_model_single_process():
     assert result.last_json()["replicas"] == 1
 
 
+def test_check_exact_finds_one_processs_mathematics_in_float64():
+    """docs/exact.md's check: one device against 2 replicas of one process, float32 and float64, AdamW and SGD.
+    float64 leaves ~1e-15 (the mathematics is one process's), float32 ~1e-7 (the summation order)."""
+    result = run_process(str(EXAMPLES / "check_exact.py"), timeout=300)
+    assert result.ok, describe([result])
+    gaps = result.last_json()
+    assert set(gaps) == {"float32 adamw", "float32 sgd", "float64 adamw", "float64 sgd"}, gaps
+    assert gaps["float64 adamw"] < 1e-12 and gaps["float64 sgd"] < 1e-12, gaps
+    assert 0 < gaps["float32 sgd"] < 1e-5 and gaps["float32 adamw"] < 1e-5, gaps
+    assert "largest weight difference, one device vs 2 replicas" in result.stdout
+
+
 # -- the samples the README and the docs include (README "Quickstart", docs/spark.md) -------------
 
 def _quickstart(argv: list[str], cwd: Path, env: dict[str, str | None] | None = None) -> str:

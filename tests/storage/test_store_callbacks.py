@@ -106,14 +106,16 @@ def test_other_workers_read_the_backup_back_and_write_nothing_to_the_store(s3):
     routed, temps = route_side_effects(callbacks, is_chief=False, multi_worker=True)
     try:
         assert "StoreSync" not in [type(c).__name__ for c in routed]
+        # the user's own object trains, its files in a private directory for the length of fit (issue 46)
         private = next(c for c in routed if isinstance(c, keras.callbacks.BackupAndRestore))
-        assert private is not callbacks[3] and any(private.backup_dir.startswith(t) for t in temps)
+        assert private is callbacks[3] and any(private.backup_dir.startswith(t) for t in temps)
         with open(os.path.join(private.backup_dir, "training_metadata.json")) as handle:
             assert json.load(handle)["epoch"] == 2
         agree = routed[routed.index(private) + 1]
         assert agree.backup_dir == backup_url                          # messages name the user's URL
     finally:
         remove_dirs(temps)
+    assert callbacks[3].backup_dir == backup_url                       # and it names the URL again after fit
     assert storage.open_store(backup_url).list() == ["training_metadata.json"]
 
 

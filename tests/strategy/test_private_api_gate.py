@@ -368,12 +368,26 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "module path keras.src.optimizers.base_optimizer", "module path keras.src.optimizers.loss_scale_optimizer",
         "module path keras.src.trainers.compile_utils",  # CompileLoss.call: the per-output loss trackers
         "patch setattr(owner, name)",  # loss reduction, optimizer apply / update step / scale_loss (the one gradient path)
+        "private _all_reduce_sum_gradients", "private _backend_apply_gradients", "private _backend_update_step",
+        "private _distributed_tf_update_step", "private _distribution_strategy", "private _trainable_variables",
+    },
+    # gradient accumulation on N replicas (moved out of global_gradient.py, which calls it)
+    "stratkit/strategy/keras_compat/accumulation.py": {
+        "import keras.src.ops",
         "private _accumulated_gradients", "private _all_reduce_sum_gradients", "private _apply_weight_decay",
-        "private _backend_apply_gradients", "private _backend_increment_gradient_accumulators",
-        "private _backend_reset_gradient_accumulators", "private _backend_update_step", "private _clip_gradients",
-        "private _distributed_tf_update_step", "private _distribution_strategy", "private _get_variable_index",
+        "private _backend_increment_gradient_accumulators", "private _backend_reset_gradient_accumulators",
+        "private _backend_update_step", "private _clip_gradients", "private _get_variable_index",
         "private _iterations", "private _overwrite_model_variables_with_average_value",
         "private _trainable_variables", "private _update_model_variables_moving_average",
+    },
+    # float8 on N replicas: the scales' and histories' maximum, the bias added with a float32 gradient
+    "stratkit/strategy/keras_compat/float8.py": {
+        "import keras.src.ops",
+        "module path keras.src.layers.core.dense", "module path keras.src.layers.core.einsum_dense",
+        "module path keras.src.optimizers.base_optimizer",
+        "private _float8_call",  # Dense/EinsumDense: wrapped (installed by global_gradient.install)
+        "private _overwrite_variables_directly_with",  # the self-check reads BaseOptimizer.apply's order
+        "private _trainable_variables",
     },
     "stratkit/strategy/keras_compat/synced_logs.py": {
         "import keras.src.backend", "import keras.src.utils.python_utils", "module path keras.src.trainers.trainer",

@@ -19,8 +19,8 @@ The modules, one responsibility each:
 
 * :mod:`.versions`: the tested sets, the floor, ``STRATKIT_KERAS_COMPAT``, version parsing;
 * :mod:`.trainer_patches`: the two trainer fixes; :mod:`.self_check`: the probe for untested versions;
-* :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss
-  scaling), with :mod:`.synced_logs` (metric logs from the summed state), :mod:`.batchnorm`
+* :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss scaling;
+  :mod:`.accumulation`, :mod:`.float8`), with :mod:`.synced_logs` (logs from the summed state), :mod:`.batchnorm`
   (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
 * :mod:`.replica_state`: state a layer assigns in a replica step (``aggregation="none"``) set to the replicas'

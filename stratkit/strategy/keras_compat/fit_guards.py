@@ -261,7 +261,7 @@ def _guarded(name: str, original: Any, like: Any = None) -> Any:
             if temps:
                 from stratkit.strategy import side_effects
 
-                side_effects.remove_dirs(temps)   # and the callbacks staged for a store pointed back at it
+                side_effects.remove_dirs(temps)   # the user's callbacks name their own files (or URLs) again
 
     setattr(method, _PATCH_MARK, True)
     return method

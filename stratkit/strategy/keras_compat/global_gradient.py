@@ -20,7 +20,10 @@ hangs. Here, in a replica context of such a strategy:
    ``_all_reduce_sum_gradients``, so gradient compression still applies), then
    clipping, the loss scale's finiteness test and the update run on the
    global gradient, identically on every replica; the later all-reduce inside
-   ``_backend_update_step`` is skipped.
+   ``_backend_update_step`` is skipped. A None gradient (a variable the
+   forward pass did not use) and a variable's new value (float8's scales and
+   amax histories: their elementwise maximum over the replicas, :mod:`.float8`)
+   are not summed; accumulation: :mod:`.accumulation`.
 3. **Inside ``fit``/``evaluate``** (see :func:`fit_mode`) a loss reads as one
    process's: each replica's loss is N x its share (exactly one process's loss
    when the split is even; their mean is one process's loss always), the losses
@@ -44,7 +47,8 @@ hangs. Here, in a replica context of such a strategy:
    by N instead, and the optimizer then sums the all-reduced gradients rather
    than averaging them: each row's float16 gradient has one process's size
    (scale / N times N x share), the scale variable and what ``fit`` logs are
-   unchanged, and a float32 run without loss scaling does not pass here.
+   unchanged, and a float32 run without loss scaling does not pass here (a float8
+   model's does: :mod:`.float8`, 2.).
 
 Size: over 400 lines because the four parts are one convention (a loss in fit is N x its share, the
 optimizer undoes the N): splitting them would put the two halves of it in different modules.
@@ -65,6 +69,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from stratkit.strategy.keras_compat import accumulation, float8
 from stratkit.strategy.keras_compat.optimizer_build import build_outside_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
@@ -295,21 +300,33 @@ def _reduced_apply(original: Any) -> Any:
         if trainable_variables is not None and not self.built:
             trainable_variables = list(trainable_variables)       # may be a one-pass iterator
             build_outside_replicas(self, trainable_variables)      # a custom loop's first apply: see its module
-        if (not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False)
-                or (self.gradient_accumulation_steps and not _fit_depth)):
-            # a custom loop's accumulation all-reduces at the update, as Keras does (_backend_apply_gradients)
+        if not sync_replicas() or getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False):
             return original(self, grads, trainable_variables)
-        inner = getattr(self, "inner_optimizer", None)
-        if inner is not None:
-            object.__setattr__(inner, _INNER_MARK, True)
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else (
             list(self._trainable_variables) if self.built else [None] * len(grads))
-        reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, variables)))]
+        grads = float8.agreed(grads, variables)        # float8's new scales and histories: one process's
+        if self.gradient_accumulation_steps and not _fit_depth:
+            # a custom loop's accumulation all-reduces at the update, as Keras does (_backend_apply_gradients)
+            return original(self, float8.rounded(grads, variables), trainable_variables)
+        inner = getattr(self, "inner_optimizer", None)
+        if inner is not None:
+            object.__setattr__(inner, _INNER_MARK, True)
+        # a None gradient (a variable the forward pass did not use) stays None for the optimizer's own filter
+        indices = [i for i, (g, v) in enumerate(zip(grads, variables)) if g is not None and not float8.is_overwritten(v)]
+        pairs = self._all_reduce_sum_gradients([(grads[i], variables[i]) for i in indices]) if indices else []
+        reduced = list(grads)
+        for i, (g, _) in zip(indices, pairs):
+            reduced[i] = g
+        reduced = float8.rounded(reduced, variables)
         # in fit a loss value reads as one process's: the gradient is the replicas' mean, unless the loss
         # scale was divided by N already (4.)
         if _fit_depth and not _take_divided_scale(self):
-            reduced = [_scaled(g, 1.0 / sync_replicas()) for g in reduced]
+            refused = float8.unscaled_refusal(self, grads, variables, sync_replicas())
+            if refused is not None:
+                raise refused
+            for i in indices:
+                reduced[i] = _scaled(reduced[i], 1.0 / sync_replicas())
         with _gradients_reduced():
             return original(self, reduced, trainable_variables)
 
@@ -323,8 +340,8 @@ def _divided_scale(original: Any) -> Any:
     def scale_loss(self: Any, loss: Any) -> Any:
         scaled = original(self, loss)
         replicas = sync_replicas()
-        if not (_fit_depth and replicas) or scaled is loss:     # nothing scaled: fit's averaging stays
-            return scaled
+        if not (_fit_depth and replicas) or (scaled is loss and not float8.present(self)):
+            return scaled       # nothing scaled and no float8 state (see .float8): fit's averaging stays
         divided = getattr(_local, "divided_scale", None)
         if divided is None or divided[0] is not _graph():
             divided = _local.divided_scale = (_graph(), set())
@@ -358,47 +375,12 @@ def _backend_update_step(self: Any, grads: Any, trainable_variables: Any, learni
 
 def _backend_apply_gradients(self: Any, grads: Any, trainable_variables: Any) -> Any:
     """``TFOptimizer._backend_apply_gradients`` (Keras has only the base class's): gradient accumulation on
-    N replicas. Keras chooses "update" or "accumulate" with a ``cond`` in the replica context, where the
-    update's ``merge_call`` is not allowed (keras-team/keras#20582); here the choice is made in the
-    cross-replica context and each branch runs on every replica (as Keras's LossScaleOptimizer does).
-    In fit the gradients arrive all-reduced: every replica accumulates and applies one process's values.
-    In a custom loop, Keras's convention: each replica accumulates its own gradient, and the update
-    all-reduces each replica's ``(gradient + accumulated) / k``, then clips and applies it alike everywhere."""
+    N replicas, chosen in the cross-replica context (:mod:`.accumulation`)."""
     base = _originals["BaseOptimizer._backend_apply_gradients"]
     if not self.gradient_accumulation_steps or not sync_replicas():
         return base(self, grads, trainable_variables)
-    import tensorflow as tf
-    from keras.src import ops
-
     arrived_reduced = bool(getattr(_local, "reduced", 0) or getattr(self, _INNER_MARK, False))
-    steps = self.gradient_accumulation_steps
-    accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
-
-    def update(grads: Any) -> None:
-        grads = [(g + a) / steps for g, a in zip(grads, accumulators)]
-        if not arrived_reduced:     # each replica's own (gradient + sum) / k: new tensors, summed over replicas
-            grads = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
-        with _gradients_reduced():
-            grads = self._clip_gradients(grads)
-            self._apply_weight_decay(trainable_variables)
-            self._backend_update_step(grads, trainable_variables, self.learning_rate)
-            self._backend_reset_gradient_accumulators()
-
-    def accumulate(grads: Any) -> None:
-        self._backend_increment_gradient_accumulators(grads, accumulators)
-
-    def choose(distribution: Any, grads: Any) -> None:
-        each = distribution.extended.call_for_each_replica
-        ops.cond((self._iterations + 1) % steps == 0, lambda: each(update, args=(grads,)),
-                 lambda: each(accumulate, args=(grads,)))
-
-    tf.distribute.get_replica_context().merge_call(choose, args=(grads,))
-    if self.use_ema:
-        self._update_model_variables_moving_average(self._trainable_variables)
-        if self.ema_overwrite_frequency:
-            ops.cond((self.iterations + 1) % self.ema_overwrite_frequency == 0,
-                     lambda: self._overwrite_model_variables_with_average_value(self._trainable_variables),
-                     lambda: None)
+    accumulation.apply_on_replicas(self, grads, trainable_variables, arrived_reduced, _gradients_reduced)
 
 
 setattr(_backend_update_step, _PATCH_MARK, True)
@@ -428,10 +410,11 @@ def _targets() -> list[tuple[Any, str, str, Any]]:
         (base, "scale_loss", "BaseOptimizer.scale_loss", _divided_scale),
         (lso, "scale_loss", "LossScaleOptimizer.scale_loss", _divided_scale),
         (compile_loss, "call", "CompileLoss.call", _marking_compile_loss),
+        *float8.targets(),
     ]
 
 
-_FACTORIES = (_reduced_apply, _divided_scale, _marking_compile_loss)
+_FACTORIES = (_reduced_apply, _divided_scale, _marking_compile_loss, float8.float8_call)
 
 
 def installed() -> bool:
@@ -493,4 +476,4 @@ def self_check() -> list[str]:
                             "unscale_loss_for_distribution")
     except Exception as exc:  # noqa: BLE001 - anything unexpected means "cannot verify"
         problems.append(f"self-check failed: {exc!r}")
-    return problems
+    return problems + float8.self_check()
