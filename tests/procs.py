@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -79,23 +80,37 @@ def alive(pid: int) -> bool:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """Return ``n`` distinct TCP ports that were free a moment ago.
+    """Return ``n`` distinct TCP ports that were free a moment ago, below the ephemeral range.
 
-    All sockets are held open until every port is picked, so the ports are
-    distinct; a small race with other programs remains (unavoidable without
-    handing the socket to the child).
+    All sockets are held open until every port is picked, so the ports are distinct. They are drawn below the
+    kernel's ephemeral range (ip_local_port_range), so no outgoing connection of any process (a store client,
+    Spark, gRPC) can take one between now and the child's bind: ports from bind(0) come from that range, and on
+    a busy suite a parameter server's port was taken that way ("Could not start gRPC server", CI). What remains
+    is another test drawing the same port in the same instant: one in thousands of ports.
     """
+    low = _ephemeral_low()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, 0))
+        while len(socks) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)   # no SO_REUSEADDR: held ports stay distinct
+            try:
+                s.bind((host, random.randrange(10000, low) if low > 12000 else 0))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def cluster_tf_configs(cluster: Mapping[str, Sequence[str]]) -> list[dict[str, Any]]:
