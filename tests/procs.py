@@ -16,6 +16,7 @@ Typical use::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -90,13 +91,17 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """
     low = _ephemeral_low()
     socks: list[socket.socket] = []
+    tries = 0
     try:
         while len(socks) < n:
+            tries += 1
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)   # no SO_REUSEADDR: held ports stay distinct
             try:
-                s.bind((host, random.randrange(10000, low) if low > 12000 else 0))
-            except OSError:
+                s.bind((host, random.randrange(10000, low) if low > 12000 and tries < 200 else 0))
+            except OSError as error:
                 s.close()
+                if error.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise                                           # not a taken port: the address itself
                 continue
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
