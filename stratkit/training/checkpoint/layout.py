@@ -28,13 +28,13 @@ checkpoint.json (format 2):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass, field
 
 from stratkit import files
+from stratkit.files import sha256  # noqa: F401 - what checkpoint.json and a store's manifest record
 
 METADATA = "checkpoint.json"
 WHAT = "backup_dir"
@@ -81,15 +81,6 @@ def position_of(name: str) -> tuple[Position, str] | None:
 
 def file_name(position: Position, part: str) -> str:
     return f"{position.stem}.{part}"
-
-
-def sha256(path: str) -> str:
-    """The SHA-256 of the file at `path` (what checkpoint.json and a store's manifest record), hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def worker_backup_dir(backup_dir: str, is_chief: bool, rank: int) -> str:
