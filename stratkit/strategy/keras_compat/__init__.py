@@ -18,10 +18,11 @@ behind the same gate (:func:`check_parameter_server`).
 The modules, one responsibility each:
 
 * :mod:`.versions`: the tested sets, the floor, ``STRATKIT_KERAS_COMPAT``, version parsing;
-* :mod:`.trainer_patches`: the two trainer fixes; :mod:`.self_check`: the probe for untested versions;
-* :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss scaling;
-  :mod:`.accumulation`, :mod:`.float8`), with :mod:`.synced_logs` (logs from the summed state), :mod:`.batchnorm`
-  (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
+* :mod:`.trainer_patches`: the trainer fixes (:mod:`.step_gate`: a step runs nothing without its batch);
+  :mod:`.self_check`: the probe for untested versions; :mod:`.replicas`: how many replicas train in sync;
+* :mod:`.global_gradient`: the global gradient (counts, clipping, loss scaling; :mod:`.accumulation`,
+  :mod:`.float8`), with :mod:`.synced_logs` (logs from the summed state), :mod:`.batchnorm` (the global
+  batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
 * :mod:`.replica_state`: state a layer assigns in a replica step (``aggregation="none"``) set to the replicas'
   row-weighted mean, one value everywhere;
@@ -268,15 +269,14 @@ def apply(strategy: Any = None) -> str:
 
 
 def apply_one_device() -> bool:
-    """The one fix one device needs: models without ``call()`` (Keras's DCGAN/VAE examples) train as without a strategy.
+    """The fixes one device needs: a model without ``call()`` builds as without a strategy; a step needs its batch.
 
-    Keras builds every model under a strategy by calling it, which a model with
-    only a ``train_step`` cannot do (see :mod:`.trainer_patches`). ``make_strategy``
-    calls this for its one-device choice; it installs the trainer fixes (inert on
-    one device but for that build) on a tested Keras only, and changes nothing
-    otherwise: one device is never refused for an untested Keras. Not under
-    ``STRATKIT_KERAS_COMPAT=force`` either: :func:`apply` would then take the
-    installed fixes for an upstream fix and skip the rest of the patches.
+    Keras builds every model under a strategy by calling it, which a model with only a ``train_step`` cannot
+    do (see :mod:`.trainer_patches`), and counts an optimizer step for the step that meets the end of an input
+    (:mod:`.step_gate`). ``make_strategy`` calls this for its one-device choice: the trainer fixes, on a tested
+    Keras only; otherwise nothing: one device is never refused for an untested Keras. Not under
+    ``STRATKIT_KERAS_COMPAT=force`` either: :func:`apply` would then take the installed fixes for an upstream
+    fix and skip the rest of the patches.
 
     Returns:
         True when the fix is in place.
