@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,22 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
-from jobs import REPO, TASKS, clean_env, kill_all  # noqa: E402
+from jobs import REPO, TASKS, clean_env, kill_all, loopback_ports  # noqa: E402
 
 TASK = TASKS / "unknown_length_task.py"
 TOLERANCE = 1e-5
 #: a run's processes, generously: a 3-epoch fit takes ~10 s alone and minutes on a loaded machine
 TIMEOUT = 900
-
-
-def _ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _result(stdout: str) -> dict | None:
@@ -68,7 +57,7 @@ def run(mode: str, tree: Path, epochs: int, rows: int) -> list[dict | str]:
             "--rows", str(rows)]
     env = clean_env(PYTHONPATH=str(tree))
     if mode == "mwms":
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in _ports(2)]}
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in loopback_ports(2)]}
         envs = [{**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
                 for i in range(2)]
     else:

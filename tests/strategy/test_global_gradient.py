@@ -304,19 +304,19 @@ def test_the_users_arrays_a_python_input_hands_over_are_left_as_they_were(case, 
         assert run[case]["rows_intact"] is True
 
 
-def test_an_input_of_unknown_length_counts_the_steps_it_trained_under_load_on_one_device_and_n_replicas(
-        one_process, mirrored, two_workers):
+@pytest.mark.parametrize("mode", ["one_process", "mirrored", "two_workers"])
+def test_an_input_of_unknown_length_counts_the_steps_it_trained_under_load(mode, request):
     """Issue 49 (keras_compat/step_gate.py): Keras learns where a `filter()` input ends from the step whose
     get_next fails, once an epoch; that step's ops with no path from the batch (the optimizer's step counter,
-    assigned per device) ran or not as the abort caught them. Before the fix, with two CPU-bound processes
-    beside the fit: one process counted 24 steps after 20, every time; Mirrored stopped with
-    ReplicaDivergenceError ('adam/iteration' ... largest difference 1) in 10 of 10 runs of the acceptance
-    script at load 11-29 (benchmarks/results/replica-race-before-fix-e12.json) and in every run of this case
-    measured; the 2 workers counted 24 alike (their end of data is agreed by a collective first). The weights
-    and losses against one process: the parametrized tests above."""
-    for where, run in (("one process", one_process), ("Mirrored over 2 logical CPUs", mirrored),
-                       *((f"worker {i}", worker) for i, worker in enumerate(two_workers))):
-        case = run["unknown_length"]
+    assigned per device) ran or not as the abort caught them. Before the fix (main at b1fe468), this case alone
+    in parity_cases.py at load 12-24: Mirrored stopped with ReplicaDivergenceError ('adam/iteration' ...
+    largest difference 1) in 10 of 10 runs, one copy a step ahead ([6, 5] after 5 steps); one process and the 2
+    workers counted 24 steps after 20 (the workers agree on the end of the data by a collective first). After
+    it: 20 on every copy, 10 of 10 Mirrored runs. The weights and losses against one process: the parametrized
+    tests above; the issue's 50-run acceptance: benchmarks/replica_race.py."""
+    runs = request.getfixturevalue(mode)
+    for index, run in enumerate(runs if isinstance(runs, list) else [runs]):
+        where, case = f"{mode} {index}", run["unknown_length"]
         assert case["error"] is None, f"{where}: {case['error']}"
         assert case["steps"] == 20 and case["counted"], (
             f"{where}: the optimizer's step counter {case['per_mode']['iterations']} after {case['steps']} steps")
