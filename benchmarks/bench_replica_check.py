@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
-from jobs import REPO, clean_env  # noqa: E402
+from jobs import REPO, clean_env, loopback_ports  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time, statistics
@@ -88,23 +87,13 @@ print("RESULT " + json.dumps({"on": on, "off": off, "check_s": statistics.median
 """
 
 
-def _ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _run(kind: str, model: str, rounds: int, steps: int) -> dict:
     argv = [sys.executable, "-c", CHILD, kind, model, str(rounds), str(steps)]
     env = clean_env(PYTHONPATH=str(REPO))
     if kind == "mirrored":
         procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)]
     else:
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in _ports(2)]}
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in loopback_ports(2)]}
         procs = [subprocess.Popen(argv, env={**env, "TF_CONFIG": json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": i}})}, stdout=subprocess.PIPE, text=True)
             for i in range(2)]

@@ -76,6 +76,10 @@ COMPAT_TESTS: dict[str, str] = {
     "self_check": "tests/strategy/test_keras_compat.py::test_self_check_sees_both_bugs_in_real_keras_and_none_once_fixed",
     "fit_shuffle": "tests/strategy/test_array_shuffle.py::"
                    "test_each_epoch_the_workers_split_one_shuffled_order_that_changes",
+    # issue 49: the step that meets the end of an input of unknown length runs nothing (keras_compat/step_gate.py
+    # reaches into _make_function's closure); Mirrored under load, sharing exact_mirrored's processes
+    "unknown_length": "tests/strategy/test_global_gradient.py::"
+                      "test_an_input_of_unknown_length_counts_the_steps_it_trained_under_load[mirrored]",
 }
 
 #: Run on a refused row: every line must hold for the row to count as "refused".

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratkit.errors import ConfigError, ReplicaDivergenceError
-from stratkit.strategy.keras_compat import global_gradient, internals, replica_state
+from stratkit.strategy.keras_compat import internals, replica_state
+from stratkit.strategy.keras_compat.replicas import replicas_of
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def check(model: Any, strategy: Any = None, *, when: str = "", optimizer: Any = 
     """
     if strategy is None:
         strategy = getattr(model, "distribute_strategy", None)
-    replicas = global_gradient.replicas_of(strategy)
+    replicas = replicas_of(strategy)
     if not replicas or mode() == "off":
         return []
     started = time.perf_counter()

@@ -9,23 +9,33 @@ one case's damage never reaches another. What only one mode can say (stratkit's 
 numbers on one process, a refusal on 2 workers) sits under `per_mode`.
 
 The TFRecord files are written at run time into a temporary directory of each process (the same rows
-every time).
+every time). `unknown_length` (issue 49) is round 5's job instead (benchmarks/tasks/unknown_length_task.py:
+Adam on `filter().batch(64)`, no `steps_per_epoch`), run with two CPU-bound processes beside it; it says
+whether it stopped (`error`), the steps that trained, and whether every copy of the optimizer's step counter
+equals them (`counted`).
 """
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import stratkit
+from stratkit.process.children import kill_group, start_child
 
 CASES = ["py_dataset_threads", "py_dataset_processes", "trainer_py_dataset", "generator", "from_generator",
-         "tfrecord_one_file", "tfrecord_files", "trainer_tfrecord", "tfrecord_file_policy"]
+         "tfrecord_one_file", "tfrecord_files", "trainer_tfrecord", "tfrecord_file_policy", "unknown_length"]
+#: issue 49's job: round 5's input of unknown length (what benchmarks/replica_race.py runs 50 times a mode)
+UNKNOWN_LENGTH_TASK = Path(__file__).resolve().parents[2] / "benchmarks" / "tasks" / "unknown_length_task.py"
 
 FEATURES, BATCH, BATCHES = 6, 4, 12
 _rng = np.random.default_rng(7)
@@ -101,6 +111,26 @@ def said():
         logger.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def burning(processes):
+    """`processes` CPU-bound processes beside the block: on 2 cores, the load a race needs to show."""
+    burners = [start_child([sys.executable, "-c", "while True: pass"], os.environ, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            kill_group(burner.pid)
+            burner.wait()
+
+
+def unknown_length_task():
+    spec = importlib.util.spec_from_file_location("unknown_length_task", UNKNOWN_LENGTH_TASK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_records(directory, files):
     """The rows of X, Y as `files` TFRecord files (rows in order, split evenly)."""
     paths, per = [], len(X) // files
@@ -142,6 +172,15 @@ def case(name, mode, trainer, strategy):
             plain = fit(Rows(x, y, workers=2, use_multiprocessing=processes), None, x, y)
             out["per_mode"]["plain_gap"] = float(np.max(np.abs(np.subtract(out["w"], plain["w"]))))
         return out
+    if name == "unknown_length":
+        # issue 49: filter().batch(64), no steps_per_epoch, Adam, 4 epochs of 5 batches. Keras learns the end from
+        # the step whose get_next fails, once an epoch; two CPU-bound processes run beside the fit (one pair per
+        # run: the chief's on 2 workers), the load under which that step's optimizer update raced the abort
+        with burning(2 if mode != "mwms" or strategy.cluster_resolver.task_id == 0 else 0):
+            out = unknown_length_task().train(strategy, epochs=4, rows=400)
+        copies = out.pop("iterations")
+        return {"w": out["w"], "h": {"loss": out["loss"]}, "error": out["error"], "steps": out["steps"],
+                "counted": all(c == out["steps"] for c in copies), "per_mode": {"iterations": copies}}
     if name == "trainer_py_dataset":
         def build():
             return model_in(contextlib.nullcontext())

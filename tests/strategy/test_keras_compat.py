@@ -387,6 +387,35 @@ def test_one_device_is_never_refused_and_follows_the_gate(fresh, monkeypatch, ve
     assert _is_patched() is fixed
 
 
+def test_the_trainer_fixes_make_the_step_wait_for_its_batch_and_revert_gives_keras_its_own(fresh):
+    from stratkit.strategy.keras_compat import step_gate
+
+    original = _trainer().TensorFlowTrainer.__dict__["_make_function"]
+    assert step_gate.self_check() == []       # the installed Keras has the shape the gate reaches into
+    assert keras_compat.apply_one_device() is True
+    assert _trainer().TensorFlowTrainer.__dict__["_make_function"] is step_gate._make_function
+    keras_compat.revert()
+    assert _trainer().TensorFlowTrainer.__dict__["_make_function"] is original
+
+
+def test_the_step_gate_leaves_a_keras_whose_step_it_cannot_reach_alone_and_says_so(fresh, monkeypatch, caplog):
+    from stratkit.strategy.keras_compat import step_gate
+
+    class Trainer:       # a Keras whose _make_function calls its step some other way
+        def _make_function(self, step_function):
+            def function(iterator):
+                return step_function(next(iterator))
+
+            return function
+
+    assert step_gate.self_check(Trainer.__dict__["_make_function"])
+    with monkeypatch.context() as patch:
+        patch.setattr(_trainer(), "TensorFlowTrainer", Trainer)
+        assert step_gate.install() is False
+    assert Trainer.__dict__["_make_function"] is not step_gate._make_function
+    assert "cannot make Keras's step wait for its batch" in caplog.text
+
+
 def test_apply_wraps_the_seed_generator_once_and_revert_gives_it_back(fresh):
     import keras
 

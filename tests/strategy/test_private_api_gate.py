@@ -499,6 +499,12 @@ GATE_INVENTORY: dict[str, set[str]] = {
         "patch setattr(callback, name)", "private _batches_seen_since_last_saving", "private _current_epoch",
         "private _global_train_batch", "private _last_batch_seen",
     },
+    # TensorFlowTrainer._make_function: the step's call waits for its batch (a step whose get_next fails runs nothing)
+    "stratkit/strategy/keras_compat/step_gate.py": {
+        "module path keras.src.backend.tensorflow.trainer", "private _make_function", "patch cls._make_function",
+        "private _add_control_input",  # on the step's call op (tf.control_dependencies drops it there)
+        "patch cell.cell_contents",  # the call Keras's step closures share (one_step_on_data), gated
+    },
     "stratkit/strategy/keras_compat/trainer_patches.py": {
         "import keras.src.tree",
         "module path keras.src.backend.tensorflow.trainer",

@@ -18,10 +18,11 @@ behind the same gate (:func:`check_parameter_server`).
 The modules, one responsibility each:
 
 * :mod:`.versions`: the tested sets, the floor, ``STRATKIT_KERAS_COMPAT``, version parsing;
-* :mod:`.trainer_patches`: the two trainer fixes; :mod:`.self_check`: the probe for untested versions;
-* :mod:`.global_gradient`: how a replica's loss becomes the global gradient (counts, clipping, loss scaling;
-  :mod:`.accumulation`, :mod:`.float8`), with :mod:`.synced_logs` (logs from the summed state), :mod:`.batchnorm`
-  (the global batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
+* :mod:`.trainer_patches`: the trainer fixes (:mod:`.step_gate`: a step runs nothing without its batch);
+  :mod:`.self_check`: the probe for untested versions; :mod:`.replicas`: how many replicas train in sync;
+* :mod:`.global_gradient`: the global gradient (counts, clipping, loss scaling; :mod:`.accumulation`,
+  :mod:`.float8`), with :mod:`.synced_logs` (logs from the summed state), :mod:`.batchnorm` (the global
+  batch's moments) and :mod:`.layer_losses` (each replica thread's own ``add_loss`` losses);
 * :mod:`.replica_seeds`: each replica its own random numbers (the replica id folded into ``SeedGenerator``'s seeds);
 * :mod:`.replica_state`: state a layer assigns in a replica step (``aggregation="none"``) set to the replicas'
   row-weighted mean, one value everywhere;
@@ -269,14 +270,13 @@ def apply(strategy: Any = None) -> str:
 
 def apply_one_device() -> bool:
     """What one device needs: a model without ``call()`` (Keras's DCGAN/VAE examples) trains as without a strategy,
-    and the user's paths (store URLs) are routed as on N workers.
+    a step needs its batch, and the user's paths (store URLs) are routed as on N workers.
 
-    Keras builds every model under a strategy by calling it, which a model with
-    only a ``train_step`` cannot do (see :mod:`.trainer_patches`). ``make_strategy``
-    calls this for its one-device choice. The trainer fixes (inert on one device
-    but for that build) go in on a tested Keras only: one device is never refused
-    for an untested Keras, nor forced (:func:`apply` would take them for an
-    upstream fix). The guards on ``fit`` and ``save`` go in as :func:`apply` installs them.
+    Keras builds every model under a strategy by calling it, which a model with only a ``train_step`` cannot
+    do (see :mod:`.trainer_patches`), and counts an optimizer step for the step that meets the end of an input
+    (:mod:`.step_gate`). ``make_strategy`` calls this for its one-device choice. The trainer fixes go in on a
+    tested Keras only: one device is never refused for an untested Keras, nor forced (:func:`apply` would take
+    them for an upstream fix). The guards on ``fit`` and ``save`` go in as :func:`apply` installs them.
 
     Returns:
         True when the trainer fixes are in place.

@@ -37,7 +37,7 @@ import os
 import threading
 from typing import Any
 
-from stratkit.strategy.keras_compat.global_gradient import sync_replicas
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _MODULE = "keras.src.layers.normalization.batch_normalization"

@@ -55,6 +55,7 @@ from stratkit.strategy.collectives import chief_ints, leave_together, min_over_w
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
                                             ownership, replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
+from stratkit.strategy.keras_compat.replicas import replicas_of
 from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
 
@@ -187,7 +188,7 @@ def _say_batchnorm_once(model: Any, strategy: Any) -> None:
                 "process's math set %s=1 (the global batch's moments; costs a collective per layer and step), or, "
                 "fine-tuning, freeze those layers themselves (layer.trainable = False: a base called with "
                 "training=False still trains its BatchNormalization while the base is trainable).",
-                global_gradient.replicas_of(strategy), len(names), shown, batchnorm.ENV_VAR)
+                replicas_of(strategy), len(names), shown, batchnorm.ENV_VAR)
 
 
 def _one_order(strategy: Any) -> Any:
@@ -230,7 +231,7 @@ def _guarded(name: str, original: Any, like: Any = None) -> Any:
                 bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs
         front = []     # first: ModelCheckpoint & co. at an epoch's end see averaged statistics and a checked model
-        if global_gradient.replicas_of(strategy) and global_gradient.installed():
+        if replicas_of(strategy) and global_gradient.installed():
             if batchnorm.has_per_replica_statistics(self):
                 front.append(batchnorm.averaging_callback(self, strategy))
                 if name == "fit":
@@ -244,7 +245,7 @@ def _guarded(name: str, original: Any, like: Any = None) -> Any:
                 bound.arguments["callbacks"] = [*front, *(given or [])]
                 args, kwargs = bound.args[1:], bound.kwargs
         _inside_guarded_call.active = True
-        exact = global_gradient.replicas_of(strategy) and name in ("fit", "evaluate") and \
+        exact = replicas_of(strategy) and name in ("fit", "evaluate") and \
             global_gradient.installed()
         if exact:
             replica_state.register(self)

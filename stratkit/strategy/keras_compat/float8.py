@@ -41,6 +41,7 @@ import inspect
 from typing import Any
 
 from stratkit.errors import ConfigError
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 #: the layers whose ``_float8_call`` adds its bias through a bfloat16 round trip
@@ -131,8 +132,6 @@ def float8_call(original: Any) -> Any:
     the bias and the activation as Keras adds them, the bias's gradient unrounded (3.)."""
     @functools.wraps(original)
     def call(self: Any, inputs: Any, training: Any = None) -> Any:
-        from stratkit.strategy.keras_compat.global_gradient import sync_replicas
-
         bias, activation = self.bias, self.activation
         if bias is None or not sync_replicas() or self.dtype_policy.compute_dtype != "float32":
             return original(self, inputs, training=training)

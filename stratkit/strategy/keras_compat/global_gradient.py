@@ -71,6 +71,7 @@ from typing import Any
 
 from stratkit.strategy.keras_compat import accumulation, float8
 from stratkit.strategy.keras_compat.optimizer_build import build_outside_replicas
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _LOSS_MODULE = "keras.src.losses.loss"
@@ -86,25 +87,6 @@ _originals: dict[str, Any] = {}
 _local = threading.local()     # per replica thread: the all-reduce already done, the step's row counts,
                                # inside Keras's CompileLoss, optimizers whose loss scale was divided by N
 _fit_depth = 0                 # > 0 while a guarded fit/evaluate runs (process-wide: replicas run in threads)
-
-
-def sync_replicas() -> int:
-    """N when this code runs in a replica context of a Mirrored/MWMS strategy with N > 1 replicas, else 0."""
-    import tensorflow as tf
-
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return 0
-    return replicas_of(tf.distribute.get_strategy())
-
-
-def replicas_of(strategy: Any) -> int:
-    """N for a Mirrored/MWMS strategy with N > 1 replicas, else 0."""
-    import tensorflow as tf
-
-    if not isinstance(strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)):
-        return 0
-    replicas = int(strategy.num_replicas_in_sync)
-    return replicas if replicas > 1 else 0
 
 
 @contextlib.contextmanager

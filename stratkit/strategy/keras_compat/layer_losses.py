@@ -30,7 +30,7 @@ import threading
 import weakref
 from typing import Any
 
-from stratkit.strategy.keras_compat.global_gradient import sync_replicas
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 log = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stratkit.strategy.keras_compat import global_gradient, synced_logs
+from stratkit.strategy.keras_compat.replicas import replicas_of, sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 METHODS = ("train_on_batch", "test_on_batch", "predict_on_batch")
@@ -107,7 +108,7 @@ def wrap(name: str, original: Any) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         strategy = self.distribute_strategy
         if (getattr(_local, "active", False) or not global_gradient.installed()
-                or not global_gradient.replicas_of(strategy) or global_gradient.sync_replicas()):
+                or not replicas_of(strategy) or sync_replicas()):
             return original(self, *args, **kwargs)
         exact = name != "predict_on_batch"
         if exact:

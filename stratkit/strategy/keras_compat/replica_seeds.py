@@ -35,7 +35,7 @@ import logging
 import threading
 from typing import Any
 
-from stratkit.strategy.keras_compat.global_gradient import sync_replicas
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ import threading
 from typing import Any
 
 from stratkit.errors import ConfigError
-from stratkit.strategy.keras_compat.global_gradient import sync_replicas
+from stratkit.strategy.keras_compat.replicas import sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 log = logging.getLogger(__name__)

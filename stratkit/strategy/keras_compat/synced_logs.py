@@ -30,7 +30,7 @@ import threading
 import weakref
 
 from stratkit.strategy.keras_compat import global_gradient, replica_state
-from stratkit.strategy.keras_compat.global_gradient import sync_replicas
+from stratkit.strategy.keras_compat.replicas import replicas_of, sync_replicas
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _WRAPPED = "_stratkit_synced_logs"
@@ -138,7 +138,7 @@ def _get_metrics_result_or_logs(self: Any, logs: Any) -> Any:
     """Replacement for ``Trainer._get_metrics_result_or_logs``: at an epoch's end Keras re-reads every
     metric outside the step, where a multi-worker sync-on-read variable a custom ``result()`` returns
     reads as this worker's own. The last step's synchronised logs are already the epoch's results."""
-    if (isinstance(logs, dict) and logs and global_gradient.replicas_of(self.distribute_strategy)
+    if (isinstance(logs, dict) and logs and replicas_of(self.distribute_strategy)
             and getattr(self.train_step, _WRAPPED, False)):
         from keras.src.utils import python_utils
 

@@ -29,7 +29,9 @@ device), while Keras without a strategy defers building to the traced
 compiled optimizer in the scope, as the symbolic build would.
 
 Both replace private Keras functions; the gate (``keras_compat.apply``)
-decides whether they are installed.
+decides whether they are installed. :func:`_install` also gates Keras's step
+on its batch (:mod:`.step_gate`: the step that meets the end of an input of
+unknown length runs nothing), on one device too.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from stratkit.strategy.keras_compat import step_gate
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _TRAINER_MODULE = "keras.src.backend.tensorflow.trainer"
@@ -225,7 +228,8 @@ setattr(_reduce_per_replica, _PATCH_MARK, True)
 
 
 def _install() -> None:
-    """Swap the two Keras functions for ours; a second call is a no-op."""
+    """Swap the two Keras functions for ours, and gate the step on its input (:mod:`.step_gate`); idempotent."""
+    step_gate.install()
     m = _trainer_module()
     cls = m.TensorFlowTrainer
     if not getattr(cls.__dict__.get("_maybe_symbolic_build"), _PATCH_MARK, False):
@@ -238,6 +242,7 @@ def _install() -> None:
 
 def _uninstall() -> None:
     """Put Keras's own functions back (nothing to do when ours were never installed)."""
+    step_gate.uninstall()
     if not _originals:
         return
     m = _trainer_module()
