@@ -183,3 +183,13 @@ def test_a_signature_reads_the_older_saved_form_and_keeps_a_tuple_layout():
     tupled = ModelSignature(signature.inputs, signature.outputs, (0, [1]), 0)
     assert ModelSignature.from_json(tupled.to_json()).input_layout == (0, [1])
     assert pack((0, [1]), ["x", "y"]) == ("x", ["y"])
+
+
+def test_a_sequential_model_never_called_is_read_from_its_input_layer():
+    import keras
+
+    model = keras.Sequential([keras.Input((1,), name="id"), keras.layers.Dense(1)])
+    signature = describe(model)
+    assert [(p.name, p.shape, p.dtype) for p in signature.inputs] == [("id", (1,), "float32")]
+    with pytest.raises(ConfigError, match=r"column 'id': casting its int64 values to the model's float32"):
+        plan_for_model(model, [Column("id", "int64")]).check_ranges({"id": (0, 2**24 + 1)})
