@@ -406,7 +406,9 @@ class ParquetShard:
 
         Args:
             global_batch_size: examples per step across all replicas.
-            shuffle / seed / shuffle_buffer: reshuffle this worker's rows every pass.
+            shuffle: reshuffle this worker's rows every pass.
+            seed: the shuffle's seed (worker i adds i).
+            shuffle_buffer: rows held for the shuffle (at most the shard's).
             model: the Keras model (or a `FeedPlan`) the batches are for: each is `(inputs, labels[, weights])`
                 in its structures, each column in its input's type. Planned here, so a column that fits no
                 input or a cast that would change a value is a `ConfigError` now, before `fit`.
