@@ -122,7 +122,7 @@ class Target:
         rows = len(out)
         width = int(out.size // rows) if rows else 1
         shape = self.port.shape if self.port is not None else None
-        if shape is not None and all(d is not None for d in shape) and width == max(1, math.prod(shape)):  # type: ignore[arg-type]
+        if shape is not None and None not in shape and width == max(1, math.prod(shape)):  # type: ignore[arg-type]
             return out.reshape((rows, *shape))  # type: ignore[arg-type]
         return out.reshape(rows) if width == 1 else out.reshape(rows, *out.shape[1:])
 

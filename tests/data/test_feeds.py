@@ -73,7 +73,8 @@ def _subclassed():
 
     keras.utils.set_random_seed(1)
     model = Sub()
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"price": "mse", "digit": "sparse_categorical_crossentropy"})
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss={"price": "mse", "digit": "sparse_categorical_crossentropy"})
     return model
 
 

@@ -136,7 +136,8 @@ def build_two_by_two(learning_rate: float = 0.01):
         keras.layers.Concatenate()([pixels, parity]))
     digit = keras.layers.Dense(10, activation="softmax", name="digit",
                                kernel_initializer=_seeded(keras, "glorot", 6))(hidden)
-    big = keras.layers.Dense(1, activation="sigmoid", name="big", kernel_initializer=_seeded(keras, "glorot", 7))(hidden)
+    big = keras.layers.Dense(1, activation="sigmoid", name="big",
+                             kernel_initializer=_seeded(keras, "glorot", 7))(hidden)
     model = keras.Model([pixels, parity], [digit, big])
     model.compile(optimizer=keras.optimizers.Adam(learning_rate),
                   loss=["sparse_categorical_crossentropy", "binary_crossentropy"])

@@ -56,7 +56,8 @@ class OutputField:
 
     @property
     def spark_type(self) -> str:
-        """The Spark SQL type (DDL): double/bigint/boolean/string for scalars, array<...> of the head's precision else."""
+        """The Spark SQL type (DDL): double/bigint/boolean/string for scalars, array<...> of the head's precision
+        else."""
         dtype = str(self.port.dtype)
         if dtype == "string":
             element = "string"
@@ -95,9 +96,9 @@ def output_fields(signature: ModelSignature, prediction_col: str, prediction_col
     heads = signature.outputs
     if prediction_cols:
         if len(prediction_cols) != len(heads):
-            raise ConfigError(f"{spelling.predictions}={list(prediction_cols)} names {len(prediction_cols)} column(s) but the "
-                              f"model has {len(heads)} output(s) ({', '.join(p.name for p in heads)}). Fix: one "
-                              f"name per output, in that order, or leave {spelling.predictions} empty")
+            raise ConfigError(f"{spelling.predictions}={list(prediction_cols)} names {len(prediction_cols)} column(s) "
+                              f"but the model has {len(heads)} output(s) ({', '.join(p.name for p in heads)}). "
+                              f"Fix: one name per output, in that order, or leave {spelling.predictions} empty")
         names = list(prediction_cols)
     elif len(heads) == 1:
         names = [prediction_col]
