@@ -167,6 +167,8 @@ def test_counts_kinds_and_widths_are_checked_with_the_callers_names():
                                                                              Column("z", "int64")], names=names)
     with pytest.raises(ConfigError, match="label column 'y' holds strings"):
         plan_feeds(two, [Column("v", "float64", (3,)), Column("i", "int64")], [Column("y", "string")], names=names)
+    named = plan_feeds(two, [Column("b", "int64"), Column("a", "float64", (3,))])  # named as the inputs: by name
+    assert [(f.port.name, f.columns[0].name) for f in named.feeds] == [("a", "a"), ("b", "b")]
     one = plan_feeds(ModelSignature((Port("image", (2, 2, 1), "float32"),), ()),
                      [Column("p", "float64", (None,)), Column("a", "int64"), Column("b", "float32")])
     batch = one.convert(pa.table({"p": pa.array([[1.0, 2.0]] * 2), "a": pa.array([3, 4]), "b": pa.array([5.0, 6.0],

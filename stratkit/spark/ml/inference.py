@@ -238,8 +238,8 @@ def keras_predict(df: Any, model: Any, feature_cols: Sequence[str] | str, *, pre
         model: the path or URL of a `.keras` file (read on the driver and shipped to the executors with the
             job, so they need no access to it), or a `keras.Model`.
         feature_cols: the columns that feed the model: for a one-input model every column, side by side; for
-            N inputs one column per input, in the order of `model.inputs` (given to the model in its list /
-            tuple / dict structure). Numbers, strings, arrays of them or Spark ML vectors, each in its own type
+            N inputs one column per input, in the order of `model.inputs` or named as the inputs (given to the
+            model in its list / tuple / dict structure). Numbers, strings, arrays of them or Spark ML vectors, each in its own type
             cast to its input's dtype, reshaped to its input's per-row shape.
         prediction_col: the output column of a one-head model; with N heads `<prediction_col>_<head name>`.
         prediction_cols: one name per head instead.
