@@ -28,7 +28,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(ml_models)
 
 ID_ROWS = 200
-ID_EPOCHS = 40
+ID_EPOCHS = 10  # one process reaches accuracy 1.0 at epoch 3; ids rounded to float32 cap it at 0.75
 DIGIT_ROWS = 240
 
 
