@@ -28,7 +28,7 @@ def train_fn(data, epochs=3, per_replica_batch=16):
 
     model = trainer.build(build_and_compile)
     global_batch = per_replica_batch * trainer.num_replicas
-    history = trainer.fit(model, data.dataset_fn(global_batch), epochs=epochs,
+    history = trainer.fit(model, data.dataset_fn(global_batch, model=model), epochs=epochs,
                           steps_per_epoch=data.steps_per_epoch(global_batch, trainer.num_replicas))
     return {"loss": history.history["loss"][-1], "accuracy": history.history["accuracy"][-1],
             "workers": trainer.spec.num_workers}

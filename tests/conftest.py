@@ -165,6 +165,7 @@ LONGEST_FIRST = (
     "tests/examples/test_tutorials.py",
     "tests/spark/test_spark_runner.py",
     "tests/spark/test_spark_ml.py",
+    "tests/spark/test_spark_typed.py",
     "tests/training/test_parameter_server.py",
     "tests/test_spark_elastic_hosts.py",
     "tests/spark/test_spark_runs.py",

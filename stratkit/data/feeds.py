@@ -7,7 +7,8 @@ lake reader):
   one value, an array its length), reshaped to the input's per-row shape: 64 values feed an input of shape
   (8, 8, 1);
 * a model with **N inputs** takes one column per input, in the order of `model.inputs` (a dict's keys sorted,
-  as Keras flattens them), and gets them in its own structure: a list, a tuple or a dict keyed as built;
+  as Keras flattens them), or by name when the columns are named as the inputs (a dict's keys, else the Input
+  names), and gets them in its own structure: a list, a tuple or a dict keyed as built;
 * **one label column per output**, in the outputs' order and structure; a label with as many values as its
   output takes the output's shape, a one-value label of a wider output (a class index for a softmax) stays one
   value per row; **sample weights** one number per row;
@@ -122,7 +123,7 @@ class Target:
         rows = len(out)
         width = int(out.size // rows) if rows else 1
         shape = self.port.shape if self.port is not None else None
-        if shape is not None and all(d is not None for d in shape) and width == max(1, math.prod(shape)):  # type: ignore[arg-type]
+        if shape is not None and None not in shape and width == max(1, math.prod(shape)):  # type: ignore[arg-type]
             return out.reshape((rows, *shape))  # type: ignore[arg-type]
         return out.reshape(rows) if width == 1 else out.reshape(rows, *out.shape[1:])
 
@@ -237,8 +238,11 @@ def plan_feeds(signature: ModelSignature | None, features: Sequence[Column], lab
         ports = tuple(Port(c.name, c.shape or (1,), None) for c in features)
         signature = ModelSignature(ports, (), default_layout(len(ports)))
     inputs = signature.inputs
+    by_name = {c.name: c for c in features}
     if len(inputs) == 1:
         groups = [tuple(features)]
+    elif len(features) == len(inputs) and set(by_name) == {p.name for p in inputs}:
+        groups = [(by_name[p.name],) for p in inputs]  # the columns are named as the inputs: each by its name
     elif len(features) == len(inputs):
         groups = [(c,) for c in features]
     else:

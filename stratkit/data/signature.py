@@ -179,7 +179,7 @@ def describe(model: Any, fed: ModelSignature | None = None) -> ModelSignature | 
 
     symbolic = _symbolic(model)
     if symbolic is not None:
-        layout, leaves = symbolic
+        layout, leaves, spec = symbolic
         inputs = [Port(_input_name(key, tensor, i), tuple(tensor.shape[1:]), str(tensor.dtype))
                   for i, (key, tensor) in enumerate(leaves)]
     else:
@@ -197,7 +197,7 @@ def describe(model: Any, fed: ModelSignature | None = None) -> ModelSignature | 
     tensors = [keras.KerasTensor((None, *port.shape), dtype=port.dtype or keras.config.floatx(), name=port.name)
                for port in inputs]
     try:
-        spec = model.compute_output_spec(pack(layout, tensors)) if symbolic is None else model.output
+        spec = model.compute_output_spec(pack(layout, tensors)) if symbolic is None else spec
     except Exception as exc:  # noqa: BLE001 - what Keras says, as a ConfigError naming the model
         raise ConfigError(f"cannot tell what the {type(model).__name__} model gives for inputs "
                           f"{[(p.name, p.shape, p.dtype) for p in inputs]}: {type(exc).__name__}: {exc}. Fix: "
@@ -212,21 +212,20 @@ def describe(model: Any, fed: ModelSignature | None = None) -> ModelSignature | 
     return ModelSignature(tuple(inputs), tuple(outputs), layout, out_layout)
 
 
-def _symbolic(model: Any) -> tuple[Any, list[tuple[Any, Any]]] | None:
-    """(the input layout, its tensors) of a functional or Sequential model; None for a subclassed one."""
+def _symbolic(model: Any) -> tuple[Any, list[tuple[Any, Any]], Any] | None:
+    """(the input layout, its tensors, the output structure) of a functional or Sequential model; None for a
+    subclassed one."""
     try:
-        inputs = list(model.inputs)
-    except (AttributeError, ValueError):
+        inputs, outputs = list(model.inputs), list(model.outputs)
+    except (AttributeError, ValueError, TypeError):
         return None
-    if not inputs:
+    if not inputs or not outputs:
         return None
     try:
-        structure = model.input
-    except (AttributeError, ValueError):  # a Sequential model that was never called: one input
-        structure = inputs[0] if len(inputs) == 1 else inputs
-    if getattr(model, "output", None) is None:
-        return None
-    return layout_of(structure, lambda node: False)
+        structure, spec = model.input, model.output
+    except (AttributeError, ValueError):  # a Sequential model that was never called: one input, one output
+        structure, spec = (inputs[0] if len(inputs) == 1 else inputs), (outputs[0] if len(outputs) == 1 else outputs)
+    return (*layout_of(structure, lambda node: False), spec)
 
 
 def _input_name(key: Any, tensor: Any, index: int) -> str:

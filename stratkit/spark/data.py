@@ -1,5 +1,9 @@
 """A Spark DataFrame as training input: staged as Parquet, read per worker with pyarrow.
 
+Size: the driver's marker (`DataFrameInput`), the tasks' file table (`StagedData`) and the worker's shard with its
+readers (`ParquetShard`: record batches, the model's plan, numpy, tf.data) are one contract about the same staged
+columns; the column rule itself is the data layer's (`stratkit.data.feeds`).
+
 Driver side (`DataFrameInput`; the staging itself: `stratkit.spark.staging`):
 the DataFrame's feature and label columns are written once as Parquet to a
 staging directory every executor can read (a local temp dir on
@@ -7,6 +11,19 @@ staging directory every executor can read (a local temp dir on
 s3://, gs://, az://, hdfs:// or a mounted path, from `staging_dir=` or the
 conf `spark.stratkit.stagingDir`), and every task gets the same small file
 table: no data travels through the Spark closure.
+
+Each column is staged in its own type (Parquet keeps int64, float64, strings
+and arrays; a Spark ML vector becomes an array of float64), and reaches the
+model in the type its input asks for by `stratkit.data.columns`: with
+`dataset_fn(global_batch, model=model)` every column feeds its model input by
+the rule of `stratkit.data.feeds` (one column per input in `model.inputs`
+order, in the model's list / tuple / dict structure, labels in its outputs'),
+int64 ids stay exact and strings reach string inputs. A cast that would change
+a value (int64 ids above 2^24 into float32, a fractional float into an int) is
+a `ConfigError` naming the column, from the min/max the staging executors
+reported before a row is read, else as the batch is read. Without a model the
+shard yields what it always did: the feature columns side by side as one
+matrix of `feature_dtype` (float32 unless set), with the same checks.
 
 Worker side (`ParquetShard`, what train_fn receives instead of the
 DataFrame): worker i of W reads the contiguous rows
@@ -35,10 +52,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratkit import storage
+from stratkit.data.columns import Column, column_of
+from stratkit.data.feeds import FeedPlan, Names, plan_feeds, plan_for_model
+from stratkit.data.signature import ModelSignature, Port
 from stratkit.errors import ConfigError
 from stratkit.training.inputs.rules import check_divisible
 
 DEFAULT_SEED = 20170601
+#: The feature matrix's dtype when no model says (`DataFrameInput(feature_dtype=None)`, the old default).
+MATRIX_DTYPE = "float32"
+#: `DataFrameInput`'s argument names, for messages.
+NAMES = Names(features="feature_cols", labels="label_col", weight="weight_col")
 
 
 class DataFrameInput:
@@ -51,44 +75,64 @@ class DataFrameInput:
 
     Args:
         df: the DataFrame.
-        feature_cols: columns that form the feature vector, in order (numeric
-            scalars, arrays of numbers, or Spark ML vectors); default: every
-            column except `label_col`.
-        label_col: the label column; None for unlabeled data. Default "label"
-            (None when the DataFrame has no such column).
+        feature_cols: the feature columns, in order (numbers, strings, arrays of them, Spark ML vectors);
+            default: every column except the label and weight columns.
+        label_col: the label column, or a list of them (one per model output, in the model's output order);
+            None for unlabeled data. Default "label" (None when the DataFrame has no such column).
         staging_dir: where the Parquet copy is written (a directory or store URL all
             executors can read: s3://, gs://, az://, hdfs://, a shared mount); default: conf
             spark.stratkit.stagingDir, else a temp dir on local masters. The run's part of it
             is removed after the run.
-        feature_dtype: numpy dtype of the feature matrix.
+        feature_dtype: the dtype of the one feature matrix a shard yields when no model is given
+            (`dataset_fn(global_batch)`, `to_numpy()`; default float32). With `model=` each column takes its
+            model input's dtype, so it must stay None there.
+        weight_col: a column of per-row sample weights, yielded after the labels.
+
+    Raises:
+        ConfigError: a column that is not in the DataFrame, or named twice.
     """
 
-    def __init__(self, df: Any, feature_cols: Sequence[str] | str | None = None, label_col: str | None = "label",
-                 staging_dir: str | None = None, feature_dtype: str = "float32") -> None:
+    def __init__(self, df: Any, feature_cols: Sequence[str] | str | None = None,
+                 label_col: str | Sequence[str] | None = "label", staging_dir: str | None = None,
+                 feature_dtype: str | None = None, weight_col: str | None = None) -> None:
         self.df = df
         names = list(df.columns)
-        if label_col is not None and label_col not in names:
-            if label_col == "label" and feature_cols is None:
-                label_col = None  # the default, on an unlabeled DataFrame
-            else:
-                raise ConfigError(f"label_col={label_col!r} is not a column of the DataFrame (columns: {names}). "
-                                  "Fix: pass label_col=<one of them>, or label_col=None for unlabeled data")
+        if label_col == "label" and "label" not in names and feature_cols is None:
+            label_col = None  # the default, on an unlabeled DataFrame
+        labels = [] if label_col is None else [label_col] if isinstance(label_col, str) else list(label_col)
+        for what, chosen in (("label_col", labels), ("weight_col", [weight_col] if weight_col else [])):
+            missing = [c for c in chosen if c not in names]
+            if missing:
+                raise ConfigError(f"{what}={label_col if what == 'label_col' else weight_col!r} names "
+                                  f"{missing}, not columns of the DataFrame (columns: {names}). Fix: pass "
+                                  f"{what}=<one of them>, or {what}=None")
+        others = labels + ([weight_col] if weight_col else [])
         if isinstance(feature_cols, str):
             feature_cols = [feature_cols]
         if feature_cols is None:
-            feature_cols = [c for c in names if c != label_col]
+            feature_cols = [c for c in names if c not in others]
         feature_cols = list(feature_cols)
         missing = [c for c in feature_cols if c not in names]
         if missing or not feature_cols:
             raise ConfigError(f"feature_cols={feature_cols!r} must name existing columns (missing: {missing}; "
-                              f"columns: {names}). Fix: e.g. feature_cols={[c for c in names if c != label_col][:3]}")
-        if label_col is not None and label_col in feature_cols:
-            raise ConfigError(f"label_col={label_col!r} is also in feature_cols={feature_cols!r}. "
-                              "Fix: remove the label from the features")
+                              f"columns: {names}). Fix: e.g. feature_cols={[c for c in names if c not in others][:3]}")
+        every = feature_cols + others
+        repeated = sorted({c for c in every if every.count(c) > 1})
+        if repeated:
+            raise ConfigError(f"column(s) {repeated} appear more than once in feature_cols/label_col/weight_col. "
+                              "Fix: a label is not a feature; name each column once")
         self.feature_cols = feature_cols
-        self.label_col = label_col
+        self.label_cols = labels
+        #: The label column as given: a name, a list of names, or None.
+        self.label_col = labels[0] if isinstance(label_col, str) else (list(labels) or None)
+        self.weight_col = weight_col
         self.staging_dir = staging_dir
         self.feature_dtype = feature_dtype
+
+    @property
+    def columns(self) -> list[str]:
+        """Every column staged: features, labels, then the weight."""
+        return self.feature_cols + self.label_cols + ([self.weight_col] if self.weight_col else [])
 
 
 @dataclass(frozen=True)
@@ -98,9 +142,23 @@ class StagedData:
     path: str
     files: tuple[tuple[str, int], ...]  # (path or URL, rows) in read order
     feature_cols: tuple[str, ...]
-    label_col: str | None
-    feature_dtype: str = "float32"
+    label_col: str | tuple[str, ...] | None = None  # one label column, or one per model output
+    weight_col: str | None = None
+    feature_dtype: str | None = None
+    #: (column, smallest value, largest value) of each numeric column, as the staging executors reported them.
+    stats: tuple[tuple[str, Any, Any], ...] = ()
     owned: bool = field(default=False, compare=False)  # the runner created the directory and removes it
+
+    @property
+    def label_cols(self) -> tuple[str, ...]:
+        """The label columns (none, one, or one per model output)."""
+        if self.label_col is None:
+            return ()
+        return (self.label_col,) if isinstance(self.label_col, str) else tuple(self.label_col)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.feature_cols + self.label_cols + ((self.weight_col,) if self.weight_col else ())
 
     @property
     def num_rows(self) -> int:
@@ -123,8 +181,13 @@ class ParquetShard:
         trainer = stratkit.Trainer()
         model = trainer.build(build_and_compile)
         global_batch = 32 * trainer.num_replicas
-        trainer.fit(model, data.dataset_fn(global_batch),
+        trainer.fit(model, data.dataset_fn(global_batch, model=model),
                     steps_per_epoch=data.steps_per_epoch(global_batch, trainer.num_replicas), epochs=5)
+
+    With `model=` (`dataset_fn`, `dataset`, `iter_batches`, `to_numpy`) each batch is
+    `(inputs, labels[, weights])` in the model's structures, every column in the type its input takes
+    (`stratkit.data.feeds`); without, `(x, y)` with the feature columns side by side in one matrix of
+    `feature_dtype` (float32 unless set).
     """
 
     def __init__(self, staged: StagedData, index: int, count: int) -> None:
@@ -136,6 +199,7 @@ class ParquetShard:
         total = staged.num_rows
         self.start = index * total // count
         self.stop = (index + 1) * total // count
+        self._schema: dict[str, Column] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -153,14 +217,14 @@ class ParquetShard:
         return [(i + 1) * total // self.count - i * total // self.count for i in range(self.count)]
 
     # -- reading --------------------------------------------------------------------------------
-    def _columns(self) -> list[str]:
-        cols = list(self.staged.feature_cols)
-        if self.staged.label_col is not None:
-            cols.append(self.staged.label_col)
-        return cols
+    def _open(self, uri: str, stores: dict[str, storage.Store]) -> Any:
+        parent, name = uri.rstrip("/").rsplit("/", 1)
+        if parent not in stores:
+            stores[parent] = storage.open_store(parent, "the staged DataFrame")
+        return stores[parent].open(name)
 
-    def iter_batches(self, batch_rows: int = 4096) -> Iterator[tuple[Any, Any]]:
-        """This shard's rows as `(x, y)` numpy batches in file order (`y` is None without a label)."""
+    def record_batches(self, batch_rows: int = 4096) -> Iterator[Any]:
+        """This shard's rows as Arrow `RecordBatch`es in file order, every staged column in its own type."""
         import pyarrow.parquet as pq
 
         offset = 0
@@ -168,16 +232,13 @@ class ParquetShard:
         for uri, rows in self.staged.files:
             lo, hi = max(self.start, offset), min(self.stop, offset + rows)
             if lo < hi:
-                parent, name = uri.rstrip("/").rsplit("/", 1)
-                if parent not in stores:
-                    stores[parent] = storage.open_store(parent, "the staged DataFrame")
-                with stores[parent].open(name) as handle:
+                with self._open(uri, stores) as handle:
                     yield from self._read_range(pq.ParquetFile(handle), lo - offset, hi - offset, batch_rows)
             offset += rows
             if offset >= self.stop:
                 break
 
-    def _read_range(self, parquet: Any, lo: int, hi: int, batch_rows: int) -> Iterator[tuple[Any, Any]]:
+    def _read_range(self, parquet: Any, lo: int, hi: int, batch_rows: int) -> Iterator[Any]:
         groups, first_row, position = [], None, 0
         for i in range(parquet.metadata.num_row_groups):
             n = parquet.metadata.row_group(i).num_rows
@@ -188,63 +249,103 @@ class ParquetShard:
         if not groups:
             return
         row = first_row
-        for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=groups, columns=self._columns()):
+        for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=groups, columns=list(self.staged.columns)):
             a, b = max(lo - row, 0), min(hi - row, batch.num_rows)
             if a < b:
-                yield self._to_numpy(batch.slice(a, b - a))
+                yield batch.slice(a, b - a)
             row += batch.num_rows
             if row >= hi:
                 break
 
-    def _to_numpy(self, batch: Any) -> tuple[Any, Any]:
-        import numpy as np
+    def schema(self) -> dict[str, Column]:
+        """Each staged column's dtype and per-row shape (`stratkit.data.columns.Column`), from the Parquet schema."""
+        if self._schema is None:
+            import pyarrow.parquet as pq
 
-        parts = [_column_matrix(batch.column(batch.schema.get_field_index(c)), c) for c in self.staged.feature_cols]
-        x = np.concatenate(parts, axis=1).astype(self.staged.feature_dtype, copy=False)
-        y = None
-        if self.staged.label_col is not None:
-            column = batch.column(batch.schema.get_field_index(self.staged.label_col))
-            y = _column_matrix(column, self.staged.label_col)
-            y = y[:, 0] if y.shape[1] == 1 and not _is_list(column.type) else y.astype("float32")
-        return x, y
+            uri = next((uri for uri, rows in self.staged.files if rows), None)
+            if uri is None:
+                raise ConfigError("the staged DataFrame has no rows")
+            with self._open(uri, {}) as handle:
+                arrow = pq.ParquetFile(handle).schema_arrow
+            self._schema = {name: column_of(name, arrow.field(name).type) for name in self.staged.columns}
+        return self._schema
+
+    def plan(self, model: Any = None, names: Names = NAMES) -> FeedPlan:
+        """Which staged columns feed which input of `model` (`stratkit.data.feeds`), checked against the min/max
+        the staging executors reported (a lossy cast refused before any row is read). `model` None: the feature
+        columns side by side as one matrix of `feature_dtype`; a `FeedPlan`: itself.
+
+        Raises:
+            ConfigError: a column that fits no input, a cast that would change a value, naming the column.
+        """
+        if isinstance(model, FeedPlan):
+            return model
+        schema = self.schema()
+        features = [schema[c] for c in self.staged.feature_cols]
+        labels = [schema[c] for c in self.staged.label_cols]
+        weight = schema[self.staged.weight_col] if self.staged.weight_col else None
+        stats = {name: (low, high) for name, low, high in self.staged.stats}
+        if model is not None:
+            if self.staged.feature_dtype is not None:
+                raise ConfigError(f"feature_dtype={self.staged.feature_dtype!r} and model= both choose the features' "
+                                  "dtypes. Fix: drop feature_dtype from the DataFrameInput: with model= each column "
+                                  "takes its model input's dtype")
+            plan = plan_for_model(model, features, labels, weight, names)
+            plan.check_ranges(stats)
+            return plan
+        matrix = ModelSignature((Port("features", (None,), self.staged.feature_dtype or MATRIX_DTYPE),), ())
+        plan = plan_feeds(matrix, features, labels, weight, names)
+        try:
+            plan.check_ranges(stats)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; or pass model=model to dataset_fn (each column then takes its model input's "
+                              "dtype), or feature_dtype= that holds the values") from None
+        return plan
+
+    def iter_batches(self, batch_rows: int = 4096, model: Any = None) -> Iterator[tuple[Any, ...]]:
+        """This shard's rows as numpy batches in file order: without `model`, `(x, y)` (`y` None without a label,
+        a tuple for several; `(x, y, w)` with a weight column); with it, `(inputs, labels[, weights])` as
+        `Batch.element()` gives them (`(inputs,)` unlabeled)."""
+        plan = self.plan(model)
+        for batch in self.record_batches(batch_rows):
+            converted = plan.convert(batch)
+            if model is not None:
+                yield converted.element()
+            else:
+                yield (converted.inputs, converted.labels) + (() if converted.weights is None else
+                                                              (converted.weights,))
 
     def column_widths(self) -> dict[str, int]:
-        """Values per row of each staged column (1 for a scalar), from the first row: the feature matrix of
-        `iter_batches` is the feature columns' values side by side, in `feature_cols` order."""
-        import pyarrow.parquet as pq
+        """Values per row of each staged column (1 for a scalar), from the schema or the first row."""
+        from stratkit.data.columns import to_numpy
 
-        for uri, rows in self.staged.files:
-            if rows:
-                parent, name = uri.rstrip("/").rsplit("/", 1)
-                with storage.open_store(parent, "the staged DataFrame").open(name) as handle:
-                    batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=self._columns()))
-                return {column: _column_matrix(batch.column(batch.schema.get_field_index(column)), column).shape[1]
-                        for column in self._columns()}
-        raise ConfigError("the staged DataFrame has no rows")
+        schema = self.schema()
+        batch = None
+        widths = {}
+        for name, column in schema.items():
+            if column.width is None:
+                batch = batch if batch is not None else next(self.record_batches(batch_rows=1))
+                widths[name] = int(to_numpy(batch.column(name), column, column.dtype)[0].size)
+            else:
+                widths[name] = column.width
+        return widths
 
-    def to_numpy(self) -> tuple[Any, Any]:
-        """The whole shard in memory as `(x, y)` numpy arrays."""
-        import numpy as np
-
-        xs, ys = [], []
-        for x, y in self.iter_batches():
-            xs.append(x)
-            ys.append(y)
-        if not xs:
+    def to_numpy(self, model: Any = None) -> tuple[Any, ...]:
+        """The whole shard in memory, as `iter_batches(model=model)` gives it in one batch."""
+        parts = list(self.iter_batches(model=model))
+        if not parts:
             raise ConfigError(f"shard {self.index} of {self.count} has no rows")
-        return np.concatenate(xs), (np.concatenate(ys) if ys[0] is not None else None)
+        return _joined(parts)
 
-    def _signature(self) -> Any:
-        import tensorflow as tf
+    def _element(self, plan: FeedPlan, batch: Any, legacy: bool) -> Any:
+        converted = plan.convert(batch)
+        if not legacy or converted.labels is not None:
+            return converted.element()
+        return converted.inputs
 
-        x, y = next(self.iter_batches(batch_rows=1))
-        x_spec = tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype))
-        if y is None:
-            return x_spec
-        return x_spec, tf.TensorSpec((None,) + y.shape[1:], tf.as_dtype(y.dtype))
-
-    def dataset(self) -> Any:
-        """This shard as an unbatched `tf.data.Dataset` of `(x, y)` (or `x`), in file order.
+    def dataset(self, model: Any = None) -> Any:
+        """This shard as an unbatched `tf.data.Dataset` in file order: with `model`, of `(inputs, labels[,
+        weights])` in the model's structures; without, of `(x, y)` (or `x`) as before.
 
         Auto-sharding is OFF on it: the rows are already this worker's share.
         For `model.fit` under a multi-worker strategy, prefer `dataset_fn`,
@@ -252,13 +353,17 @@ class ParquetShard:
         """
         import tensorflow as tf
 
-        labeled = self.staged.label_col is not None
+        plan = self.plan(model)
+        legacy = model is None
 
         def generate() -> Iterator[Any]:
-            for x, y in self.iter_batches():
-                yield (x, y) if labeled else x
+            for batch in self.record_batches():
+                yield self._element(plan, batch, legacy)
 
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=self._signature()).unbatch()
+        first = self._element(plan, next(self.record_batches(batch_rows=1)), legacy)
+        spec = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *a.shape[1:]), tf.string if a.dtype == object
+                                                             else tf.as_dtype(a.dtype)), first)
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=spec).unbatch()
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return dataset.with_options(options)
@@ -292,13 +397,24 @@ class ParquetShard:
         return global_batch_size // replicas
 
     def dataset_fn(self, global_batch_size: int, shuffle: bool = True, seed: int = DEFAULT_SEED,
-                   shuffle_buffer: int = 10_000) -> Any:
+                   shuffle_buffer: int = 10_000, model: Any = None) -> Any:
         """A `dataset_fn(input_context)` for `Trainer.fit` / `strategy.distribute_datasets_from_function`.
 
         Each pass yields exactly `steps_per_epoch` batches per replica from this
         worker's rows (reshuffled every pass when `shuffle`), then repeats, so
         Keras' `steps_per_epoch` epochs line up with passes over the data.
+
+        Args:
+            global_batch_size: examples per step across all replicas.
+            shuffle: reshuffle this worker's rows every pass.
+            seed: the shuffle's seed (worker i adds i).
+            shuffle_buffer: rows held for the shuffle (at most the shard's).
+            model: the Keras model (or a `FeedPlan`) the batches are for: each is `(inputs, labels[, weights])`
+                in its structures, each column in its input's type. Planned here, so a column that fits no
+                input or a cast that would change a value is a `ConfigError` now, before `fit`.
         """
+        plan = self.plan(model)
+        legacy = model is None
 
         def fn(input_context: Any) -> Any:
             import tensorflow as tf
@@ -310,7 +426,7 @@ class ParquetShard:
             replicas = input_context.num_replicas_in_sync
             per_replica = self._per_replica(global_batch_size, replicas)
             steps = self.steps_per_epoch(global_batch_size, replicas)
-            dataset = self.dataset()
+            dataset = self.dataset(None if legacy else plan)
             if shuffle:
                 dataset = dataset.shuffle(max(1, min(self.num_rows, shuffle_buffer)), seed=seed + self.index,
                                           reshuffle_each_iteration=True)
@@ -322,32 +438,18 @@ class ParquetShard:
 
     def __repr__(self) -> str:
         return (f"ParquetShard(index={self.index}, count={self.count}, rows={self.num_rows} of {self.total_rows}, "
-                f"features={list(self.staged.feature_cols)}, label={self.staged.label_col!r})")
+                f"features={list(self.staged.feature_cols)}, labels={list(self.staged.label_cols)})")
 
 
-def _is_list(arrow_type: Any) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type)
-
-
-def _column_matrix(column: Any, name: str) -> Any:
-    """An Arrow column as a 2-D numpy array: scalars as (n, 1), equal-length number arrays as (n, d)."""
+def _joined(parts: list[Any]) -> Any:
+    """Batches of one nested structure of numpy arrays (None leaves kept) joined along the rows."""
     import numpy as np
-    import pyarrow.compute as pc
 
-    n = len(column)
-    if column.null_count:
-        raise ConfigError(f"column {name!r} has {column.null_count} null value(s) in a batch. Fix: fill or drop "
-                          "them before training (df.na.fill / df.na.drop)")
-    if not _is_list(column.type):
-        return np.asarray(column.to_numpy(zero_copy_only=False)).reshape(n, 1)
-    lengths = pc.list_value_length(column)
-    low, high = pc.min(lengths).as_py(), pc.max(lengths).as_py()
-    if n and low != high:
-        raise ConfigError(f"column {name!r} holds arrays of different lengths ({low} to {high}). Fix: pad or trim "
-                          "them to one length before training")
-    values = column.flatten()
-    if values.null_count:
-        raise ConfigError(f"column {name!r} has null elements inside its arrays. Fix: fill them before training")
-    return np.asarray(values.to_numpy(zero_copy_only=False)).reshape(n, low or 0)
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {key: _joined([p[key] for p in parts]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(_joined([p[i] for p in parts]) for i in range(len(first)))
+    return np.concatenate(parts)

@@ -10,7 +10,11 @@ S3A/GCS/ABFS connector jars on every executor for a store URL; pyarrow and
 fsspec need only what the Python side already has. The executors report each
 file's name and row count, which is the file table every task gets
 (`stratkit.spark.data.StagedData`): no footer is read again, no data travels
-through the Spark closure.
+through the Spark closure. Each column is written in its own type (int64,
+float64, strings, arrays; a Spark ML vector as an array of float64: what
+`spark_column` says it holds, a type that feeds no model refused before the
+job), and the executors also report each numeric column's smallest and largest
+value, against which a task checks its model's casts before reading a row.
 
 The driver probes the store before the job (a missing bucket or refused
 credentials are a `ConfigError` before any task runs); an executor that
@@ -28,15 +32,16 @@ import tempfile
 from typing import Any
 
 from stratkit import storage
+from stratkit.data.columns import Column, column_of
 from stratkit.errors import ConfigError
 from stratkit.spark.data import DataFrameInput, StagedData
 
 log = logging.getLogger(__name__)
 
 STAGING_CONF = "spark.stratkit.stagingDir"
-_NUMERIC = ("byte", "short", "integer", "long", "float", "double", "decimal", "boolean")
-#: What the executors send back for each partition: its file and rows, or why it could not be written.
-_REPORT = "name string, rows long, error string"
+#: What the executors send back for each partition: its file and rows (and each numeric column's smallest and
+#: largest value, JSON), or why it could not be written.
+_REPORT = "name string, rows long, error string, stats string"
 
 
 def _is_local_master(master: str) -> bool:
@@ -44,46 +49,85 @@ def _is_local_master(master: str) -> bool:
 
 
 def _column_expression(df: Any, name: str, vector_dtype: str = "float64") -> Any:
-    """The column as something Arrow carries as numbers (a Spark ML vector as an array of `vector_dtype`)."""
+    """The column as Arrow carries it in its own type (`spark_column` checked it), a Spark ML vector as an array of
+    `vector_dtype`."""
     from pyspark.sql import functions as F
 
-    field_type = df.schema[name].dataType
-    type_name = field_type.typeName()
-    if _is_vector(field_type):
+    spark_column(df.schema[name])
+    if _is_vector(df.schema[name].dataType):
         from pyspark.ml.functions import vector_to_array
 
         return vector_to_array(F.col(name), vector_dtype).alias(name)
-    if type_name in _NUMERIC:
-        return F.col(name).cast("double").alias(name) if type_name in ("decimal", "boolean") else F.col(name)
-    if type_name == "array" and field_type.elementType.typeName() in _NUMERIC:
-        return F.col(name)
-    raise ConfigError(f"column {name!r} has type {field_type.simpleString()}, which cannot become a tensor. Fix: "
-                      "use numeric columns, arrays of numbers or Spark ML vectors (e.g. assemble them with "
-                      "pyspark.ml.feature.VectorAssembler), or leave the column out of feature_cols")
+    return F.col(name)
 
 
 def _is_vector(field_type: Any) -> bool:
     return field_type.typeName() in ("vector", "vectorudt") or type(field_type).__name__ == "VectorUDT"
 
 
-def column_width(field: Any) -> int | None:
-    """Values per row of a DataFrame column (a `StructField`) as its schema tells: 1 for a number, a Spark ML
-    vector's size from its ML attribute metadata (VectorAssembler, StandardScaler, ... write it), else None
-    (an array column, or a vector without that metadata: known at its first row)."""
+def spark_column(field: Any) -> Column:
+    """What a DataFrame column (a `StructField`) holds, as `stratkit.data.columns` describes a column: its values'
+    dtype and per-row shape (a Spark ML vector: float64 of its size from its ML attribute metadata, which
+    VectorAssembler, StandardScaler, ... write; an array's length is known at its first row).
+
+    Raises:
+        ConfigError: a type that feeds no model (timestamps, structs, maps, ...), naming the column and the fix.
+    """
     if _is_vector(field.dataType):
         attributes = (field.metadata or {}).get("ml_attr", {})
-        if "num_attrs" in attributes:
-            return int(attributes["num_attrs"])
-        groups = attributes.get("attrs", {})
-        count = sum(len(group) for group in groups.values()) if isinstance(groups, dict) else 0
-        return count or None
-    return 1 if field.dataType.typeName() in _NUMERIC else None
+        width = attributes.get("num_attrs")
+        if width is None:
+            groups = attributes.get("attrs", {})
+            width = sum(len(group) for group in groups.values()) if isinstance(groups, dict) else 0
+        return Column(field.name, "float64", (int(width) if width else None,))
+    return column_of(field.name, _arrow_type(field.dataType))
+
+
+def _arrow_type(spark_type: Any) -> Any:
+    """The Arrow type Spark hands a column's values over in (what `mapInArrow` and the Arrow UDFs see)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    try:
+        return to_arrow_type(spark_type, timezone="UTC")
+    except Exception:  # noqa: BLE001 - a type Arrow cannot carry: column_of refuses it, naming the column
+        return pa.string() if spark_type.typeName() in ("varchar", "char") else pa.null()
+
+
+def _min_max(array: Any) -> tuple[Any, Any] | None:
+    """The smallest and largest value of a numeric Arrow column (its arrays' values, flattened); None for strings,
+    booleans and an empty or all-null column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or \
+            pa.types.is_fixed_size_list(array.type):
+        array = array.flatten()
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type) or
+            pa.types.is_decimal(array.type)):
+        return None
+    found = pc.min_max(array).as_py()
+    if found["min"] is None:
+        return None
+    low, high = found["min"], found["max"]
+    if pa.types.is_decimal(array.type):  # as columns.column_of reads it: int64 without a scale, else float64
+        low, high = (int(low), int(high)) if array.type.scale == 0 else (float(low), float(high))
+    return low, high
+
+
+def _merge(stats: dict[str, list[Any]], batch: Any) -> None:
+    for name in batch.schema.names:
+        found = _min_max(batch.column(name))
+        if found is not None:
+            low, high = stats.get(name, found)
+            stats[name] = [min(low, found[0]), max(high, found[1])]
 
 
 def _part_writer(path: str) -> Any:
     """The `mapInArrow` function that writes one partition to `path` (a directory or URL) as one Parquet file."""
 
     def write(batches: Any) -> Any:
+        import json
         import os
 
         import pyarrow as pa
@@ -93,7 +137,7 @@ def _part_writer(path: str) -> Any:
         context = TaskContext.get()
         name = f"part-{context.partitionId():05d}-a{context.attemptNumber()}.parquet"
         scratch = tempfile.mkdtemp(prefix="stratkit-staging-part-")
-        rows, error, writer = 0, "", None
+        rows, error, writer, stats = 0, "", None, {}
         try:
             local = os.path.join(scratch, name)
             for batch in batches:
@@ -101,6 +145,7 @@ def _part_writer(path: str) -> Any:
                     writer = writer or pq.ParquetWriter(local, batch.schema)
                     writer.write_batch(batch)
                     rows += batch.num_rows
+                    _merge(stats, batch)
             if writer is not None:
                 writer.close()
                 storage.open_store(path, "staging_dir").upload(local, name)
@@ -108,9 +153,10 @@ def _part_writer(path: str) -> Any:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        yield pa.RecordBatch.from_pydict({"name": [name if rows else ""], "rows": [rows], "error": [error]},
+        yield pa.RecordBatch.from_pydict({"name": [name if rows else ""], "rows": [rows], "error": [error],
+                                          "stats": [json.dumps(stats)]},
                                          schema=pa.schema([("name", pa.string()), ("rows", pa.int64()),
-                                                           ("error", pa.string())]))
+                                                           ("error", pa.string()), ("stats", pa.string())]))
 
     return write
 
@@ -135,15 +181,15 @@ def stage(data: DataFrameInput, spark: Any, run_id: str, name: str, num_shards: 
     root = str(root)
     path = storage.join(root, run_id, name)
     storage.check_store(path, "staging_dir")     # a URL: probed here, before any job runs
-    columns = [_column_expression(data.df, c) for c in data.feature_cols]
-    if data.label_col is not None:
-        columns.append(_column_expression(data.df, data.label_col))
-    reports = data.df.select(*columns).mapInArrow(_part_writer(path), _REPORT).collect()
+    expressions = [_column_expression(data.df, c) for c in data.columns]   # each column in its own type
+    reports = data.df.select(*expressions).mapInArrow(_part_writer(path), _REPORT).collect()
     staged = StagedData(path=path if not owned else root,
                         files=tuple(sorted((storage.join(path, r["name"]), int(r["rows"])) for r in reports
                                            if r["rows"])),
-                        feature_cols=tuple(data.feature_cols), label_col=data.label_col,
-                        feature_dtype=data.feature_dtype, owned=owned)
+                        feature_cols=tuple(data.feature_cols),
+                        label_col=data.label_col if not isinstance(data.label_col, list) else tuple(data.label_col),
+                        weight_col=data.weight_col, feature_dtype=data.feature_dtype,
+                        stats=_gathered([r["stats"] for r in reports if r["rows"]]), owned=owned)
     errors = sorted({r["error"] for r in reports if r["error"]})
     if errors:
         remove(staged)
@@ -158,6 +204,18 @@ def stage(data: DataFrameInput, spark: Any, run_id: str, name: str, num_shards: 
     return staged
 
 
+def _gathered(reports: list[str]) -> tuple[tuple[str, Any, Any], ...]:
+    """Every partition's min/max merged: (column, smallest, largest) per numeric column."""
+    import json
+
+    merged: dict[str, list[Any]] = {}
+    for text in reports:
+        for name, (low, high) in json.loads(text or "{}").items():
+            old = merged.get(name, [low, high])
+            merged[name] = [min(old[0], low), max(old[1], high)]
+    return tuple((name, low, high) for name, (low, high) in sorted(merged.items()))
+
+
 def remove(staged: StagedData) -> None:
     """Delete what the run staged (a directory the runner created whole; in a user's directory, the run's part)."""
     if staged.owned:
@@ -169,4 +227,4 @@ def remove(staged: StagedData) -> None:
         log.warning("could not remove the staging directory %s: %s", storage.redact(staged.path), exc)
 
 
-__all__ = ["STAGING_CONF", "remove", "stage"]
+__all__ = ["STAGING_CONF", "remove", "spark_column", "stage"]

@@ -73,7 +73,8 @@ def _subclassed():
 
     keras.utils.set_random_seed(1)
     model = Sub()
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss={"price": "mse", "digit": "sparse_categorical_crossentropy"})
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss={"price": "mse", "digit": "sparse_categorical_crossentropy"})
     return model
 
 
@@ -110,7 +111,7 @@ def test_each_structure_gets_its_columns_in_its_own_structure_and_trains_as_on_n
     inputs, numpy_labels = _numpy(table, kind)
     expected.fit(inputs, numpy_labels, sample_weight=table["weight"].to_numpy(), batch_size=8, epochs=1,
                  shuffle=False, verbose=0)
-    model.fit(tf.data.Dataset.from_tensor_slices(element).batch(8), epochs=1, verbose=0)
+    model.fit(tf.data.Dataset.from_tensor_slices(element).batch(8), epochs=1, shuffle=False, verbose=0)
     for got, want in zip(model.get_weights(), expected.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     signature = describe(model, fed=plan.signature)
@@ -166,6 +167,8 @@ def test_counts_kinds_and_widths_are_checked_with_the_callers_names():
                                                                              Column("z", "int64")], names=names)
     with pytest.raises(ConfigError, match="label column 'y' holds strings"):
         plan_feeds(two, [Column("v", "float64", (3,)), Column("i", "int64")], [Column("y", "string")], names=names)
+    named = plan_feeds(two, [Column("b", "int64"), Column("a", "float64", (3,))])  # named as the inputs: by name
+    assert [(f.port.name, f.columns[0].name) for f in named.feeds] == [("a", "a"), ("b", "b")]
     one = plan_feeds(ModelSignature((Port("image", (2, 2, 1), "float32"),), ()),
                      [Column("p", "float64", (None,)), Column("a", "int64"), Column("b", "float32")])
     batch = one.convert(pa.table({"p": pa.array([[1.0, 2.0]] * 2), "a": pa.array([3, 4]), "b": pa.array([5.0, 6.0],
@@ -183,3 +186,13 @@ def test_a_signature_reads_the_older_saved_form_and_keeps_a_tuple_layout():
     tupled = ModelSignature(signature.inputs, signature.outputs, (0, [1]), 0)
     assert ModelSignature.from_json(tupled.to_json()).input_layout == (0, [1])
     assert pack((0, [1]), ["x", "y"]) == ("x", ["y"])
+
+
+def test_a_sequential_model_never_called_is_read_from_its_input_layer():
+    import keras
+
+    model = keras.Sequential([keras.Input((1,), name="id"), keras.layers.Dense(1)])
+    signature = describe(model)
+    assert [(p.name, p.shape, p.dtype) for p in signature.inputs] == [("id", (1,), "float32")]
+    with pytest.raises(ConfigError, match=r"column 'id': casting its int64 values to the model's float32"):
+        plan_for_model(model, [Column("id", "int64")]).check_ranges({"id": (0, 2**24 + 1)})

@@ -9,8 +9,17 @@ import zipfile
 
 import pytest
 
+from stratkit.data.columns import Column
 from stratkit.errors import ConfigError
-from stratkit.spark.ml.signature import ARGUMENTS, ModelSignature, Port, check_classifier, output_fields, plan_inputs
+from stratkit.spark.ml.signature import (
+    ARGUMENTS,
+    PARAMS,
+    ModelSignature,
+    Port,
+    check_classifier,
+    output_fields,
+    plan_feeds,
+)
 
 pa = pytest.importorskip("pyarrow")
 pytest.importorskip("pyspark")
@@ -20,18 +29,24 @@ def _signature(inputs, outputs=(("out", (1,), "float32"),)):
     return ModelSignature(tuple(Port(*p) for p in inputs), tuple(Port(*p) for p in outputs))
 
 
+def plan_inputs(signature, columns, spelling=PARAMS):
+    """The feeds of numeric columns given as (name, values per row or None): a scalar for 1, else an array."""
+    columns = [Column(name, "float64", () if width == 1 else (width,)) for name, width in columns]
+    return plan_feeds(signature, columns, names=spelling).feeds
+
+
 # -- columns -> inputs ----------------------------------------------------------------------------
 
 def test_one_input_takes_every_column_side_by_side_and_reshapes_them():
     feeds = plan_inputs(_signature([("image", (8, 8, 1), "float32")]), [("pixels", 60), ("a", 1), ("b", 1),
                                                                          ("c", 1), ("d", 1)])
-    assert len(feeds) == 1 and feeds[0].columns == ("pixels", "a", "b", "c", "d")
+    assert len(feeds) == 1 and [c.name for c in feeds[0].columns] == ["pixels", "a", "b", "c", "d"]
     assert feeds[0].reshape(10, 64) == (10, 8, 8, 1)
 
 
 def test_several_inputs_take_one_column_each_in_order():
     feeds = plan_inputs(_signature([("x", (3,), "float32"), ("ids", (5,), "int32")]), [("v", 3), ("tokens", None)])
-    assert [(f.port.name, f.columns) for f in feeds] == [("x", ("v",)), ("ids", ("tokens",))]
+    assert [(f.port.name, [c.name for c in f.columns]) for f in feeds] == [("x", ["v"]), ("ids", ["tokens"])]
     assert feeds[1].reshape(4, 5) == (4, 5)  # the array column's width, checked on its first batch
     with pytest.raises(ConfigError, match=r"featuresCols 'tokens' give 6 value\(s\) per row, but the model's input "
                                           r"'ids' takes shape \(5,\) \(5 per row\)"):
@@ -58,8 +73,11 @@ def test_an_unknown_dimension_takes_what_the_row_has():
         feed.reshape(2, 10)
 
 
-def test_a_string_input_is_refused():
-    with pytest.raises(ConfigError, match="takes string values"):
+def test_a_string_input_takes_a_string_column_and_refuses_a_number_column():
+    feeds = plan_feeds(_signature([("text", (1,), "string")]), [Column("t", "string")]).feeds
+    assert feeds[0].port.dtype == "string"
+    with pytest.raises(ConfigError, match=r"column 't' holds float64 numbers but the model's input 'text' takes "
+                                          r"strings"):
         plan_inputs(_signature([("text", (1,), "string")]), [("t", 1)])
 
 
@@ -133,8 +151,8 @@ def test_model_outputs_become_arrow_columns_of_the_heads_types():
     from stratkit.spark.ml.predictor import InferenceSpec, to_arrow, to_inputs
 
     signature = _signature([("x", (2, 2), "float32")], [("price", (1,), "float32"), ("kind", (3,), "float32")])
-    feeds = plan_inputs(signature, [("a", None)])
-    spec = InferenceSpec(model=b"", signature=signature, feeds=feeds, fields=output_fields(signature, "p"),
+    plan = plan_feeds(signature, [Column("a", "float64", (None,))])
+    spec = InferenceSpec(model=b"", signature=signature, plan=plan, fields=output_fields(signature, "p"),
                          batch_size=4)
     inputs = to_inputs(spec, [pa.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], pa.list_(pa.float64()))])
     assert inputs[0].dtype == np.float32 and inputs[0].shape == (2, 2, 2)
@@ -193,3 +211,24 @@ def test_the_stages_take_params_by_name_with_getters_and_setters():
     with pytest.raises(TypeError):
         KerasEstimator(epochs=1.5)
     assert not KerasModel().hasParam("buildFn") and KerasModel().hasParam("buildParams")
+
+
+# -- a Spark column's type ------------------------------------------------------------------------
+
+def test_a_spark_column_keeps_its_type_and_a_vector_its_size():
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    from stratkit.spark.staging import spark_column
+
+    vector = T.StructField("features", VectorUDT(), metadata={"ml_attr": {"num_attrs": 3}})
+    cases = [(T.StructField("id", T.LongType()), ("int64", ())), (T.StructField("w", T.StringType()), ("string", ())),
+             (T.StructField("b", T.BinaryType()), ("string", ())), (T.StructField("f", T.BooleanType()), ("bool", ())),
+             (T.StructField("m", T.ArrayType(T.ArrayType(T.FloatType()))), ("float32", (None, None))),
+             (T.StructField("d", T.DecimalType(10, 0)), ("int64", ())), (vector, ("float64", (3,))),
+             (T.StructField("v", VectorUDT()), ("float64", (None,)))]
+    for field, (dtype, shape) in cases:
+        assert (spark_column(field).dtype, spark_column(field).shape) == (dtype, shape), field
+    for kind in (T.TimestampType(), T.MapType(T.StringType(), T.LongType()), T.StructType([])):
+        with pytest.raises(ConfigError, match=r"column 'when' has type .*which cannot feed a model\. Fix:"):
+            spark_column(T.StructField("when", kind))

@@ -12,8 +12,8 @@
     model.save("pipeline")            # PipelineModel.load("pipeline") anywhere
 
 * `estimator` / `model`: the two stages; `params`: their Params; `persistence`: how they save and load.
-* `training`: what each training process runs; `signature`: which columns feed which model input (one rule
-  for training and scoring), checked on the driver.
+* `training`: what each training process runs; `signature`: the stages' names in messages and the prediction
+  columns (which columns feed which model input is `stratkit.data.feeds`'s rule, one for training and scoring).
 * `inference`: `keras_predict` and the scoring UDF (driver side); `predictor`: the executors' side (the model
   cached per Python worker, one GPU per task).
 * `model_files`: the one place model files are read and written (paths and URLs).

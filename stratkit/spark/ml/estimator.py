@@ -36,9 +36,11 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
     (`maxRetries`) resuming from `backupDir`, preemption notices, the replica check before the model is saved.
     The chief sends the trained `.keras` file back to the driver; the `KerasModel` holds it.
 
-    Columns feed the model by the rule of `stratkit.spark.ml.signature`: for a one-input model every feature
-    column side by side (scalars, arrays of numbers, Spark ML vectors), reshaped to the input's shape; for N
-    inputs one column per input, in the order of `model.inputs`. One label column per model output.
+    Columns feed the model by the rule of `stratkit.data.feeds`: for a one-input model every feature column side
+    by side (scalars, arrays, Spark ML vectors), reshaped to the input's shape; for N inputs one column per input,
+    in the order of `model.inputs`, in the model's list / tuple / dict structure. One label column per model
+    output. Each column keeps its own type up to the model's input (int64 ids exact, strings for string inputs);
+    a cast that would change a value is a `ConfigError` naming the column before training.
 
     Params (keyword arguments, or `setX`/`getX`; all are Spark ML Params, so `ParamGridBuilder` tunes them):
         buildFn: a function returning a compiled `keras.Model` (called in each training process, with
@@ -106,9 +108,10 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         runner = SparkRunner(num_workers=self.getOrDefault("numWorkers"), use_gpu=self.getOrDefault("useGpu"),
                              gpus_per_worker=self.getOrDefault("gpusPerWorker"), spark=dataset.sparkSession,
                              max_retries=self.getOrDefault("maxRetries"), timeout=self.getOrDefault("timeout"))
-        inputs = DataFrameInput(train, feature_cols=list(job.columns), label_col=None)
-        held_out = None if validation is None else DataFrameInput(validation, feature_cols=list(job.columns),
-                                                                   label_col=None)
+        columns = {"feature_cols": list(job.feature_cols), "label_col": list(job.label_cols),
+                   "weight_col": job.weight_col}   # staged each in its own type
+        inputs = DataFrameInput(train, **columns)
+        held_out = None if validation is None else DataFrameInput(validation, **columns)
         try:
             with tracking.driver_run(self.getOrDefault("tracking")):   # the run SparkRunner hands the chief
                 result = runner.run(train_on_executor, job, inputs, held_out)

@@ -7,13 +7,18 @@ any Spark job:
     is not a Keras 3 `.keras` file is a `ConfigError` naming it), and loaded
     once on the driver to learn its signature (`signature.describe`; a fitted
     `KerasModel` carries it, so its transform imports no TensorFlow here);
-  * every feature column must exist and hold numbers, arrays of numbers or
-    Spark ML vectors; a vector's size (from its ML attribute metadata, as
+  * every feature column must exist and hold numbers, strings, arrays of
+    them or Spark ML vectors, of the kind its input takes (a string column
+    for a string input); a vector's size (from its ML attribute metadata, as
     VectorAssembler and StandardScaler write it) and a scalar's must fit the
-    model's input (`signature.plan_inputs`); the prediction columns must be
-    new; `use_gpu` needs `spark.task.resource.gpu.amount`.
-Widths the schema cannot tell (array columns, vectors without metadata) are
-checked on each task's first batch, with the same message.
+    model's input (`stratkit.data.feeds.plan_feeds`); the prediction columns
+    must be new; `use_gpu` needs `spark.task.resource.gpu.amount`.
+Each column reaches the model in its own type, cast to its input's dtype by
+`stratkit.data.columns`: int64 ids stay exact for an int64 input, and a cast
+that would change a value (an id above 2^24 into float32) is a `ConfigError`
+naming the column when its batch is read on the executor. Widths the schema
+cannot tell (array columns, vectors without metadata) are checked on each
+task's first batch, with the same message.
 
 The UDF is an iterator Arrow UDF (`pyspark.sql.functions.arrow_udf`, pyspark
 4.1 and later): Arrow columns in, Arrow columns out, no pandas and no
@@ -31,20 +36,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from stratkit.data.columns import Column
+from stratkit.data.feeds import plan_feeds
+from stratkit.data.signature import ModelSignature, describe
 from stratkit.errors import ConfigError
 from stratkit.spark import staging
 from stratkit.spark.ml import model_files
 from stratkit.spark.ml.predictor import InferenceSpec, predict_batches
-from stratkit.spark.ml.signature import (
-    ARGUMENTS,
-    PARAMS,
-    ModelSignature,
-    Spelling,
-    check_classifier,
-    describe,
-    output_fields,
-    plan_inputs,
-)
+from stratkit.spark.ml.signature import ARGUMENTS, PARAMS, Spelling, check_classifier, output_fields
 
 #: Rows per model call unless the caller says otherwise (Arrow batches are joined or cut to it).
 DEFAULT_BATCH_SIZE = 1024
@@ -79,6 +78,10 @@ def model_signature(model: bytes, where: str, custom_objects: dict[str, Any] | N
                               f"{exc}. Fix: pass custom_objects for its custom layers, safe_mode=False for a model "
                               "with Lambda layers you trust, or save it again with this Keras") from None
         signature = describe(loaded)
+        if signature is None:
+            raise ConfigError(f"{where} holds a {type(loaded).__name__} model Keras never built, so what it takes "
+                              "is unknown. Fix: call it once on a batch (or model.build(...)) before saving it, or "
+                              "build it with keras.Input(...)")
     finally:
         os.remove(path)
     with _signatures_lock:
@@ -86,8 +89,9 @@ def model_signature(model: bytes, where: str, custom_objects: dict[str, Any] | N
     return signature
 
 
-def feature_widths(df: Any, columns: Sequence[str], what: str = PARAMS.features) -> list[tuple[str, int | None]]:
-    """`(column, values per row or None)` for each feature column; ConfigError for a missing or non-numeric one."""
+def feature_columns(df: Any, columns: Sequence[str], what: str = PARAMS.features) -> list[Column]:
+    """What each feature column holds (`staging.spark_column`); ConfigError for a missing one or a type that feeds
+    no model."""
     if isinstance(columns, str) or not columns:
         raise ConfigError(f"{what}={columns!r} must be a non-empty list of column names. Fix: e.g. "
                           f"{what}=['features']")
@@ -97,11 +101,7 @@ def feature_widths(df: Any, columns: Sequence[str], what: str = PARAMS.features)
     if missing:
         raise ConfigError(f"{what} names column(s) {missing} that the DataFrame does not have (columns: {names}). "
                           f"Fix: pass {what} from those columns, or add the missing ones to the DataFrame first")
-    widths = []
-    for name in columns:
-        staging._column_expression(df, name)  # refuses a type that cannot become a tensor, naming the column
-        widths.append((name, staging.column_width(schema[name])))
-    return widths
+    return [staging.spark_column(schema[name]) for name in columns]
 
 
 def check_gpu_confs(spark: Any, resource_name: str = "gpu", what: str = PARAMS.gpu) -> None:
@@ -133,7 +133,7 @@ def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequen
                           f"e.g. {spelling.batch}={DEFAULT_BATCH_SIZE}")
     if isinstance(feature_cols, str):
         feature_cols = [feature_cols]
-    feeds = plan_inputs(signature, feature_widths(df, feature_cols, spelling.features), spelling)
+    plan = plan_feeds(signature, feature_columns(df, feature_cols, spelling.features), names=spelling)
     check_classifier(signature, prediction_kind, spelling)
     fields = output_fields(signature, prediction_col, prediction_cols, spelling)
     new_columns = [prediction_col, probability_col] if prediction_kind == "class" else [f.column for f in fields]
@@ -149,11 +149,11 @@ def score(df: Any, model: bytes, signature: ModelSignature, feature_cols: Sequen
         import cloudpickle
 
         custom = cloudpickle.dumps(custom_objects)
-    spec = InferenceSpec(model=model, signature=signature, feeds=feeds, fields=fields, batch_size=batch_size,
+    spec = InferenceSpec(model=model, signature=signature, plan=plan, fields=fields, batch_size=batch_size,
                          use_gpu=use_gpu, gpu_resource_name=gpu_resource_name, custom_objects=custom,
                          safe_mode=safe_mode, digest=hashlib.sha256(model).hexdigest())
-    inputs = [staging._column_expression(df, name, vector_dtype=_vector_dtype(feed.port.dtype))
-              for feed in feeds for name in feed.columns]
+    inputs = [staging._column_expression(df, column.name, vector_dtype=_vector_dtype(str(feed.port.dtype)))
+              for feed in plan.feeds for column in feed.columns]
     from pyspark.sql import functions as F
 
     if prediction_kind == "class":
@@ -238,8 +238,9 @@ def keras_predict(df: Any, model: Any, feature_cols: Sequence[str] | str, *, pre
         model: the path or URL of a `.keras` file (read on the driver and shipped to the executors with the
             job, so they need no access to it), or a `keras.Model`.
         feature_cols: the columns that feed the model: for a one-input model every column, side by side; for
-            N inputs one column per input, in the order of `model.inputs`. Numbers, arrays of numbers or Spark
-            ML vectors; each is reshaped to its input's per-row shape.
+            N inputs one column per input, in the order of `model.inputs` or named as the inputs (given to the
+            model in its list / tuple / dict structure). Numbers, strings, arrays of them or Spark ML vectors, each in its own type
+            cast to its input's dtype, reshaped to its input's per-row shape.
         prediction_col: the output column of a one-head model; with N heads `<prediction_col>_<head name>`.
         prediction_cols: one name per head instead.
         batch_size: rows per model call (Arrow batches, `spark.sql.execution.arrow.maxRecordsPerBatch` rows

@@ -78,8 +78,8 @@ class InferenceParams(StageParams):
     """What scoring a DataFrame needs (both stages)."""
 
     featuresCols = _param("featuresCols", "columns that feed the model: for a one-input model all of them side by "
-                          "side, for N inputs one per input in the order of model.inputs (numbers, arrays of numbers, "
-                          "Spark ML vectors)", _columns)
+                          "side, for N inputs one per input in the order of model.inputs or named as the inputs "
+                          "(numbers, strings, arrays of them, Spark ML vectors; each in its own type)", _columns)
     predictionCol = _param("predictionCol", "the prediction column (one-head models); with N heads the columns are "
                            "<predictionCol>_<head name>", TypeConverters.toString)
     predictionCols = _param("predictionCols", "one prediction column per head, in the model's output order "

@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratkit.cluster import gpus
+from stratkit.data.feeds import FeedPlan
+from stratkit.data.signature import ModelSignature, pack
 from stratkit.errors import ConfigError
 from stratkit.spark import layout
-from stratkit.spark.ml.signature import Feed, ModelSignature, OutputField
+from stratkit.spark.ml.signature import OutputField
 from stratkit.tf_logging import quiet_defaults, quiet_tensorflow_import
 
 #: Models kept per Python worker (a CrossValidator scores one per fit; older ones are dropped).
@@ -57,7 +59,7 @@ class InferenceSpec:
 
     model: bytes  # the .keras file
     signature: ModelSignature
-    feeds: tuple[Feed, ...]
+    plan: FeedPlan  # which columns feed which input, in which dtype (`stratkit.data.feeds`)
     fields: tuple[OutputField, ...]
     batch_size: int
     use_gpu: bool = False
@@ -183,17 +185,14 @@ class Predictor:
         import keras
         import tensorflow as tf
 
-        model, signature = self.model, spec.signature
-        specs = [tf.TensorSpec((None, *port.shape), port.dtype) for port in signature.inputs]
-        names = [port.name for port in signature.inputs]
+        model, fed = self.model, spec.plan.signature  # as the model is fed: every input's dtype known
+        specs = [tf.TensorSpec((None, *port.shape), tf.string if port.dtype == "string" else port.dtype)
+                 for port in fed.inputs]
+        layout = fed.input_layout
 
         @tf.autograph.experimental.do_not_convert  # no Python control flow to convert
-        def forward(*inputs):
-            if signature.input_structure == "dict":
-                arguments = dict(zip(names, inputs))
-            else:
-                arguments = list(inputs) if len(inputs) > 1 else inputs[0]
-            return keras.tree.flatten(model(arguments, training=False))
+        def forward(*inputs):  # the model's own list / tuple / dict of its inputs
+            return keras.tree.flatten(model(pack(layout, inputs), training=False))
 
         self._forward = tf.function(forward, input_signature=specs)
 
@@ -240,26 +239,12 @@ def predictor_for(spec: InferenceSpec) -> Predictor:
 
 # -- Arrow in, Arrow out -------------------------------------------------------------------------
 
-def _matrix(column: Any, name: str) -> Any:
-    from stratkit.spark.data import _column_matrix  # the staging's Arrow -> (rows, values) rule, nulls refused
-
-    return _column_matrix(column, name)
-
-
 def to_inputs(spec: InferenceSpec, columns: Sequence[Any]) -> list[Any]:
-    """Arrow feature columns (in the feeds' order) -> one numpy array per model input, shaped and typed."""
-    import numpy as np
-
-    out, at = [], 0
-    rows = len(columns[0]) if columns else 0
-    for feed in spec.feeds:
-        parts = []
-        for name in feed.columns:
-            parts.append(_matrix(columns[at], name))
-            at += 1
-        values = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        out.append(values.astype(feed.port.dtype, copy=False).reshape(feed.reshape(rows, values.shape[1])))
-    return out
+    """Arrow feature columns (in the feeds' order) -> one numpy array per model input, shaped and typed by
+    `stratkit.data.feeds` (each column in its own type, cast to its input's dtype; a cast that would change a value,
+    a null or a width that fits no input is a `ConfigError` naming the column)."""
+    names = [column.name for feed in spec.plan.feeds for column in feed.columns]
+    return spec.plan.input_values(dict(zip(names, columns)))
 
 
 def to_arrow(spec: InferenceSpec, outputs: Sequence[Any]) -> Any:
@@ -272,24 +257,27 @@ def to_arrow(spec: InferenceSpec, outputs: Sequence[Any]) -> Any:
     return pa.StructArray.from_arrays(arrays, names=[f.column for f in spec.fields])
 
 
-_ARROW_TYPES = {"double": "float64", "float": "float32", "bigint": "int64", "int": "int32", "boolean": "bool_"}
+_ARROW_TYPES = {"double": "float64", "float": "float32", "bigint": "int64", "int": "int32", "boolean": "bool_",
+                "string": "string"}
 
 
 def _head_array(field: OutputField, values: Any) -> Any:
+    import numpy as np
     import pyarrow as pa
 
     spark_type = field.spark_type
     element = spark_type[len("array<"):-1] if spark_type.startswith("array<") else spark_type
     arrow_type = getattr(pa, _ARROW_TYPES[element])()
     rows = values.shape[0]
-    if field.scalar:
-        return pa.array(values.reshape(rows).astype(arrow_type.to_pandas_dtype(), copy=False), type=arrow_type)
     flat = values.reshape(rows, -1)
+    if element == "string":  # a string head (e.g. StringLookup(invert=True)): bytes -> text
+        data = pa.array([v.decode() if isinstance(v, bytes) else str(v) for v in flat.reshape(-1)], type=arrow_type)
+    else:
+        data = pa.array(flat.reshape(-1).astype(arrow_type.to_pandas_dtype(), copy=False), type=arrow_type)
+    if field.scalar:
+        return data
     width = flat.shape[1]
-    data = pa.array(flat.reshape(-1).astype(arrow_type.to_pandas_dtype(), copy=False), type=arrow_type)
-    import numpy as np
-
-    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32), type=pa.int32())
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * width, type=pa.int32())
     return pa.ListArray.from_arrays(offsets, data)
 
 
