@@ -1,0 +1,313 @@
+"""One worker's reader: its lanes fetched and decoded by background threads within a byte budget, turned into
+the per-replica batches of each global step.
+
+A worker reads block after block (`shards.Layout.block`: window j of each of its lanes). Decode threads fetch
+each lane's window (a lane reader keeps its place in the stream between windows, so a row group is opened
+once per lane that reads it); a block is put together when every lane's window is in: the rows taken in global
+order (`pyarrow.Table.take`), turned into arrays by the feed (`feed.Feed.arrays`, through `columns.py`), cut
+at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
+batch split into its replicas' parts. The step only takes finished batches from a queue.
+
+Memory: the blocks being decoded ahead, the block being put together (its Arrow rows and its arrays) and a
+few finished steps. The block count ahead is what `read_ahead_bytes` holds (at least one), from the decoded
+bytes per row the footers give; a block that alone needs more than the budget is refused before step 1.
+Every lane also holds the compressed row group it is reading.
+
+A failure in a thread (a file that vanished, a store that refuses) is raised by the iterator, once, as a
+`TableReadError` naming the file; the threads stop.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from stratkit.data import sources
+from stratkit.data.cursor import Cursor
+from stratkit.data.feed import Feed
+from stratkit.data.plan import Plan, Stream
+from stratkit.data.shards import Layout, steps_for
+from stratkit.errors import ConfigError
+
+#: Finished steps kept ready for the training step.
+READY_STEPS = 4
+
+
+class TableReadError(RuntimeError):
+    """The table could not be read mid-run (a file vanished or was rewritten, the store refused)."""
+
+
+@dataclass(frozen=True)
+class ReaderSpec:
+    """What one worker's reader needs (small and picklable)."""
+
+    plan: Plan
+    layout: Layout
+    seed: int
+    shuffle: bool
+    world: int
+    rank: int
+    batch: int
+    replicas: int
+    start: Cursor
+    passes: int | None          # None: endless
+    budget: int
+    threads: int
+
+
+class LaneReader:
+    """One lane of one pass: its stream rows from `first` to `stop`, read in order, a window at a time."""
+
+    def __init__(self, plan: Plan, stream: Stream, first: int, stop: int, names: list[str], batch_rows: int,
+                 fs: Any, cache: dict[int, Any]) -> None:
+        self.batches = self._batches(plan, stream.pieces(first, stop), names, batch_rows, fs, cache)
+        self.left: Any = None
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _batches(plan: Plan, pieces: list, names: list[str], batch_rows: int, fs: Any,
+                 cache: dict[int, Any]) -> Iterator[Any]:
+        for piece in pieces:
+            try:
+                yield from sources.read_piece(plan, piece, names, batch_rows, fs, cache)
+            except Exception as exc:  # noqa: BLE001 - said once with the file named
+                raise _read_error(plan, piece.unit, exc) from exc
+
+    def read(self, rows: int) -> list[Any]:
+        """The next `rows` rows, as RecordBatches."""
+        out, have = [], 0
+        while have < rows:
+            batch = self.left if self.left is not None else next(self.batches)
+            self.left = None
+            need = rows - have
+            if batch.num_rows > need:
+                self.left = batch.slice(need)
+                batch = batch.slice(0, need)
+            out.append(batch)
+            have += batch.num_rows
+        return out
+
+
+def _read_error(plan: Plan, unit: int, exc: BaseException) -> TableReadError:
+    path = plan.files[int(plan.unit_file[unit])]
+    if isinstance(exc, FileNotFoundError):
+        what = "is gone (deleted or moved after the run planned the table at its start)"
+        fix = ("restore the file and resume from the last backup; for a Delta table, keep the versions a run reads "
+               "(VACUUM removes the files of old versions)")
+    else:
+        what = f"could not be read ({type(exc).__name__}: {exc})"
+        fix = "check the store and the file, then resume from the last backup"
+    return TableReadError(f"table file {path!r} {what}. Training stopped; the backups written so far are kept. "
+                          f"Fix: {fix}")
+
+
+class WorkerReader:
+    """This worker's per-replica batches, step after step (an iterator; `close()` stops its threads)."""
+
+    def __init__(self, spec: ReaderSpec, feed: Feed) -> None:
+        from stratkit.storage.arrow import arrow_filesystem
+
+        self.spec = spec
+        self.feed = feed
+        self.names = feed.read_columns
+        self.first_lane, self.stop_lane = spec.layout.owned(spec.world, spec.rank)
+        self.steps = steps_for(spec.plan.rows, spec.batch)
+        self.block_bytes = block_bytes(spec.layout, spec.plan, self.first_lane, self.stop_lane)
+        if self.block_bytes > spec.budget:
+            raise ConfigError(
+                f"read_ahead_bytes={spec.budget} cannot hold one block of this worker's lanes: "
+                f"{self.stop_lane - self.first_lane} lane(s) x shuffle_window={spec.layout.window} rows x ~"
+                f"{spec.plan.row_bytes:.0f} bytes per row decoded, twice (rows and arrays) = {self.block_bytes} "
+                f"bytes. Fix: read_ahead_bytes={2 * self.block_bytes} or more, a smaller shuffle_window, or "
+                "fewer lanes")
+        self.ahead = max(1, spec.budget // max(self.block_bytes, 1) - 1)
+        self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
+        self.cache: dict[int, Any] = {}
+        self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
+        self.ready: queue.Queue = queue.Queue(READY_STEPS)
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="stratkit-table-assemble", daemon=True)
+        self.thread.start()
+
+    # -- the consumer's side ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[tuple]]:
+        while True:
+            item = self.ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                self.failure = item
+                self.close()
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stopping.set()
+        try:
+            while True:
+                self.ready.get_nowait()
+        except queue.Empty:
+            pass
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- the assembler thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            spec = self.spec
+            cursor = spec.start
+            done = 0
+            while not self.stopping.is_set() and (spec.passes is None or done < spec.passes):
+                self._one_pass(cursor)
+                cursor = Cursor(cursor.pass_ + 1, 0)
+                done += 1
+            self._put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(exc if isinstance(exc, (TableReadError, ConfigError)) else
+                      TableReadError(f"reading the table failed: {type(exc).__name__}: {exc}"))
+
+    def _one_pass(self, cursor: Cursor) -> None:
+        spec, layout = self.spec, self.spec.layout
+        a, b = self.first_lane, self.stop_lane
+        start = cursor.global_position(spec.batch)
+        counts = batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:]
+        stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
+        first_block = layout.first_block(start) if start < spec.plan.rows else layout.blocks()
+        batch_rows = int(min(max(layout.window, 4096), 65536))
+        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache)
+                 for s, e in zip(layout.window_starts(first_block, a, b), layout.starts[a + 1:b + 1])]
+        splitter = Splitter(counts, spec.replicas, self.feed)
+        pending: list[tuple[int, list[Future]]] = []
+        block = first_block
+        total = layout.blocks()
+
+        def submit(j: int) -> None:
+            lengths = layout.window_lengths(j, a, b)
+            pending.append((j, [self.pool.submit(_read_window, lane, int(n)) for lane, n in zip(lanes, lengths)]))
+
+        while (block < total or pending) and not self.stopping.is_set():
+            while block < total and len(pending) <= self.ahead:
+                submit(block)
+                block += 1
+            if not pending:
+                break
+            j, futures = pending.pop(0)
+            windows = [f.result() for f in futures]
+            g, index = layout.block(j, a, b, spec.seed, cursor.pass_, spec.shuffle)
+            keep = g >= start
+            if not keep.all():
+                g, index = g[keep], index[keep]
+            for step in splitter.add(_gathered(windows, index, spec.plan, self.names), len(index), self.feed):
+                if not self._put(step):
+                    return
+        for step in splitter.finish():
+            if not self._put(step):
+                return
+
+
+def _read_window(lane: LaneReader, rows: int) -> list[Any]:
+    with lane.lock:
+        return lane.read(rows) if rows else []
+
+
+def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str]) -> Any:
+    """The block's rows at `index`, in that order, as one Arrow table."""
+    import pyarrow as pa
+
+    batches = [b for window in windows for b in window]
+    schema = pa.schema([plan.arrow_schema.field(n) for n in names])
+    table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+    return table.take(pa.array(index, pa.int64())).combine_chunks() if len(index) else schema.empty_table()
+
+
+class Splitter:
+    """Cuts the ordered rows at this worker's batch boundaries and splits each batch over its replicas."""
+
+    def __init__(self, counts: np.ndarray, replicas: int, feed: Feed) -> None:
+        self.counts = [int(c) for c in counts]
+        self.replicas = max(int(replicas), 1)
+        self.feed = feed
+        self.step = 0
+        self.parts: list[list[Any]] = []
+        self.have = 0
+
+    def add(self, table: Any, rows: int, feed: Feed) -> Iterator[list[tuple]]:
+        if rows:
+            self.parts.append(feed.arrays(table))
+            self.have += rows
+        while self.step < len(self.counts) and self.have >= self.counts[self.step]:
+            yield self._emit(self.counts[self.step])
+
+    def finish(self) -> Iterator[list[tuple]]:
+        while self.step < len(self.counts):   # only empty batches can be left (a worker without lanes)
+            yield self._emit(min(self.counts[self.step], self.have))
+
+    def _emit(self, rows: int) -> list[tuple]:
+        self.step += 1
+        arrays = self._take(rows)
+        cuts = np.linspace(0, rows, self.replicas + 1).round().astype(int) if rows else [0] * (self.replicas + 1)
+        return [self.feed.pack([a[cuts[r]:cuts[r + 1]] for a in arrays]) for r in range(self.replicas)]
+
+    def _take(self, rows: int) -> list[Any]:
+        taken: list[list[Any]] = []
+        need = rows
+        while need and self.parts:
+            head = self.parts[0]
+            n = len(head[0])
+            if n <= need:
+                taken.append(head)
+                self.parts.pop(0)
+                need -= n
+            else:
+                taken.append([a[:need] for a in head])
+                self.parts[0] = [a[need:] for a in head]
+                need = 0
+        self.have -= rows - need
+        if not taken:
+            return self._empty()
+        if len(taken) == 1:
+            return taken[0]
+        return [np.concatenate(column) for column in zip(*taken)]
+
+    def _empty(self) -> list[Any]:
+        return [np.zeros((0, *s.shape), object if s.dtype == "string" else s.dtype) for s in self.feed.slots]
+
+
+def batch_counts(layout: Layout, batch: int, first: int, stop: int, steps: int) -> np.ndarray:
+    """Rows of lanes [first, stop) in each global batch of a pass (vectorised `Layout.offsets`)."""
+    edges = np.minimum(np.arange(steps + 1, dtype=np.int64) * batch, layout.rows)
+    q, lanes = layout.rounds, layout.lanes
+    full = q * lanes
+    pos = np.sort(layout.visit_pos[first:stop])
+    ranks = layout.long_rank[first:stop]
+    longs = np.sort(ranks[ranks >= 0])
+    n = stop - first
+    early = edges <= full
+    r, rem = np.divmod(np.minimum(edges, full), lanes)
+    before = np.where(early, n * r + np.searchsorted(pos, rem, side="left"),
+                      n * q + np.searchsorted(longs, edges - full, side="left"))
+    return np.diff(before)
+
+
+def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
+    """Bytes one block of lanes [first, stop) takes decoded, twice (its Arrow rows and its arrays)."""
+    rows = int(layout.window_lengths(0, first, stop).sum()) if stop > first else 0
+    return int(2 * rows * max(plan.row_bytes, 1.0))
+
+
+__all__ = ["LaneReader", "READY_STEPS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
+           "block_bytes"]
