@@ -36,6 +36,14 @@ from stratkit.errors import ConfigError
 
 #: Finished steps kept ready for the training step.
 READY_STEPS = 4
+#: The newest failure a reader of this process raised (`last_failure`).
+_FAILURES: list[BaseException] = []
+
+
+def last_failure() -> BaseException | None:
+    """The newest failure a reader in this process raised, for `Trainer.fit` to raise instead of the error
+    TensorFlow's input pipeline wrapped it in (None: none)."""
+    return _FAILURES[-1] if _FAILURES else None
 
 
 class TableReadError(RuntimeError):
@@ -143,6 +151,7 @@ class WorkerReader:
                 return
             if isinstance(item, BaseException):
                 self.failure = item
+                _FAILURES[:] = [item]
                 self.close()
                 raise item
             yield item
@@ -309,5 +318,5 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     return int(2 * rows * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["LaneReader", "READY_STEPS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
+__all__ = ["LaneReader", "READY_STEPS", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
            "block_bytes"]
