@@ -59,11 +59,12 @@ def agreed(data: TableInput, strategy: Any) -> TableInput:
         except Exception as exc:  # noqa: BLE001 - as above
             failed = exc
     if multi:
-        values = collectives.gather_ints(strategy, -1 if failed is not None else mark)
-        if failed is None and min(values) < 0:
+        mine = -1 if failed is not None else mark
+        low, high = collectives.min_over_workers(strategy, mine), -collectives.min_over_workers(strategy, -mine)
+        if failed is None and low < 0:
             failed = ConfigError("another worker could not read the table's plan. Fix: the error in that worker's "
                                  "log")
-        elif failed is None and len(set(values)) > 1:
+        elif failed is None and low != high:
             failed = ConfigError(f"the workers planned different snapshots of {data.table!r} (the files changed "
                                  "while they listed them). Fix: stop writing to the table while a run starts, read a "
                                  "Delta table (a version pins its files), or list the files yourself")
