@@ -61,6 +61,26 @@ def window_order(length: int, seed: int, epoch: int, lane: int, window: int, shu
     return permutation(length, seed, epoch, lane, window, 0x726F7773)  # "rows"
 
 
+def window_orders(lengths: np.ndarray, seed: int, epoch: int, lanes: np.ndarray, window: int,
+                  shuffle: bool = True) -> np.ndarray:
+    """`window_order` of several lanes at once: their windows laid end to end (lengths `lengths`), each index
+    pointing into its own lane's part (one sort for all of them, the same permutations)."""
+    total = int(np.sum(lengths))
+    if not shuffle or total == 0:
+        return np.arange(total, dtype=np.int64)
+    state = np.zeros(1, np.uint64)
+    for part in (seed, epoch):
+        state = _mix(state ^ np.uint64(int(part) & _MASK))
+    per_lane = _mix(state ^ np.asarray(lanes, np.int64).astype(np.uint64))
+    per_lane = _mix(per_lane ^ np.uint64(int(window) & _MASK))
+    per_lane = _mix(per_lane ^ np.uint64(0x726F7773))  # "rows", as window_order
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    begin = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    local = np.arange(total, dtype=np.int64) - begin[owner]
+    keys = _mix(per_lane[owner] ^ local.astype(np.uint64))
+    return np.lexsort((keys, owner)).astype(np.int64)
+
+
 def visit_order(lanes: int) -> np.ndarray:
     """The lanes in the order each round visits them: lane `visit_order(C)[j]` is visited j-th.
 
@@ -74,4 +94,4 @@ def visit_order(lanes: int) -> np.ndarray:
     return ranks
 
 
-__all__ = ["hash_keys", "permutation", "unit_order", "visit_order", "window_order"]
+__all__ = ["hash_keys", "permutation", "unit_order", "visit_order", "window_order", "window_orders"]

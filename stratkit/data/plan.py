@@ -119,6 +119,10 @@ class Stream:
         self.units = units
         self.ends = np.cumsum(plan.unit_rows[units])  # stream row where each unit in order ends
 
+    def fetched(self, first: int, stop: int) -> int:
+        """Bytes a reader of stream rows [first, stop) fetches: every unit it touches, whole."""
+        return int(sum(int(self.plan.unit_bytes[p.unit]) for p in self.pieces(first, stop)))
+
     def pieces(self, first: int, stop: int) -> list[Piece]:
         """The units holding stream rows [first, stop), with the rows of each."""
         out: list[Piece] = []

@@ -138,11 +138,7 @@ class Layout:
         lane = np.repeat(np.arange(first, stop, dtype=np.int64), lengths)
         begin = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         local = np.arange(total, dtype=np.int64) - np.repeat(begin, lengths)
-        index = np.empty(total, np.int64)
-        for i, length in enumerate(lengths.tolist()):
-            if length:
-                shuffled = order.window_order(length, seed, epoch, first + i, block, shuffle)
-                index[begin[i]:begin[i] + length] = begin[i] + shuffled
+        index = order.window_orders(lengths, seed, epoch, np.arange(first, stop), block, shuffle)
         g = self.position(block * self.window + local, lane)
         by_g = np.argsort(g, kind="stable")
         return g[by_g], index[by_g]
