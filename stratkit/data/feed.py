@@ -149,7 +149,12 @@ class Feed:
                 value = parts[0]
             else:
                 value = np.concatenate([p.reshape(rows, -1) for p in parts], axis=1)
-            out.append(value.reshape((rows, *slot.shape)))
+            try:
+                out.append(value.reshape((rows, *slot.shape)))
+            except ValueError:
+                raise ConfigError(f"column(s) {' + '.join(slot.columns)} give {value.size // max(rows, 1)} value(s) "
+                                  f"per row here, not the {math.prod(slot.shape)} of their first row. Fix: give "
+                                  "every row of an array column the same length") from None
         return out
 
     def pack(self, arrays: Sequence[Any]) -> tuple:

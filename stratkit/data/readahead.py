@@ -72,10 +72,11 @@ class LaneReader:
     """One lane of one pass: its stream rows from `first` to `stop`, read in order, a window at a time."""
 
     def __init__(self, plan: Plan, stream: Stream, first: int, stop: int, names: list[str], batch_rows: int,
-                 fs: Any, cache: dict[int, Any]) -> None:
+                 fs: Any, cache: dict[int, Any], block: int = 0) -> None:
         self.batches = self._batches(plan, stream.pieces(first, stop), names, batch_rows, fs, cache)
         self.left: Any = None
-        self.lock = threading.Lock()
+        self.next = block                       # the window this lane reads next
+        self.turn = threading.Condition()
 
     @staticmethod
     def _batches(plan: Plan, pieces: list, names: list[str], batch_rows: int, fs: Any,
@@ -126,13 +127,7 @@ class WorkerReader:
         self.first_lane, self.stop_lane = spec.layout.owned(spec.world, spec.rank)
         self.steps = steps_for(spec.plan.rows, spec.batch)
         self.block_bytes = block_bytes(spec.layout, spec.plan, self.first_lane, self.stop_lane)
-        if self.block_bytes > spec.budget:
-            raise ConfigError(
-                f"read_ahead_bytes={spec.budget} cannot hold one block of this worker's lanes: "
-                f"{self.stop_lane - self.first_lane} lane(s) x shuffle_window={spec.layout.window} rows x ~"
-                f"{spec.plan.row_bytes:.0f} bytes per row decoded, twice (rows and arrays) = {self.block_bytes} "
-                f"bytes. Fix: read_ahead_bytes={2 * self.block_bytes} or more, a smaller shuffle_window, or "
-                "fewer lanes")
+        check_budget(spec.layout, spec.plan, spec.world, spec.budget)
         self.ahead = max(1, spec.budget // max(self.block_bytes, 1) - 1)
         self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
         self.cache: dict[int, Any] = {}
@@ -197,8 +192,9 @@ class WorkerReader:
         stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
         first_block = layout.first_block(start) if start < spec.plan.rows else layout.blocks()
         batch_rows = int(min(max(layout.window, 4096), 65536))
-        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache)
-                 for s, e in zip(layout.window_starts(first_block, a, b), layout.starts[a + 1:b + 1])]
+        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
+                            first_block) for s, e in zip(layout.window_starts(first_block, a, b),
+                                                         layout.starts[a + 1:b + 1])]
         splitter = Splitter(counts, spec.replicas, self.feed)
         pending: list[tuple[int, list[Future]]] = []
         block = first_block
@@ -206,7 +202,7 @@ class WorkerReader:
 
         def submit(j: int) -> None:
             lengths = layout.window_lengths(j, a, b)
-            pending.append((j, [self.pool.submit(_read_window, lane, int(n)) for lane, n in zip(lanes, lengths)]))
+            pending.append((j, [self.pool.submit(_read_window, lane, j, int(n)) for lane, n in zip(lanes, lengths)]))
 
         while (block < total or pending) and not self.stopping.is_set():
             while block < total and len(pending) <= self.ahead:
@@ -228,9 +224,17 @@ class WorkerReader:
                 return
 
 
-def _read_window(lane: LaneReader, rows: int) -> list[Any]:
-    with lane.lock:
-        return lane.read(rows) if rows else []
+def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
+    """Window `block` of `lane`, once the lane has read the windows before it (threads may take two windows of
+    one lane at once; the pool's queue is FIFO, so the earliest one waiting is always running)."""
+    with lane.turn:
+        while lane.next != block:
+            lane.turn.wait()
+        try:
+            return lane.read(rows) if rows else []
+        finally:
+            lane.next += 1
+            lane.turn.notify_all()
 
 
 def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str]) -> Any:
@@ -312,11 +316,27 @@ def batch_counts(layout: Layout, batch: int, first: int, stop: int, steps: int) 
     return np.diff(before)
 
 
+def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
+    """Refuse a read-ahead budget that cannot hold one block of the worker with the most lanes.
+
+    Raises:
+        ConfigError: naming the block's size, what makes it, and the fix.
+    """
+    most = max(layout.owned(world, rank)[1] - layout.owned(world, rank)[0] for rank in range(world))
+    needed = block_bytes(layout, plan, 0, most)
+    if needed > budget:
+        raise ConfigError(
+            f"read_ahead_bytes={budget} cannot hold one block of a worker's lanes: {most} lane(s) x "
+            f"shuffle_window={layout.window} rows x ~{plan.row_bytes:.0f} bytes per row decoded, twice (rows and "
+            f"arrays) = {needed} bytes. Fix: read_ahead_bytes={2 * needed} or more, a smaller shuffle_window, or "
+            "fewer lanes")
+
+
 def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     """Bytes one block of lanes [first, stop) takes decoded, twice (its Arrow rows and its arrays)."""
     rows = int(layout.window_lengths(0, first, stop).sum()) if stop > first else 0
     return int(2 * rows * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["LaneReader", "READY_STEPS", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
+__all__ = ["LaneReader", "READY_STEPS", "check_budget", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
            "block_bytes"]

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from stratkit.data.columns import column_of
+from stratkit.data.columns import Column, column_of
 from stratkit.data.plan import Piece, Plan
 from stratkit.data.sources.files import FileEntry
 from stratkit.errors import ConfigError
@@ -69,10 +69,10 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
             raise ConfigError(f"column {name!r} is not in table file {shown(entries[0].path)!r} (its columns: "
                               f"{first.names}; partition columns: {list(partition_types)}). Fix: columns=/features=/"
                               "label= must name columns of the table")
-    types = {n: first.field(n).type for n in stored}
+    types = {n: _canonical([md.schema.to_arrow_schema() for md in footers], n) for n in stored}
     fields = [pa.field(n, types[n]) if n in types else pa.field(n, _arrow_type(partition_types[n])) for n in names]
     schema = pa.schema(fields)
-    described = tuple(column_of(f.name, f.type) for f in fields)
+    described = tuple(_width(column_of(f.name, f.type), fs, entries, footers, shown) for f in fields)
     unit_file, unit_part, unit_rows, unit_begin, unit_end, unit_bytes, unit_decoded = ([] for _ in range(7))
     bounds: dict[str, tuple[Any, Any]] = {}
     deletions = dict(deletions or {})
@@ -85,13 +85,15 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
                 raise ConfigError(f"column {name!r} is in table file {shown(entries[0].path)!r} but not in "
                                   f"{shown(entry.path)!r}: the files' schemas differ. Fix: rewrite the table with "
                                   "one schema, or name only the columns every file holds")
-            if schema_here.field(at).type != types[name]:
+            if not _compatible(schema_here.field(at).type, types[name]):
                 raise ConfigError(f"column {name!r} is {types[name]} in table file {shown(entries[0].path)!r} but "
                                   f"{schema_here.field(at).type} in {shown(entry.path)!r}: the files' schemas "
                                   "differ. Fix: rewrite the table with one type per column (e.g. cast it in Spark "
                                   "or pyarrow before writing)")
         keep = deletions.get(index)
         if keep is not None:
+            if len(keep) < md.num_rows:  # a selection vector may stop at the last deleted row
+                keep = np.concatenate([keep, np.ones(md.num_rows - len(keep), bool)])
             if len(keep) != md.num_rows:
                 raise ConfigError(f"the deletion vector of {shown(entry.path)!r} covers {len(keep)} rows but the "
                                   f"file holds {md.num_rows}. Fix: run OPTIMIZE (or REORG ... APPLY (PURGE)) on "
@@ -130,6 +132,58 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
                 partitions=tuple(dict(p) for p in partitions) if partitions else tuple({} for _ in entries),
                 deletions=packed, bounds=bounds)
     return plan
+
+
+def _family(arrow_type: Any) -> Any:
+    """What a type holds, whatever its encoding: a list and a fixed-size list of one type are one family, as are
+    string and large_string (Delta has no fixed-size list: delta-rs writes a table's first file with the caller's
+    Arrow type and later ones as lists)."""
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(arrow_type) or pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return ("list", _family(arrow_type.value_type))
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "string"
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type):
+        return "binary"
+    return str(arrow_type)
+
+
+def _compatible(a: Any, b: Any) -> bool:
+    return a == b or _family(a) == _family(b)
+
+
+def _canonical(schemas: list[Any], name: str) -> Any:
+    """The type a column is read as: the first file's, a fixed-size list where any file has one."""
+    import pyarrow as pa
+
+    types = [s.field(name).type for s in schemas if s.get_field_index(name) >= 0]
+    fixed = [t for t in types if pa.types.is_fixed_size_list(t)]
+    return fixed[0] if fixed and all(_compatible(t, fixed[0]) for t in types) else types[0]
+
+
+def _width(column: Column, fs: Any, entries: Sequence[FileEntry], footers: list[Any], shown: Any) -> Column:
+    """A list column without a fixed length in the schema gets the length of its first row (every row must
+    have it; `columns.to_numpy` checks each batch)."""
+    import pyarrow.parquet as pq
+
+    if column.width is not None or not column.shape:
+        return column
+    for entry, md in zip(entries, footers):
+        if md.num_rows == 0:
+            continue
+        with fs.open_input_file(entry.path) as handle:
+            batch = next(pq.ParquetFile(handle, metadata=md).iter_batches(batch_size=1, columns=[column.name]))
+        value = batch.column(0)
+        shape = []
+        while hasattr(value, "flatten") and value.type.num_fields == 1:
+            shape.append(len(value[0]) if len(value) else 0)
+            value = value.flatten()
+        if len(shape) != len(column.shape):
+            break
+        return Column(column.name, column.dtype, tuple(shape))
+    raise ConfigError(f"column {column.name!r} of {shown(entries[0].path)!r} holds arrays whose length cannot be "
+                      "read. Fix: write it as a fixed-size list, or leave it out")
 
 
 def _arrow_type(dtype: str) -> Any:
@@ -208,12 +262,24 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
 
 
 def _with_partitions(batch: Any, names: Sequence[str], values: dict[str, Any], schema: Any) -> Any:
+    """`batch` with the partition columns' values added, every column in the plan's type (a list read as the
+    plan's fixed-size list: a row of another length is refused, naming the column)."""
     import pyarrow as pa
 
-    if not values:
-        return batch.select(list(names)) if list(batch.schema.names) != list(names) else batch
-    arrays = [batch.column(n) if n not in values else pa.array([values[n]] * batch.num_rows, schema.field(n).type)
-              for n in names]
+    arrays = []
+    for name in names:
+        wanted = schema.field(name).type
+        if name in values:
+            arrays.append(pa.array([values[name]] * batch.num_rows, wanted))
+            continue
+        array = batch.column(name)
+        if array.type != wanted:
+            try:
+                array = array.cast(wanted)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ConfigError(f"column {name!r} has a row that does not fit {wanted} ({exc}). Fix: give every "
+                                  "row of an array column the same length") from None
+        arrays.append(array)
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from stratkit import status
 from stratkit.data import TableInput
-from stratkit.data.readahead import last_failure
+from stratkit.data.readahead import check_budget, last_failure
 from stratkit.data.table_input import lanes_note
 from stratkit.errors import ConfigError
 from stratkit.training.inputs import rules
@@ -95,6 +95,8 @@ class TableAdapter(InputAdapter):
         per_pass = data.steps_per_epoch(global_batch_size)
         layout = data.layout()
         world = _workers(strategy)
+        check_budget(layout, data.plan(), world, data.read_ahead_bytes)   # before step 1, not in the pipeline
+        data.feed(self.model)                                              # the columns against the model
         if training:
             note = lanes_note(layout, world)
             if note:
