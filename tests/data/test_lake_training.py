@@ -4,7 +4,8 @@ on moto's S3, trained through `Trainer.fit(TableInput(...))`.
 * 2 workers under `stratkit launch` equal one process (weights and history within 1e-5), and every row id is
   trained once per epoch (ids recorded inside the replica step, counted over the workers);
 * a SIGKILL mid-epoch on 2 workers (backups on S3) resumes at a step backup on 3 workers under `LocalRunner`,
-  from a fresh staging directory (a fresh host reads only the store), and equals the uninterrupted run.
+  from a fresh staging directory (a fresh host reads only the store), and equals the uninterrupted run;
+* TFRecord shards of the same rows on the GCS emulator: 2 workers under `LocalRunner` equal one process.
 
 The full-size run (1,000,000 rows; the same world size resumed too) is `benchmarks/lake_acceptance.py`'s job.
 """
@@ -126,3 +127,43 @@ def test_a_sigkill_mid_epoch_on_two_workers_resumes_at_the_step_on_three_under_l
     # worker 0 read only its share of the batches after the backup: nothing before it was read and dropped
     assert len(resumed["ids"]["1"]) <= (2 * steps - start) * (BATCH // 3 + 2)
     _same(reference, resumed)
+
+
+@pytest.fixture(scope="module")
+def gcs_shards(store_server):
+    """(URL of TFRecord shards of the same shape on the GCS emulator, the environment a process needs)."""
+    import lake_tables
+    import stores
+
+    from stratkit.storage.arrow import arrow_filesystem
+
+    gcs = store_server("gs")
+    gcs.make_bucket(BUCKET)
+    url = f"gs://{BUCKET}/shards"
+    with stores.client_settings(gcs):
+        fs, base = arrow_filesystem(url)
+        assert lake_tables.write_tfrecord(fs, base, 16, ROWS // 2) == ROWS // 2
+    return url, {**gcs.env, "LAKE_KIND": "tfrecord", "LAKE_BATCH": str(BATCH)}
+
+
+def test_tfrecord_shards_on_gcs_train_on_two_workers_as_on_one_process(gcs_shards, monkeypatch):
+    import cloudpickle
+    import lake_train
+    import stores
+
+    from stratkit import LocalRunner
+
+    url, env = gcs_shards
+    one = run_process(str(SCRIPT), args=[url], env=env, timeout=300)
+    assert one.ok, describe([one])
+    (reference,) = _result(one.stdout)
+    assert sorted(reference["ids"]["0"]) == list(range(ROWS // 2))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    stores.refresh_clients()
+    cloudpickle.register_pickle_by_value(lake_train)
+    try:
+        two = LocalRunner(num_workers=2, private_network=False, timeout=420).run(lake_train.train, url)
+    finally:
+        cloudpickle.unregister_pickle_by_value(lake_train)
+    _same(reference, two)

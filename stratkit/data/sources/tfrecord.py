@@ -71,7 +71,7 @@ def _scan(fs: Any, entry: FileEntry, shown: str) -> tuple[list[tuple[int, int, i
                            "truncated or not a TFRecord file. Fix: rewrite it, or leave it out of the table")
 
     try:
-        stream = fs.open_input_stream(entry.path)
+        handle = fs.open_input_file(entry.path)   # ranged reads: an fsspec stream read far slower (GCS)
     except FileNotFoundError:
         raise ConfigError(f"TFRecord file {shown!r} was listed but is gone. Fix: do not rewrite the files while a "
                           "run starts") from None
@@ -83,25 +83,17 @@ def _scan(fs: Any, entry: FileEntry, shown: str) -> tuple[list[tuple[int, int, i
     def have(n: int) -> bool:
         """Read on until the buffer holds [at, at + n) (the bytes before `at` are dropped)."""
         nonlocal buffer, base
-        while at + n > base + len(buffer):
-            if at > base + len(buffer):          # skip the record bodies read past
-                gap = at - base - len(buffer)
-                while gap:
-                    chunk = stream.read(min(gap, _CHUNK))
-                    if not chunk:
-                        return False
-                    gap -= len(chunk)
-                buffer, base = bytearray(), at
-            else:
-                del buffer[:at - base]
-                base = at
-            more = stream.read(_CHUNK)
-            if not more:
-                return False
-            buffer += more
-        return True
+        if at + n <= base + len(buffer):
+            return True
+        if at + n > entry.size:
+            return False
+        keep = buffer[at - base:] if at < base + len(buffer) else bytearray()
+        start = at + len(keep)
+        more = handle.read_at(max(min(_CHUNK, entry.size - start), at + n - start), start)
+        buffer, base = keep + more, at
+        return at + n <= base + len(buffer)
 
-    with stream:
+    with handle:
         while at < entry.size:
             if not have(12):
                 raise truncated(at)
