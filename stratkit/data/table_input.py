@@ -25,7 +25,9 @@ from stratkit.data.table import Table
 from stratkit.errors import ConfigError
 
 #: The lane counts `lanes="auto"` picks from: each divisible by every world size up to 6 and by many more.
-LANE_CHOICES = (240, 120, 60, 24, 12, 6, 2, 1)
+LANE_CHOICES = (240, 120, 60, 24, 12)
+#: `lanes="auto"` never picks fewer (unless the table has fewer rows).
+MIN_LANES = 12
 #: `lanes="auto"`: at least this many units (row groups) per lane, so a lane's two partial units stay a small
 #: part of what it reads.
 UNITS_PER_LANE = 8
@@ -37,11 +39,13 @@ DEFAULT_SEED = 20170601
 
 
 def auto_lanes(plan: Plan) -> int:
-    """The lanes for `lanes="auto"`: the largest of `LANE_CHOICES` leaving `UNITS_PER_LANE` units per lane."""
+    """The lanes for `lanes="auto"`: the largest of `LANE_CHOICES` leaving `UNITS_PER_LANE` units per lane, and
+    at least 12 (every world size up to 4, and 6 and 12, divides it: a small table's lanes then share row
+    groups, which costs decoding them more than once, not reading more of the store than it holds)."""
     for lanes in LANE_CHOICES:
         if plan.units >= lanes * UNITS_PER_LANE and plan.rows >= lanes:
             return lanes
-    return 1
+    return min(MIN_LANES, max(plan.rows, 1))
 
 
 def auto_window(plan: Plan, lanes: int) -> int:
