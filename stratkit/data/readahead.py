@@ -4,12 +4,13 @@ the per-replica batches of each global step.
 A worker reads block after block (`shards.Layout.block`: window j of each of its lanes). Decode threads fetch
 each lane's window (a lane reader keeps its place in the stream between windows, so a row group is opened
 once per lane that reads it); a block is put together when every lane's window is in: the rows taken in global
-order (`pyarrow.Table.take`), turned into arrays by the feed (`feed.Feed.arrays`, through `columns.py`), cut
+order (the feed's arrays, `feed.Feed.arrays` through `columns.py`, gathered by numpy), cut
 at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
-batch split into its replicas' parts. The step only takes finished batches from a queue.
+batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
+queue; tf.data cuts each into its steps in the graph (one Python hand-off per chunk, not per step).
 
-Memory: the blocks being decoded ahead, the block being put together (its Arrow rows and its arrays) and a
-few finished steps. The block count ahead is what `read_ahead_bytes` holds (at least one), from the decoded
+Memory: the blocks being decoded ahead, the block being put together (its Arrow rows and its arrays) and two
+finished chunks (`CHUNK_ROWS` rows each). The block count ahead is what `read_ahead_bytes` holds (at least one), from the decoded
 bytes per row the footers give; a block that alone needs more than the budget is refused before step 1.
 Every lane also holds the compressed row group it is reading.
 
@@ -34,8 +35,12 @@ from stratkit.data.plan import Plan, Stream
 from stratkit.data.shards import Layout, steps_for
 from stratkit.errors import ConfigError
 
-#: Finished steps kept ready for the training step.
-READY_STEPS = 4
+#: Finished chunks kept ready for the training step.
+READY_CHUNKS = 2
+#: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`): the Python
+#: hand-off to tf.data costs per chunk, the steps are cut from it in the graph.
+CHUNK_ROWS = 8192
+MAX_CHUNK_STEPS = 64
 #: The newest failure a reader of this process raised (`last_failure`).
 _FAILURES: list[BaseException] = []
 
@@ -132,7 +137,10 @@ class WorkerReader:
         self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
         self.cache: dict[int, Any] = {}
         self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
-        self.ready: queue.Queue = queue.Queue(READY_STEPS)
+        share = max(1, spec.batch // max(spec.world, 1))
+        fits = int(spec.budget // (4 * share * max(spec.plan.row_bytes, 1.0)))   # the ready chunks: within budget
+        self.per_chunk = max(1, min(MAX_CHUNK_STEPS, -(-CHUNK_ROWS // share), fits))
+        self.ready: queue.Queue = queue.Queue(READY_CHUNKS)
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="stratkit-table-assemble", daemon=True)
@@ -140,6 +148,14 @@ class WorkerReader:
 
     # -- the consumer's side ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[tuple]]:
+        """Step after step: each a list of `replicas` per-replica `(x, y[, sample_weight])` tuples."""
+        for chunk in self.chunks():
+            parts = list(chunk.parts(self.feed))
+            for at in range(0, len(parts), self.spec.replicas):
+                yield parts[at:at + self.spec.replicas]
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The steps as they come from the assembler, `per_chunk` at a time (what the tf.data pipeline takes)."""
         while True:
             item = self.ready.get()
             if item is None:
@@ -195,7 +211,7 @@ class WorkerReader:
         lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
                             first_block) for s, e in zip(layout.window_starts(first_block, a, b),
                                                          layout.starts[a + 1:b + 1])]
-        splitter = Splitter(counts, spec.replicas, self.feed)
+        splitter = Splitter(counts, spec.replicas, self.feed, self.per_chunk)
         pending: list[tuple[int, list[Future]]] = []
         block = first_block
         total = layout.blocks()
@@ -216,7 +232,7 @@ class WorkerReader:
             keep = g >= start
             if not keep.all():
                 g, index = g[keep], index[keep]
-            for step in splitter.add(_gathered(windows, index, spec.plan, self.names), len(index), self.feed):
+            for step in splitter.add(_gathered(windows, index, spec.plan, self.names, self.feed), len(index)):
                 if not self._put(step):
                     return
         for step in splitter.finish():
@@ -237,43 +253,66 @@ def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
             lane.turn.notify_all()
 
 
-def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str]) -> Any:
-    """The block's rows at `index`, in that order, as one Arrow table."""
+def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str], feed: Feed) -> list[Any]:
+    """The block's rows at `index`, in that order, as the feed's arrays (converted in stream order, then gathered
+    by numpy: faster than Arrow's take on list columns)."""
     import pyarrow as pa
 
+    if not len(index):
+        return []
     batches = [b for window in windows for b in window]
     schema = pa.schema([plan.arrow_schema.field(n) for n in names])
-    table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
-    return table.take(pa.array(index, pa.int64())).combine_chunks() if len(index) else schema.empty_table()
+    return [array[index] for array in feed.arrays(pa.Table.from_batches(batches, schema=schema))]
+
+
+@dataclass
+class Chunk:
+    """Consecutive steps of this worker: the arrays of their rows, in order, and where each replica's part of
+    each step starts and ends (`splits`: steps x replicas + 1 offsets)."""
+
+    arrays: list[Any]
+    splits: np.ndarray
+
+    def parts(self, feed: Feed) -> Iterator[tuple]:
+        for a, b in zip(self.splits[:-1], self.splits[1:]):
+            yield feed.pack([array[a:b] for array in self.arrays])
 
 
 class Splitter:
-    """Cuts the ordered rows at this worker's batch boundaries and splits each batch over its replicas."""
+    """Cuts the ordered rows at this worker's batch boundaries, a chunk of `per_chunk` steps at a time, each
+    step's rows split over its replicas (contiguous parts, sizes differing by at most one)."""
 
-    def __init__(self, counts: np.ndarray, replicas: int, feed: Feed) -> None:
-        self.counts = [int(c) for c in counts]
+    def __init__(self, counts: np.ndarray, replicas: int, feed: Feed, per_chunk: int = 1) -> None:
+        self.counts = np.asarray(counts, np.int64)
         self.replicas = max(int(replicas), 1)
         self.feed = feed
+        self.per_chunk = max(int(per_chunk), 1)
         self.step = 0
         self.parts: list[list[Any]] = []
         self.have = 0
 
-    def add(self, table: Any, rows: int, feed: Feed) -> Iterator[list[tuple]]:
+    def add(self, arrays: list[Any], rows: int) -> Iterator[Chunk]:
         if rows:
-            self.parts.append(feed.arrays(table))
+            self.parts.append(arrays)
             self.have += rows
-        while self.step < len(self.counts) and self.have >= self.counts[self.step]:
-            yield self._emit(self.counts[self.step])
+        while self.step < len(self.counts):
+            steps = min(self.per_chunk, len(self.counts) - self.step)
+            if self.have < int(self.counts[self.step:self.step + steps].sum()):
+                return
+            yield self._emit(steps)
 
-    def finish(self) -> Iterator[list[tuple]]:
+    def finish(self) -> Iterator[Chunk]:
         while self.step < len(self.counts):   # only empty batches can be left (a worker without lanes)
-            yield self._emit(min(self.counts[self.step], self.have))
+            yield self._emit(min(self.per_chunk, len(self.counts) - self.step))
 
-    def _emit(self, rows: int) -> list[tuple]:
-        self.step += 1
-        arrays = self._take(rows)
-        cuts = np.linspace(0, rows, self.replicas + 1).round().astype(int) if rows else [0] * (self.replicas + 1)
-        return [self.feed.pack([a[cuts[r]:cuts[r + 1]] for a in arrays]) for r in range(self.replicas)]
+    def _emit(self, steps: int) -> Chunk:
+        counts = self.counts[self.step:self.step + steps]
+        self.step += steps
+        rows = int(counts.sum())
+        arrays = self._take(min(rows, self.have))
+        shares = np.floor(np.outer(counts, np.arange(1, self.replicas + 1)) / self.replicas + 0.5).astype(np.int64)
+        ends = shares + np.concatenate([[0], np.cumsum(counts)[:-1]])[:, None]
+        return Chunk(arrays, np.concatenate([[0], ends.reshape(-1)]).astype(np.int64))
 
     def _take(self, rows: int) -> list[Any]:
         taken: list[list[Any]] = []
@@ -291,13 +330,10 @@ class Splitter:
                 need = 0
         self.have -= rows - need
         if not taken:
-            return self._empty()
+            return [np.zeros((0, *s.shape), object if s.dtype == "string" else s.dtype) for s in self.feed.slots]
         if len(taken) == 1:
             return taken[0]
         return [np.concatenate(column) for column in zip(*taken)]
-
-    def _empty(self) -> list[Any]:
-        return [np.zeros((0, *s.shape), object if s.dtype == "string" else s.dtype) for s in self.feed.slots]
 
 
 def batch_counts(layout: Layout, batch: int, first: int, stop: int, steps: int) -> np.ndarray:
@@ -338,5 +374,5 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     return int(2 * rows * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["LaneReader", "READY_STEPS", "check_budget", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
+__all__ = ["LaneReader", "READY_CHUNKS", "Chunk", "check_budget", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
            "block_bytes"]

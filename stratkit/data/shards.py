@@ -81,9 +81,11 @@ class Layout:
 
     def position(self, t: np.ndarray, lane: np.ndarray) -> np.ndarray:
         """Global position g of row `t` of lane `lane` (arrays)."""
-        q = self.rounds
-        full = q * self.lanes
-        return np.where(t < q, t * self.lanes + self.visit_pos[lane], full + self.long_rank[lane])
+        g = t * self.lanes + self.visit_pos[lane]
+        late = t >= self.rounds
+        if late.any():
+            g[late] = self.rounds * self.lanes + self.long_rank[lane[late]]
+        return g
 
     # -- the cursor's closed form --------------------------------------------------------------------
     def offsets(self, before: int, first: int = 0, stop: int | None = None) -> np.ndarray:
@@ -135,13 +137,17 @@ class Layout:
         total = int(lengths.sum())
         if total == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        lane = np.repeat(np.arange(first, stop, dtype=np.int64), lengths)
         begin = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        local = np.arange(total, dtype=np.int64) - np.repeat(begin, lengths)
-        index = order.window_orders(lengths, seed, epoch, np.arange(first, stop), block, shuffle)
-        g = self.position(block * self.window + local, lane)
-        by_g = np.argsort(g, kind="stable")
-        return g[by_g], index[by_g]
+        shuffled = order.window_orders(lengths, seed, epoch, np.arange(first, stop), block, shuffle)
+        # Global order without a sort: round by round (t), each round's lanes in their visiting order; the last
+        # round's (long) lanes keep that order too (`long_rank` ranks them by it).
+        visits = np.argsort(self.visit_pos[first:stop], kind="stable")          # local lane numbers
+        t = np.arange(int(lengths.max()), dtype=np.int64)
+        valid = t[:, None] < lengths[visits][None, :]                          # (rounds, lanes) cells with a row
+        rounds, lanes = np.nonzero(valid)
+        local = visits[lanes]
+        g = self.position(block * self.window + rounds, first + local)
+        return g, shuffled[begin[local] + rounds]
 
     def first_block(self, before: int) -> int:
         """The block holding global position `before` (where a resume starts reading)."""

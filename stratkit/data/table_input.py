@@ -194,16 +194,24 @@ class TableInput:
             rank = int(input_context.input_pipeline_id)
             replicas = max(1, int(input_context.num_replicas_in_sync) // max(world, 1))
 
-            def batches() -> Any:
+            def chunks() -> Any:
                 reader = self.reader(batch, world, rank, replicas=replicas, start=start, passes=passes, feed=feed)
                 try:
-                    for parts in reader:
-                        yield from parts
+                    for chunk in reader.chunks():
+                        yield (*chunk.arrays, chunk.splits)
                 finally:
                     reader.close()
 
-            dataset = tf.data.Dataset.from_generator(batches, output_signature=specs)
-            return dataset.prefetch(2 * replicas)
+            flat = [tf.TensorSpec(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
+            signature = (*flat, tf.TensorSpec((None,), tf.int64))
+
+            def parts(*values: Any) -> Any:   # a chunk's per-replica parts, cut in the graph
+                arrays, splits = values[:-1], values[-1]
+                return tf.data.Dataset.range(tf.size(splits, out_type=tf.int64) - 1).map(
+                    lambda i: feed.pack([a[splits[i]:splits[i + 1]] for a in arrays]))
+
+            dataset = tf.data.Dataset.from_generator(chunks, output_signature=signature).prefetch(1)
+            return dataset.flat_map(parts).prefetch(2 * replicas)
 
         return dataset_fn
 

@@ -246,7 +246,7 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
     at = 0
     try:
         for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[int(plan.unit_part[unit])],
-                                         columns=stored, use_threads=False):
+                                         columns=stored):
             end = at + batch.num_rows
             if end > raw_first:
                 lo, hi = max(raw_first - at, 0), min(raw_stop, end) - at
