@@ -36,7 +36,7 @@ from jobs import REPO, TASKS, clean_env  # noqa: E402
 
 TASK = TASKS / "lake_task.py"
 FULL = {"rows": 1_000_000, "files": 16, "group": 65_536, "rounds": 3, "batch": 1024,
-        "cnn_rows": 30_000, "cnn_batch": 128, "cnn_rounds": 3, "budget": 16 << 20, "memory_factor": 10}
+        "cnn_rows": 30_000, "cnn_batch": 128, "cnn_rounds": 3, "budget": 24 << 20, "memory_factor": 10}
 QUICK = {"rows": 20_000, "files": 4, "group": 2_048, "rounds": 2, "batch": 256,
          "cnn_rows": 1_024, "cnn_batch": 64, "cnn_rounds": 1, "budget": 8 << 20, "memory_factor": 10}
 GOALS = {"reader/limit": 0.8, "reader/recipe": 2.0, "cnn table/arrays": 0.95}
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         small, big = f"{scratch}/small", f"{scratch}/big"
         write_table(small, 2_000, 2, 500, "wide", env)
         big_rows = size["memory_factor"] * size["budget"] // 260 + 1
-        write_table(big, big_rows, 16, max(big_rows // 64, 256), "wide", env)
+        write_table(big, big_rows, 16, 1024, "wide", env)
         workers = memory(small, big, size["budget"], env)
         raw["memory"] = workers
     load_after = os.getloadavg()

@@ -9,10 +9,11 @@ at the global batch boundaries (this worker's rows of batch k: `shards.Layout` i
 batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
 queue; tf.data cuts each into its steps in the graph (one Python hand-off per chunk, not per step).
 
-Memory: the blocks being decoded ahead, the block being put together (its Arrow rows and its arrays) and two
-finished chunks (`CHUNK_ROWS` rows each). The block count ahead is what `read_ahead_bytes` holds (at least one), from the decoded
-bytes per row the footers give; a block that alone needs more than the budget is refused before step 1.
-Every lane also holds the compressed row group it is reading.
+Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
+chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded
+ahead, and two finished chunks (`CHUNK_ROWS` rows each, within a quarter of the budget). The blocks ahead are
+what `read_ahead_bytes` leaves room for (at least one); a budget without room for one is refused before
+step 1, naming what takes the bytes.
 
 A failure in a thread (a file that vanished, a store that refuses) is raised by the iterator, once, as a
 `TableReadError` naming the file; the threads stop.
@@ -131,14 +132,14 @@ class WorkerReader:
         self.names = feed.read_columns
         self.first_lane, self.stop_lane = spec.layout.owned(spec.world, spec.rank)
         self.steps = steps_for(spec.plan.rows, spec.batch)
-        self.block_bytes = block_bytes(spec.layout, spec.plan, self.first_lane, self.stop_lane)
         check_budget(spec.layout, spec.plan, spec.world, spec.budget)
-        self.ahead = max(1, spec.budget // max(self.block_bytes, 1) - 1)
+        self.ahead, self.block_bytes, _ = memory_plan(spec.layout, spec.plan, self.first_lane, self.stop_lane,
+                                                      spec.budget)
         self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
         self.cache: dict[int, Any] = {}
         self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
         share = max(1, spec.batch // max(spec.world, 1))
-        fits = int(spec.budget // (4 * share * max(spec.plan.row_bytes, 1.0)))   # the ready chunks: within budget
+        fits = int(spec.budget // (8 * share * max(spec.plan.row_bytes, 1.0)))   # 2 ready chunks: a quarter
         self.per_chunk = max(1, min(MAX_CHUNK_STEPS, -(-CHUNK_ROWS // share), fits))
         self.ready: queue.Queue = queue.Queue(READY_CHUNKS)
         self.stopping = threading.Event()
@@ -235,9 +236,19 @@ class WorkerReader:
             for step in splitter.add(_gathered(windows, index, spec.plan, self.names, self.feed), len(index)):
                 if not self._put(step):
                     return
+            del windows
+            _release()
         for step in splitter.finish():
             if not self._put(step):
                 return
+
+
+def _release() -> None:
+    """Hand the memory pyarrow's allocator keeps after a block back to the system (mimalloc and jemalloc keep
+    freed pages for reuse: measured, the RSS grew twice what pyarrow held)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
 
 
 def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
@@ -352,20 +363,41 @@ def batch_counts(layout: Layout, batch: int, first: int, stop: int, steps: int) 
     return np.diff(before)
 
 
+def lane_bytes(plan: Plan) -> int:
+    """What one lane holds while it reads a unit: its fetched column chunks and their decoded rows (the
+    largest unit's; pyarrow pre-buffers a row group's chunks and decodes them a page at a time)."""
+    return int((plan.unit_bytes + plan.unit_decoded).max()) if plan.units else 0
+
+
+def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) -> tuple[int, int, int]:
+    """(blocks read ahead, one block's bytes, the lanes' bytes) for lanes [first, stop) within `budget`.
+
+    The budget holds the lanes' open units, the block being put together, the blocks decoded ahead and the
+    ready chunks (kept within a quarter of the budget by their size)."""
+    lanes = (stop - first) * lane_bytes(plan)
+    block = block_bytes(layout, plan, first, stop)
+    room = budget - lanes - budget // 4
+    return max(1, room // max(block, 1) - 1), block, lanes
+
+
 def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
-    """Refuse a read-ahead budget that cannot hold one block of the worker with the most lanes.
+    """Refuse a read-ahead budget that cannot hold what the worker with the most lanes needs: its lanes' open
+    units, a block put together and one decoded ahead, and the ready chunks.
 
     Raises:
-        ConfigError: naming the block's size, what makes it, and the fix.
+        ConfigError: naming what takes the bytes, and the fix.
     """
     most = max(layout.owned(world, rank)[1] - layout.owned(world, rank)[0] for rank in range(world))
-    needed = block_bytes(layout, plan, 0, most)
+    _, block, lanes = memory_plan(layout, plan, 0, most, budget)
+    needed = lanes + 2 * block + budget // 4
     if needed > budget:
         raise ConfigError(
-            f"read_ahead_bytes={budget} cannot hold one block of a worker's lanes: {most} lane(s) x "
-            f"shuffle_window={layout.window} rows x ~{plan.row_bytes:.0f} bytes per row decoded, twice (rows and "
-            f"arrays) = {needed} bytes. Fix: read_ahead_bytes={2 * needed} or more, a smaller shuffle_window, or "
-            "fewer lanes")
+            f"read_ahead_bytes={budget} cannot hold what a worker of {world} reads at once: {most} lane(s), each "
+            f"holding a row group being read (up to {lane_bytes(plan)} bytes fetched and decoded) = {lanes} bytes, "
+            f"and two blocks of shuffle_window={layout.window} rows a lane x ~{plan.row_bytes:.0f} bytes per row "
+            f"(decoded, twice: rows and arrays) = {2 * block} bytes, and a quarter for finished steps. Fix: "
+            f"read_ahead_bytes={int(1.34 * (lanes + 2 * block)) + 1} or more, a smaller shuffle_window, fewer lanes "
+            "per worker (lanes=), or smaller row groups")
 
 
 def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
@@ -374,5 +406,5 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     return int(2 * rows * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["LaneReader", "READY_CHUNKS", "Chunk", "check_budget", "last_failure", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts",
-           "block_bytes"]
+__all__ = ["Chunk", "LaneReader", "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader",
+           "batch_counts", "block_bytes", "check_budget", "lane_bytes", "last_failure", "memory_plan"]

@@ -216,7 +216,7 @@ def test_a_vanished_file_stops_trainer_fit_with_the_readers_error_and_the_backup
                                                                                              parquet_dir):
     shutil.copytree(parquet_dir, tmp_path / "t")
     data = TableInput(Table.parquet(tmp_path / "t"), features="x", label="y", lanes=1, shuffle=False,
-                      shuffle_window=100, read_ahead_bytes=1 << 14)   # reads ~2 windows ahead of the step
+                      shuffle_window=100, read_ahead_bytes=1 << 16)   # reads a few windows ahead of the step
     gone = lambda: os.remove(tmp_path / "t" / "part-00011.parquet")  # noqa: E731 - read last (lanes=1, in order)
     model = trainer.build(_build)
     with pytest.raises(TableReadError, match=r"part-00011\.parquet' is gone"):

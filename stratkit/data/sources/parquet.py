@@ -233,7 +233,7 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
         raise OSError(f"{path} is {handle.size()} bytes, not the {plan.sizes[file]} it had when the run planned "
                       "the table: it was rewritten")
     md = footers.get(file)
-    reader = pq.ParquetFile(handle, metadata=md)
+    reader = pq.ParquetFile(handle, metadata=md)   # pre-buffered: a row group's column chunks in few reads
     footers.setdefault(file, reader.metadata)
     keep = plan.keep_mask(file)
     begin = int(plan.unit_begin[unit])
