@@ -25,6 +25,7 @@ pyarrow and numpy are imported when a function needs them (this module is pure P
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,8 @@ def check_range(name: str, source: str, target: str, low: Any, high: Any) -> Non
     if bounds is None or low is None or high is None:
         return
     for value in (low, high):
+        if source in EXACT_INTEGERS and target in EXACT_INTEGERS and not math.isfinite(value):
+            continue  # inf and NaN stay what they are in any float type (a finite value beyond is found as read)
         if not bounds[0] <= value <= bounds[1]:
             raise _lost(name, source, target, value, _fix(source, target))
 

@@ -4,7 +4,7 @@ the per-replica batches of each global step.
 A worker reads block after block (`shards.Layout.block`: window j of each of its lanes). Decode threads fetch
 each lane's window (a lane reader keeps its place in the stream between windows, so a row group is opened
 once per lane that reads it); a block is put together when every lane's window is in: the rows taken in global
-order (the feed's arrays, `feed.Feed.arrays` through `columns.py`, gathered by numpy), cut
+order (the feed's arrays, `batching.Batcher.arrays` through `columns.py`, gathered by numpy), cut
 at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
 batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
 queue; tf.data cuts each into its steps in the graph (one Python hand-off per chunk, not per step).
@@ -31,7 +31,7 @@ import numpy as np
 
 from stratkit.data import sources
 from stratkit.data.cursor import Cursor
-from stratkit.data.feed import Feed
+from stratkit.data.batching import Batcher
 from stratkit.data.plan import Plan, Stream
 from stratkit.data.shards import Layout, steps_for
 from stratkit.errors import ConfigError
@@ -124,7 +124,7 @@ def _read_error(plan: Plan, unit: int, exc: BaseException) -> TableReadError:
 class WorkerReader:
     """This worker's per-replica batches, step after step (an iterator; `close()` stops its threads)."""
 
-    def __init__(self, spec: ReaderSpec, feed: Feed) -> None:
+    def __init__(self, spec: ReaderSpec, feed: Batcher) -> None:
         from stratkit.storage.arrow import arrow_filesystem
 
         self.spec = spec
@@ -264,7 +264,7 @@ def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
             lane.turn.notify_all()
 
 
-def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str], feed: Feed) -> list[Any]:
+def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str], feed: Batcher) -> list[Any]:
     """The block's rows at `index`, in that order, as the feed's arrays (converted in stream order, then gathered
     by numpy: faster than Arrow's take on list columns)."""
     import pyarrow as pa
@@ -284,7 +284,7 @@ class Chunk:
     arrays: list[Any]
     splits: np.ndarray
 
-    def parts(self, feed: Feed) -> Iterator[tuple]:
+    def parts(self, feed: Batcher) -> Iterator[tuple]:
         for a, b in zip(self.splits[:-1], self.splits[1:]):
             yield feed.pack([array[a:b] for array in self.arrays])
 
@@ -293,7 +293,7 @@ class Splitter:
     """Cuts the ordered rows at this worker's batch boundaries, a chunk of `per_chunk` steps at a time, each
     step's rows split over its replicas (contiguous parts, sizes differing by at most one)."""
 
-    def __init__(self, counts: np.ndarray, replicas: int, feed: Feed, per_chunk: int = 1) -> None:
+    def __init__(self, counts: np.ndarray, replicas: int, feed: Batcher, per_chunk: int = 1) -> None:
         self.counts = np.asarray(counts, np.int64)
         self.replicas = max(int(replicas), 1)
         self.feed = feed
@@ -341,7 +341,7 @@ class Splitter:
                 need = 0
         self.have -= rows - need
         if not taken:
-            return [np.zeros((0, *s.shape), object if s.dtype == "string" else s.dtype) for s in self.feed.slots]
+            return self.feed.empty()
         if len(taken) == 1:
             return taken[0]
         return [np.concatenate(column) for column in zip(*taken)]

@@ -17,7 +17,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from stratkit.data.cursor import Cursor, OrderRecord, check_resume
-from stratkit.data.feed import Feed
+from stratkit.data.batching import Batcher
 from stratkit.data.plan import Plan
 from stratkit.data.readahead import ReaderSpec, WorkerReader
 from stratkit.data.shards import Layout, steps_for
@@ -152,15 +152,15 @@ class TableInput:
         return steps_for(self.num_rows, _batch(global_batch_size))
 
     # -- one worker's reader ---------------------------------------------------------------------------
-    def feed(self, model: Any = None) -> Feed:
+    def feed(self, model: Any = None) -> Batcher:
         plan = self.plan()
-        feed = Feed(plan.columns, self.features[0] if self.single else self.features, self.label,
-                    self.sample_weight, model=model)
+        feed = Batcher(plan.columns, self.features[0] if self.single else self.features, self.label,
+                       self.sample_weight, model=model)
         feed.check_bounds(plan.bounds)
         return feed
 
     def reader(self, global_batch_size: int, world: int = 1, rank: int = 0, *, replicas: int = 1, model: Any = None,
-               start: Cursor = Cursor(), passes: int | None = None, feed: Feed | None = None) -> WorkerReader:
+               start: Cursor = Cursor(), passes: int | None = None, feed: Batcher | None = None) -> WorkerReader:
         """Worker `rank` of `world`'s batches: an iterator of steps, each a list of `replicas` per-replica
         `(x, y[, sample_weight])` tuples of numpy arrays, from `start` on (`passes`: how many, None: endless).
         `close()` it when done."""

@@ -182,3 +182,11 @@ def test_may_lose_matches_the_bounds():
     assert columns.may_lose("int64", "float64") and columns.may_lose("int32", "float32")
     assert not columns.may_lose("float32", "float64") and columns.may_lose("float64", "float32")
     assert columns.lossless_bounds("int64", "float32") == (-(2**24), 2**24)
+
+
+def test_statistics_with_inf_or_nan_refuse_them_only_for_an_int_target():
+    check_range("x", "float64", "float32", float("-inf"), float("nan"))   # they stay what they are in a float
+    with pytest.raises(ConfigError, match="column 'x'"):
+        check_range("x", "float64", "int64", 0.0, float("inf"))
+    with pytest.raises(ConfigError, match="column 'x'"):
+        check_range("x", "float64", "float32", 0.0, 1e300)

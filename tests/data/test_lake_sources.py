@@ -36,7 +36,7 @@ def parquet_dir(tmp_path_factory):
 def _ids(data: TableInput, batch: int, world: int = 1, rank: int = 0) -> list[np.ndarray]:
     reader = data.reader(batch, world, rank, passes=1)
     try:
-        return [np.concatenate([part[0] for part in step]) for step in reader]
+        return [np.concatenate([part[0].reshape(-1) for part in step]) for step in reader]  # a column: (rows, 1)
     finally:
         reader.close()
 
@@ -53,7 +53,7 @@ def test_a_planned_table_pickles_small_and_every_worker_reads_the_rows_of_one_gl
         for k, expected in enumerate(one):
             assert np.array_equal(np.sort(np.concatenate([p[k] for p in parts])), np.sort(expected))
     second = data.reader(128, passes=2)                    # the next pass is another order
-    steps = [np.concatenate([p[0] for p in step]) for step in second]
+    steps = [np.concatenate([p[0].reshape(-1) for p in step]) for step in second]
     assert len(steps) == 2 * len(one) and not np.array_equal(steps[0], steps[len(one)])
 
 
@@ -63,9 +63,10 @@ def test_columns_keep_their_types_and_a_lossy_cast_is_refused_from_the_statistic
                    tmp_path / "a.parquet")
     data = TableInput(Table.parquet(tmp_path), features=["id", "s"], label="y", shuffle=False)
     (step,) = list(data.reader(10, passes=1))
-    (x, y), = [(p[0], p[1]) for p in step]
-    assert x["id"].dtype == np.int64 and np.array_equal(np.sort(x["id"]), big)      # exact
-    assert x["s"].dtype == object and isinstance(x["s"][0], bytes) and y.dtype == np.float64
+    ((ids, words), y), = [(p[0], p[1]) for p in step]            # no model: a tuple, in the order given
+    ids, words = ids.reshape(-1), words.reshape(-1)                   # (rows, 1): feeds.py's rule for a column
+    assert ids.dtype == np.int64 and np.array_equal(np.sort(ids), big)      # exact
+    assert words.dtype == object and isinstance(words[0], bytes) and y.dtype == np.float64
     ids = keras.Input((), dtype="float32", name="id")
     model = keras.Model(ids, keras.layers.Dense(1)(keras.ops.expand_dims(ids, -1)))
     with pytest.raises(ConfigError, match=r"column 'id': casting its int64 values to the model's float32"):
@@ -105,9 +106,9 @@ def test_hive_partitions_are_columns_and_the_filter_prunes_files(tmp_path):
         pq.write_table(pa.table({"x": np.full(5, float(day))}), tmp_path / f"day={day}" / "p.parquet")
     data = TableInput(Table.parquet(tmp_path, filter=[("day", ">=", 2)]), features=["x", "day"], shuffle=False)
     (step,) = list(data.reader(100, passes=1))
-    x = step[0][0]
-    assert x["day"].dtype == np.int64 and sorted(set(x["day"].tolist())) == [2, 3]
-    assert np.array_equal(x["x"], x["day"].astype(float))
+    x, day = (a.reshape(-1) for a in step[0][0])
+    assert day.dtype == np.int64 and sorted(set(day.tolist())) == [2, 3]
+    assert np.array_equal(x, day.astype(float))
 
 
 def test_a_file_that_vanishes_mid_run_stops_the_reader_with_its_name(tmp_path, parquet_dir):
@@ -217,11 +218,14 @@ def test_a_vanished_file_stops_trainer_fit_with_the_readers_error_and_the_backup
     shutil.copytree(parquet_dir, tmp_path / "t")
     data = TableInput(Table.parquet(tmp_path / "t"), features="x", label="y", lanes=1, shuffle=False,
                       shuffle_window=100, read_ahead_bytes=1 << 16)   # reads a few windows ahead of the step
-    gone = lambda: os.remove(tmp_path / "t" / "part-00011.parquet")  # noqa: E731 - read last (lanes=1, in order)
+    class Gone(keras.callbacks.Callback):   # after fit planned the table, before the reader reaches the file
+        def on_train_begin(self, logs=None):
+            os.remove(tmp_path / "t" / "part-00011.parquet")   # read last (lanes=1, in order)
+
     model = trainer.build(_build)
     with pytest.raises(TableReadError, match=r"part-00011\.parquet' is gone"):
         trainer.fit(model, data, epochs=1, global_batch_size=100, verbose=0, backup_dir=str(tmp_path / "b"),
-                    backup_every=5, callbacks=[At(30, s6=gone)])
+                    backup_every=5, callbacks=[Gone()])
     from stratkit.training.checkpoint import find_resume_point
 
     assert find_resume_point(str(tmp_path / "b")).position.step >= 5     # the last good backup is there
