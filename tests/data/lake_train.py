@@ -4,8 +4,8 @@
 
 Environment: LAKE_KIND (parquet, delta, tfrecord), LAKE_VERSION (a Delta version), LAKE_EPOCHS (2),
 LAKE_BATCH (256), LAKE_EVERY (backup_every, steps), LAKE_KILL_AT ("global step:rank:restart count", several
-comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to appear before
-step 3, for a commit made while training). Prints `RESULT {"w", "h", "ids", "resumed"}`: the weights,
+comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to
+appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "ids", "resumed"}`: the weights,
 the history, the row ids each epoch trained on this worker (recorded inside the replica step) and the global
 step it started at (a resume's).
 """

@@ -29,8 +29,8 @@ def synthetic_plan(unit_rows, bytes_per_row: int = 100, units_per_file: int = 1)
     rows = np.asarray(unit_rows, np.int64)
     count = len(rows)
     files = np.arange(count, dtype=np.int64) // units_per_file
-    return Plan(kind="parquet", root="synthetic", source={"kind": "parquet"},
-                files=tuple(f"f{i}" for i in range(int(files[-1]) + 1)), sizes=tuple(0 for _ in range(int(files[-1]) + 1)),
+    names = tuple(f"f{i}" for i in range(int(files[-1]) + 1))
+    return Plan(kind="parquet", root="synthetic", source={"kind": "parquet"}, files=names, sizes=(0,) * len(names),
                 unit_file=files, unit_part=np.arange(count, dtype=np.int64) % units_per_file, unit_rows=rows,
                 unit_begin=np.zeros(count, np.int64), unit_end=rows, unit_bytes=rows * bytes_per_row,
                 unit_decoded=rows * bytes_per_row, columns=(Column("x", "float32"),))
