@@ -242,3 +242,36 @@ def test_tfrecord_features_are_checked_against_the_records_before_training(tmp_p
         Table.tfrecord(tmp_path, features=wrong).plan()
     with pytest.raises(ConfigError, match=r"feature 'x' is a VarLenFeature.*Fix"):
         Table.tfrecord(tmp_path, features={"x": tf.io.VarLenFeature(tf.float32)})
+
+
+def test_a_hand_written_fit_through_dataset_fn_trains_as_trainer_fit(trainer, parquet_dir):
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y", seed=6)
+    through_trainer = trainer.build(_build)
+    trainer.fit(through_trainer, data, epochs=2, global_batch_size=128, verbose=0)
+    with trainer.strategy.scope():
+        by_hand = _build()
+    dataset = trainer.strategy.distribute_datasets_from_function(data.dataset_fn(128, model=by_hand))
+    by_hand.fit(dataset, epochs=2, steps_per_epoch=data.steps_per_epoch(128), verbose=0)
+    for a, b in zip(through_trainer.get_weights(), by_hand.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_steps_per_epoch_runs_on_across_passes_and_a_resume_continues_them(trainer, parquet_dir, tmp_path):
+    """Epochs of 10 steps over passes of 24 (3000 rows, batch 128): a crash at global step 27 (pass 2, batch 3)
+    resumes from the step backup of step 25 and ends as the uninterrupted run."""
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y", seed=8)
+    reference = trainer.build(_build)
+    trainer.fit(reference, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0)
+
+    def crash():
+        raise Crash("before step 27")
+
+    model = trainer.build(_build)
+    with pytest.raises(Crash):
+        trainer.fit(model, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0,
+                    backup_dir=str(tmp_path / "b"), backup_every=5, callbacks=[At(10, s27=crash)])
+    resumed = trainer.build(_build)
+    trainer.fit(resumed, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0,
+                backup_dir=str(tmp_path / "b"), backup_every=5)
+    for a, b in zip(reference.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
