@@ -62,7 +62,8 @@ class TableInput:
         features: the column(s) feeding the model's input(s) (one name, or a list: `feed.py`'s rule).
         label: the label column (None for a model trained without one).
         sample_weight: a column of per-row weights.
-        seed: the order's seed (default: the same on every worker, stratkit's default).
+        seed: the order's seed (default: `Trainer(seed=...)`'s in `Trainer.fit`, else stratkit's default; the
+            same on every worker).
         shuffle: False reads the units in the plan's order and each window in order (validation).
         shuffle_window: rows each lane shuffles together ("auto": a block of all lanes ~32 MiB decoded).
         lanes: the canonical partition count the order is built on ("auto": from the table, see `auto_lanes`);
@@ -89,6 +90,7 @@ class TableInput:
         self.label = label
         self.sample_weight = sample_weight
         self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self.seed_given = seed is not None        # else Trainer.fit gives its own (`Trainer(seed=...)`)
         self.shuffle = bool(shuffle)
         self.shuffle_window = shuffle_window
         self.lanes = lanes
@@ -139,9 +141,15 @@ class TableInput:
             return self
         out = self._copy(table=self.table.pinned(saved.source),
                          lanes=saved.lanes if self.lanes == "auto" else self.lanes,
-                         shuffle_window=saved.window if self.shuffle_window == "auto" else self.shuffle_window)
+                         shuffle_window=saved.window if self.shuffle_window == "auto" else self.shuffle_window,
+                         seed=self.seed if self.seed_given else saved.seed, seed_given=True,
+                         shuffle=self.shuffle and saved.shuffle)
         out.note = check_resume(saved, out.record(), mid_pass=mid_pass, backup=backup)
         return out
+
+    def with_order(self, seed: int, shuffle: bool) -> TableInput:
+        """This input with the trainer's seed (unless one was given) and `shuffle` (Trainer.fit's)."""
+        return self._copy(seed=self.seed if self.seed_given else int(seed), shuffle=self.shuffle and shuffle)
 
     def at_version(self, version: int) -> TableInput:
         """A Delta table's input pinned to `version` (the version every worker agreed on)."""

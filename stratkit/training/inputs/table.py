@@ -88,7 +88,7 @@ class TableAdapter(InputAdapter):
         if tpu or drop_remainder:
             raise ConfigError("a TableInput's last batch of a pass is partial (every row once, none dropped), which "
                               "TPUs cannot take. Fix: train on GPUs or CPUs, or pass a tf.data.Dataset")
-        data = agreed(self.data, strategy)
+        data = agreed(self.data.with_order(seed, shuffle) if training else self.data, strategy)
         if not shard:
             raise ConfigError("predict on a TableInput is not supported. Fix: read the rows with "
                               "TableInput.reader(batch) and call model.predict on them")
