@@ -21,8 +21,10 @@ A failure in a thread (a file that vanished, a store that refuses) is raised by 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -45,6 +47,18 @@ CHUNK_ROWS = 8192
 MAX_CHUNK_STEPS = 64
 #: The newest failure a reader of this process raised (`last_failure`).
 _FAILURES: list[BaseException] = []
+
+
+#: Seconds `WorkerReader.close` waits for its threads (a window being decoded finishes first).
+CLOSE_SECONDS = 30.0
+#: The readers still running: closed at interpreter exit (`_close_all`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for reader in list(_LIVE):
+        reader.close()
 
 
 def last_failure() -> BaseException | None:
@@ -146,6 +160,7 @@ class WorkerReader:
         self.stopping = threading.Event()
         self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="stratkit-table-assemble", daemon=True)
+        _LIVE.add(self)
         self.thread.start()
 
     # -- the consumer's side ---------------------------------------------------------------------------------
@@ -169,14 +184,22 @@ class WorkerReader:
                 raise item
             yield item
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Stop the threads and wait for them (within `timeout`): a thread left inside pyarrow when the
+        interpreter exits aborts the process ("terminate called without an active exception", measured)."""
         self.stopping.set()
         try:
             while True:
                 self.ready.get_nowait()
         except queue.Empty:
             pass
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        closer = threading.Thread(target=self.pool.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                  name="stratkit-table-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        _LIVE.discard(self)
 
     def _put(self, item: Any) -> bool:
         while not self.stopping.is_set():
