@@ -7,7 +7,8 @@ rounds (the order rotates), each consumed in-graph by `Dataset.reduce` as `fit` 
 
 * reader: `TableInput(...).dataset_fn(B)` for one pipeline, one pass (shuffled: lanes, windows);
 * limit: pyarrow's raw `ParquetFile.iter_batches` decode of the same columns, file after file;
-* recipe: the usual hand-written `tf.data.Dataset.from_generator` yielding rows from pyarrow batches, `.batch(B)`.
+* recipe: the usual hand-written `tf.data.Dataset.from_generator` yielding rows from pyarrow batches, `.batch(B)`;
+* from moto also the reader through s3fs (`STRATKIT_LAKE_FILESYSTEM=fsspec`), against pyarrow's S3 client.
 
 Targets: reader >= 0.8x the limit and >= 2x the recipe. Then a small CNN (16x16x3 images, 30,000 rows) through
 `Trainer.fit` fed by the reader against the same CNN on in-memory arrays: steps/s of the warm second epoch,
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                              "reader/limit": round(statistics.mean(reader_limit), 3),
                              "reader/limit min-max": f"{min(reader_limit):.2f}-{max(reader_limit):.2f}",
                              "reader/recipe": round(statistics.mean(reader_recipe), 2),
-                             "plan s": round(result["plan_seconds"], 2)})
+                             "plan s": round(result["plan_seconds"], 2),
+                             "reader via s3fs rows/s": round(statistics.mean(r["reader via s3fs"] for r in
+                                                                             result["rounds"]))
+                             if "reader via s3fs" in result["rounds"][0] else "-"})
         cnn_url = f"{scratch}/images"
         write_table(cnn_url, size["cnn_rows"], 4, max(size["cnn_rows"] // 12, 64), "image", env)
         cnn = task(["cnn", cnn_url, str(size["cnn_rounds"]), str(size["cnn_batch"])], env)

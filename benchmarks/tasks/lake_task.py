@@ -67,10 +67,21 @@ def throughput(url: str, rounds: int, batch: int) -> dict:
             tf.TensorSpec((width,), tf.float32), tf.TensorSpec((), tf.float32))).batch(batch)
         return count(ds.prefetch(2))
 
+    def reader_fsspec() -> int:    # the same reader through s3fs (STRATKIT_LAKE_FILESYSTEM=fsspec)
+        import os
+
+        os.environ["STRATKIT_LAKE_FILESYSTEM"] = "fsspec"
+        try:
+            return reader()
+        finally:
+            del os.environ["STRATKIT_LAKE_FILESYSTEM"]
+
     ways = {"reader": reader, "limit": limit, "recipe": recipe}
+    if url.startswith("s3://"):
+        ways["reader via s3fs"] = reader_fsspec
     out = []
     for r in range(rounds):
-        names = list(ways)[r % 3:] + list(ways)[:r % 3]
+        names = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
         measured = {}
         for name in names:
             started = time.perf_counter()
