@@ -180,6 +180,12 @@ class Trainer:
             fit_args.refuse_on_parameter_servers(class_weight=class_weight, initial_epoch=initial_epoch,
                                                  validation_freq=validation_freq,
                                                  validation_batch_size=validation_batch_size)
+            from stratkit.data import TableInput
+
+            if isinstance(data, TableInput) or isinstance(validation_data, TableInput):
+                raise ConfigError("a stratkit.data.TableInput cannot be read by parameter-server training (yet). "
+                                  "Fix: train with a synchronous strategy (MultiWorkerMirrored: stratkit launch, "
+                                  "LocalRunner, Spark, Ray), or pass a dataset_fn(input_context)")
             if is_py_dataset(data) or is_py_dataset(validation_data):
                 raise ConfigError("a keras.utils.PyDataset cannot be read by parameter-server training (each "
                                   "worker builds its own tf.data pipeline). Fix: pass numpy arrays, a "
@@ -195,26 +201,31 @@ class Trainer:
             backup = Backup(os.fspath(backup_dir), backup_every, is_chief=self.is_chief,
                             rank=max(self.spec.worker_rank, 0), agree_on_epoch=self._min_over_workers)
             position = max(backup.decide_position(), position)
-            data = resumable_input_for(data, position)
+            data = resumable_input_for(data, position, backup.saved_data, backup_dir=backup.backup_dir)
         # Where training starts fixes the data order of every epoch after it (numpy arrays) and the batch the
         # first one starts at (a step backup).
         train = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                         global_batch_size=global_batch, steps_per_epoch=steps_per_epoch, training=True,
                         shuffle=shuffle, seed=self.seed, tpu=tpu, first_epoch=position.epoch,
-                        first_step=position.step)
+                        first_step=position.step, model=model)
         val = None
         if validation_data is not None:
             val_batch = None if is_py_dataset(validation_data) else global_batch
             if validation_batch_size is not None:
                 val_batch = resolve_global_batch_size(validation_batch_size, None, self.num_replicas, required=True,
                                                       data=validation_data)
-            val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
-                          global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
-                          tpu=tpu).dataset
+            prepared_val = prepare(validation_data, strategy=self.strategy, num_replicas=self.num_replicas,
+                                   global_batch_size=val_batch, steps_per_epoch=validation_steps, training=False,
+                                   tpu=tpu, model=model)
+            val = prepared_val.dataset
+            if validation_steps is None and prepared_val.kind == "table":  # one pass, as many steps on every worker
+                validation_steps = prepared_val.steps_per_epoch
         if backup is not None:  # a resume that cannot continue the backup's run is refused here, before training
             backup.bind_input(data, train, world_size=max(self.spec.num_workers, 1), replicas=self.num_replicas)
             if shuffle and train.kind == "dataset" and not train.endless:
                 backup.resume_note = _RESHUFFLED
+            elif train.kind == "table" and getattr(data, "note", None):
+                backup.resume_note = f"the table's order changed at this resume: {data.note}"
 
         if warmup_epochs and not scale_learning_rate:
             raise ConfigError(f"warmup_epochs={warmup_epochs} only applies with scale_learning_rate=True. "
@@ -245,6 +256,8 @@ class Trainer:
             from stratkit.strategy.compression import overflow_error
 
             refused = overflow_error(exc)  # gradient_compression="fp16" refused a step: say so plainly
+            if refused is None and train.failure is not None:
+                refused = _reader_failure(exc, train.failure())  # a table's file vanished mid-run: said as it is
             if refused is None:
                 raise
             raise refused from None
@@ -334,6 +347,13 @@ _RESHUFFLED = ("shuffle=True on a tf.data.Dataset: the epochs after this resume 
                "first epochs (tf.data starts its reshuffle sequence again in a new process), so the run is as good "
                "as an uninterrupted one but not the same, example for example. Fix: for an exact continuation, pass "
                "numpy arrays (their order is continued), or shuffle the dataset once yourself and pass shuffle=False")
+
+
+def _reader_failure(exc: BaseException, failure: BaseException | None) -> BaseException | None:
+    """The table reader's own error behind the one TensorFlow's input pipeline raised (None: not the reader's)."""
+    if failure is None or type(failure).__name__ not in str(exc) and str(failure)[:60] not in str(exc):
+        return None
+    return failure
 
 
 def _predict_locally(model: Any, dataset: Any) -> Any:

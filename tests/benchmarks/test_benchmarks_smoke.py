@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # controller and workers: over this file's budget. `python benchmarks/bench_ray.py --quick` checks it by hand.
 # Nor bench_inference.py: its --quick starts a SparkSession whose Python workers import TensorFlow, and scores
 # with three UDFs (~1 min on the shared 2 cores); `python benchmarks/bench_inference.py --quick` checks it.
+# Nor bench_lake.py: its --quick starts moto, writes five tables and runs three TensorFlow processes and a 2-worker
+# launch (~3 min at load 20 on the shared 2 cores); `python benchmarks/bench_lake.py --quick` checks it, and
+# tests/data runs the reader itself.
 EXPECTED = {
     "overhead": ({"benchmark", "machine", "quick", "rows", "goal_ratio"},
                  {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),

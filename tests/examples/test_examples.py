@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -101,3 +102,23 @@ def test_the_callback_state_sample_counts_every_step_once_across_a_crash(tmp_pat
     output = _quickstart([sys.executable, sample], tmp_path)
     assert "resumed from" in output and "at epoch 2 + 1 steps" in output  # the backup of step 21
     assert "steps counted: 50" in output and not (tmp_path / "backup").exists()
+
+
+@pytest.mark.multiworker
+def test_train_from_lake_reads_a_parquet_table_on_s3_under_stratkit_launch(tmp_path, store_server):
+    """examples/train_from_lake.py as its docstring says: make a table on S3 (moto), train on 2 workers."""
+    s3 = store_server("s3")
+    s3.make_bucket("lake-example")
+    env = {**s3.env, "STRATKIT_BACKUP_STAGING": str(tmp_path / "staging")}
+    script = str(EXAMPLES / "train_from_lake.py")
+    made = subprocess.run([sys.executable, script, "make-table", "s3://lake-example/shapes", "--rows", "3000",
+                           "--files", "6"], env=child_env(env=env), capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    output = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--no-private-network",
+                          "--timeout", "280", "--", sys.executable, script, "train", "s3://lake-example/shapes",
+                          "--epochs", "2", "--backup-dir", "s3://lake-example/runs/shapes"], tmp_path, env)
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{\"rows\".*\})$", output, re.M))
+    assert set(reports) == {"worker:0", "worker:1"} and reports["worker:0"] == reports["worker:1"], output[-4000:]
+    report = json.loads(reports["worker:0"])
+    assert report["rows"] == 3000 and report["steps_per_epoch"] == 12 and report["workers"] == 2
+    assert report["accuracy"][-1] > 0.6, report

@@ -99,6 +99,7 @@ class Backup(keras.callbacks.Callback):
         self.resume_note = resume_note
         self.facts = facts
         self.data = data
+        self.data_record: dict | None = None  # the input's order a resume must read again (`bind_input`)
         self.notice = preemption.Notice(status.preemption_signals())  # checks the variable up front
         self._agreement: Any = agreement.Agreement(None)
         self.resumed_epoch = 0
@@ -210,6 +211,12 @@ class Backup(keras.callbacks.Callback):
         return agreed
 
     @property
+    def saved_data(self) -> dict | None:
+        """What the backup being resumed recorded of its input's order (a table's snapshot), or None."""
+        self.decide_position()
+        return None if self._state is None else self._state.get("data")
+
+    @property
     def saved_facts(self) -> RunFacts | None:
         """The run facts the backup being resumed recorded (None: no backup, or one without a state file)."""
         self.decide_position()
@@ -239,6 +246,7 @@ class Backup(keras.callbacks.Callback):
                          dataset_rows=prepared.num_examples, world_size=world_size, replicas=replicas,
                          data_kind=prepared.kind)
         self.check_run(facts)
+        self.data_record = getattr(prepared, "record", None)
         saved = self.saved_facts
         self.data = data_position(data, prepared.kind, prepared.replay, self.decide_position(),
                                   world_changed=saved is not None and saved.world_size != world_size)
@@ -386,6 +394,8 @@ class Backup(keras.callbacks.Callback):
                        "position": {"epoch": position.epoch, "step": position.step, "global_step": global_step},
                        "run": (self.facts or RunFacts()).as_dict(), "model": state_lib.model_state(self.model),
                        "callbacks": values}
+            if self.data_record is not None:
+                content["data"] = self.data_record
         store.write_backup(self.model, self.directory, position, content, arrays, keep=self.keep, weights=weights)
         if state and self._remote is not None:
             self._remote.submit(position, global_step)  # to the store beside training (complete backups only)

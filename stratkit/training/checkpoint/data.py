@@ -11,6 +11,7 @@ global batches). Each input kind continues from it its own way:
 | `tf.data.Dataset` with `steps_per_epoch` (one stream for the run) | the iterator `fit` trains from reads and drops the e x steps + s batches read before (a replay, said once) |
 | `tf.data.Dataset`, one pass per epoch | the resumed epoch's pass reads and drops its first s batches (a replay, said once) |
 | `dataset_fn(input_context)` | each worker's iterator reads and drops its e x steps + s batches (exact at the same world size; said when it changed) |
+| `stratkit.data.TableInput` (a table) | the backup records the snapshot (a Delta version, the files) and the order's settings; the resumed run reads that snapshot, and every lane starts at its offset for (epoch, step): nothing read twice, at any world size (`stratkit.data.cursor`) |
 | your own `model.fit` (`stratkit.callbacks.Backup`) | Keras's iterator reads and drops what it read before the backup (a replay, said once) |
 
 TensorFlow's own iterator checkpointing (`tf.train.Checkpoint(iterator=...)`)
@@ -35,6 +36,7 @@ from typing import Any, Callable
 
 import keras
 
+from stratkit.data import TableInput
 from stratkit.training.checkpoint.layout import Position
 
 
@@ -96,14 +98,18 @@ class ResumedPyDataset(keras.utils.PyDataset):
         self.data.on_epoch_end()
 
 
-def resumable_input(data: Any, position: Position) -> Any:
+def resumable_input(data: Any, position: Position, record: dict | None = None, *, backup_dir: str = "") -> Any:
     """`data` as `Trainer.fit` should hand it to the input layer for a resume at `position`.
 
-    A PyDataset resumed mid-epoch is wrapped (`ResumedPyDataset`); every other
-    input is positioned by `stratkit.training.inputs.prepare(first_epoch, first_step)`.
+    A PyDataset resumed mid-epoch is wrapped (`ResumedPyDataset`); a `stratkit.data.TableInput` reads the
+    snapshot and order the backup recorded (`record`: its Delta version, its files), checked
+    (`stratkit.data.cursor.check_resume`); every other input is positioned by
+    `stratkit.training.inputs.prepare(first_epoch, first_step)`.
     """
     if position.step > 0 and isinstance(data, keras.utils.PyDataset):
         return ResumedPyDataset(data)
+    if isinstance(data, TableInput) and record is not None and position != Position():
+        return data.pinned(record, mid_pass=position.step > 0, backup=backup_dir)
     return data
 
 

@@ -13,7 +13,9 @@ Five input kinds, one adapter each (chosen once by `adapter_for`, as Keras'
   * `dataset_fn(input_context)` returning a per-replica-batched dataset:
     `dataset_fn.DatasetFnAdapter`;
   * a `keras.utils.PyDataset` (its batch is the global batch), handed to
-    Keras's own PyDataset adapter: `py_dataset.PyDatasetAdapter`.
+    Keras's own PyDataset adapter: `py_dataset.PyDatasetAdapter`;
+  * a `stratkit.data.TableInput` (a Parquet, Delta or TFRecord table), read
+    per worker in one order at any world size: `table.TableAdapter`.
 
 A Python generator is refused (`rules.generator_refusal` says why and what to
 pass instead).
@@ -59,8 +61,15 @@ __all__ = ["DEFAULT_SEED", "InputAdapter", "PreparedData", "adapter_for", "batch
            "predict_data", "predict_dataset", "prepare", "resolve_global_batch_size"]
 
 
-def adapter_for(data: Any) -> InputAdapter:
-    """The adapter for `data`'s kind (a dataset's batch size is read once, here)."""
+def adapter_for(data: Any, model: Any = None) -> InputAdapter:
+    """The adapter for `data`'s kind (a dataset's batch size is read once, here; `model` decides a table's
+    columns' dtypes and structure)."""
+    from stratkit.data import TableInput
+
+    if isinstance(data, TableInput):
+        from stratkit.training.inputs.table import TableAdapter
+
+        return TableAdapter(data, model)
     if is_dataset(data):
         batched = batch_size_of(data)
         return DatasetAdapter(data) if batched is None else BatchedDatasetAdapter(data, batched)
@@ -76,7 +85,7 @@ def adapter_for(data: Any) -> InputAdapter:
 def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
             steps_per_epoch: int | None = None, training: bool = True, shuffle: bool = True,
             seed: int = DEFAULT_SEED, tpu: bool = False, drop_remainder: bool = False,
-            shard: bool = True, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
+            shard: bool = True, first_epoch: int = 0, first_step: int = 0, model: Any = None) -> PreparedData:
     """Build the dataset for one of fit/evaluate/predict under a synchronous strategy.
 
     Args:
@@ -93,8 +102,9 @@ def prepare(data: Any, *, strategy: Any, num_replicas: int, global_batch_size: i
             order an uninterrupted run gives it.
         first_step: the step of `first_epoch` training starts at (a mid-epoch resume): the input starts at
             that batch (`PreparedData.replay`: the batches the first epoch must still read and drop).
+        model: the model being trained (a `TableInput` feeds its inputs in their dtypes and structure).
     """
-    return adapter_for(data).distribute(strategy=strategy, num_replicas=num_replicas,
+    return adapter_for(data, model).distribute(strategy=strategy, num_replicas=num_replicas,
                                         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch,
                                         training=training, shuffle=shuffle, seed=seed, tpu=tpu,
                                         drop_remainder=drop_remainder, shard=shard, first_epoch=first_epoch,

@@ -26,6 +26,10 @@ class PreparedData:
     endless: bool = False
     #: Batches the first epoch of a mid-epoch resume must read and drop (a pass that cannot start at a step).
     replay: int = 0
+    #: What a backup records of the input's order (a table's snapshot and order settings; None: nothing).
+    record: dict | None = None
+    #: The reader's own failure behind an error TensorFlow's input pipeline raised (a table input), or None.
+    failure: Callable[[], BaseException | None] | None = None
 
 
 class InputAdapter:

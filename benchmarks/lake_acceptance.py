@@ -1,0 +1,156 @@
+"""Issue 50's acceptance at full size: a Parquet table of 1,000,000 rows in 64 files of unequal sizes (row groups
+of 97 to 1,500 rows) on moto's S3, trained by `tests/data/lake_train.py` (`Trainer.fit(TableInput(...))`):
+
+1. one process: the reference (every row id trained once per epoch, counted);
+2. 2 workers under `stratkit launch`: equal to 1 (weights and history within 1e-5), each row once per epoch;
+3. 3 workers under `LocalRunner`: equal to 1;
+4. 2 workers under launch, worker 1 SIGKILLed mid-epoch 2 (backups on S3 every 200 steps), restarted by the
+   launcher at the same world size: resumes at a step backup and equals 1;
+5. 2 workers killed mid-epoch 2 with no restart, then 3 workers under `LocalRunner` from a fresh staging
+   directory (only the store): resumes at a step backup and equals 1.
+
+    python benchmarks/lake_acceptance.py [--rows 1000000] [--quick]
+
+Writes benchmarks/results/lake_acceptance.json (each run's wall time, the largest weight and history gaps, the
+row-id counts, where each resume started, the load averages). Takes ~30-60 min on 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO / "tests"), str(REPO / "tests" / "data"), str(REPO)]
+from bench_backups import MotoS3  # noqa: E402
+from common import print_table, write_result  # noqa: E402
+
+SCRIPT = REPO / "tests" / "data" / "lake_train.py"
+
+
+def _env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests" / "data")]),
+                "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "", **extra})
+    return env
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines() if "RESULT " in line]
+
+
+def _run(argv: list[str], env: dict, timeout: float = 7200) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - started
+
+
+def _launch(workers: int, args: list[str], env: dict, restarts: int = 0) -> tuple[subprocess.CompletedProcess, float]:
+    return _run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", str(workers), "--max-restarts",
+                 str(restarts), "--no-private-network", "--", sys.executable, str(SCRIPT), *args], env)
+
+
+def _local_runner(workers: int, args: list[str], env: dict) -> tuple[dict, float]:
+    code = ("import json, sys, lake_train\nfrom stratkit import LocalRunner\n"
+            f"r = LocalRunner(num_workers={workers}, private_network=False).run(lake_train.train, *sys.argv[1:])\n"
+            "print('RESULT ' + json.dumps(r), flush=True)\n")
+    done, seconds = _run([sys.executable, "-c", code, *args], env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return _results(done.stdout)[-1], seconds
+
+
+def _gaps(reference: dict, other: dict) -> dict:
+    import numpy as np
+
+    weights = max(float(np.max(np.abs(np.subtract(a, b)))) for a, b in zip(reference["w"], other["w"]))
+    history = max(float(np.max(np.abs(np.subtract(reference["h"][k], other["h"][k])))) for k in reference["h"])
+    return {"weight gap": f"{weights:.1e}", "history gap": f"{history:.1e}"}
+
+
+def _ids_once(results: list[dict], rows: int, epochs: int) -> bool:
+    for epoch in range(epochs):
+        ids = sorted(i for r in results for i in r["ids"].get(str(epoch), []))
+        if ids != list(range(rows)):
+            return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--quick", action="store_true", help="20,000 rows (the machinery only)")
+    args = parser.parse_args(argv)
+    rows = 20_000 if args.quick else args.rows
+    batch, every, epochs = 512, 200 if not args.quick else 5, 2
+    steps = -(-rows // batch)
+    kill = steps + steps // 3                # in the second epoch
+    load_before = os.getloadavg()
+    table, out = [], {}
+    with MotoS3() as s3, tempfile.TemporaryDirectory(prefix="lake-acceptance-") as scratch:
+        import lake_tables
+
+        from stratkit.storage.arrow import arrow_filesystem
+
+        os.environ.update(s3.env)
+        fs, base = arrow_filesystem("s3://bench/t64")
+        lake_tables.write_parquet(fs, base, 64, rows)
+        url = "s3://bench/t64"
+        env = _env({**s3.env, "LAKE_BATCH": str(batch), "LAKE_EVERY": str(every), "LAKE_EPOCHS": str(epochs),
+                    "LAKE_LANES": "240" if not args.quick else "12"})
+        one, seconds = _run([sys.executable, str(SCRIPT), url], env)
+        if one.returncode:
+            raise RuntimeError(one.stderr[-4000:])
+        reference = _results(one.stdout)[-1]
+        table.append({"run": "1 one process", "seconds": round(seconds), "ids once per epoch":
+                      _ids_once([reference], rows, epochs), "resumed at step": "-", "weight gap": "-",
+                      "history gap": "-"})
+        two, seconds = _launch(2, [url], env)
+        results = _results(two.stdout)
+        if two.returncode or len(results) != 2:
+            raise RuntimeError(two.stderr[-4000:])
+        table.append({"run": "2 launch --workers 2", "seconds": round(seconds),
+                      "ids once per epoch": _ids_once(results, rows, epochs), "resumed at step": "-",
+                      **_gaps(reference, results[0])})
+        three, seconds = _local_runner(3, [url], env)
+        table.append({"run": "3 LocalRunner(3)", "seconds": round(seconds), "ids once per epoch": "(chief only)",
+                      "resumed at step": "-", **_gaps(reference, three)})
+        backup = f"s3://bench/runs/{uuid.uuid4().hex}"
+        again, seconds = _launch(2, [url, backup], {**env, "LAKE_KILL_AT": f"{kill}:1:0",
+                                                    "STRATKIT_BACKUP_STAGING": f"{scratch}/s4"}, restarts=1)
+        results = _results(again.stdout)
+        if again.returncode or len(results) != 2:
+            raise RuntimeError(again.stderr[-4000:])
+        table.append({"run": f"4 launch 2, SIGKILL before step {kill}, restart at 2", "seconds": round(seconds),
+                      "ids once per epoch": "-", "resumed at step": results[0]["first_step"],
+                      **_gaps(reference, results[0])})
+        backup = f"s3://bench/runs/{uuid.uuid4().hex}"
+        killed, seconds_killed = _launch(2, [url, backup], {**env, "LAKE_KILL_AT": f"{kill}:1:0",
+                                                            "STRATKIT_BACKUP_STAGING": f"{scratch}/s5"})
+        if killed.returncode == 0:
+            raise RuntimeError("the run to be killed finished")
+        resumed, seconds = _local_runner(3, [url, backup], {**env, "STRATKIT_BACKUP_STAGING": f"{scratch}/s6"})
+        table.append({"run": f"5 launch 2 SIGKILLed before step {kill}, resumed by LocalRunner(3)",
+                      "seconds": round(seconds_killed + seconds), "ids once per epoch": "-",
+                      "resumed at step": resumed["first_step"], **_gaps(reference, resumed)})
+    out = {"rows": rows, "files": 64, "batch": batch, "epochs": epochs, "steps_per_epoch": steps,
+           "backup_every": every, "runs": table, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    print_table(f"issue 50 acceptance: {rows} rows in 64 files on moto's S3", table)
+    print(f"load average before {load_before}, after {out['loadavg_after']}")
+    write_result("lake_acceptance-quick" if args.quick else "lake_acceptance", out)
+    ok = all(r["weight gap"] == "-" or float(r["weight gap"]) <= 1e-5 and float(r["history gap"]) <= 1e-5
+             for r in table) and \
+        all(r["ids once per epoch"] in (True, "-", "(chief only)") for r in table)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""What bench_lake.py measures inside one process (the store's settings in its environment).
+
+    python lake_task.py throughput URL ROUNDS BATCH   -> {"rounds": [{"reader": rows/s, "limit": ..., "recipe": ...}]}
+    python lake_task.py cnn URL ROUNDS BATCH          -> {"rounds": [{"table": steps/s, "arrays": steps/s}]}
+    python lake_task.py memory SMALL_URL BIG_URL BUDGET  (every task of `stratkit launch`)
+                                                       -> {"rank", "small_peak_kb", "big_peak_kb", ...}
+
+Each prints one JSON line last. Rounds alternate the ways (their order rotates each round).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+
+def _files(url: str):
+    import pyarrow.fs as pafs
+
+    from stratkit.storage.arrow import arrow_filesystem
+
+    fs, base = arrow_filesystem(url)
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    return fs, sorted(i.path for i in infos if i.path.endswith(".parquet"))
+
+
+def throughput(url: str, rounds: int, batch: int) -> dict:
+    import numpy as np
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    from stratkit.data import Table, TableInput
+
+    fs, files = _files(url)
+    started = time.perf_counter()
+    data = TableInput(Table.parquet(url), features="x", label="y", seed=1)
+    rows = data.plan().rows
+    plan_seconds = time.perf_counter() - started
+    count = lambda ds: int(ds.reduce(tf.constant(0, tf.int64),  # noqa: E731 - consumed in-graph, as fit does
+                                     lambda n, b: n + tf.cast(tf.shape(b[0])[0], tf.int64)))
+
+    def reader() -> int:
+        return count(data.dataset_fn(batch, passes=1)(tf.distribute.InputContext()))
+
+    def limit() -> int:
+        n = 0
+        for path in files:
+            with fs.open_input_file(path) as handle:
+                for part in pq.ParquetFile(handle).iter_batches(batch_size=batch, columns=["x", "y"]):
+                    n += part.num_rows
+        return n
+
+    def recipe() -> int:   # the usual recipe: a generator of rows over pyarrow, batched by tf.data
+        def rows_of():
+            for path in files:
+                with fs.open_input_file(path) as handle:
+                    for part in pq.ParquetFile(handle).iter_batches(batch_size=4096, columns=["x", "y"]):
+                        x = np.asarray(part.column("x").flatten().to_numpy()).reshape(part.num_rows, -1)
+                        y = part.column("y").to_numpy()
+                        for i in range(part.num_rows):
+                            yield x[i], y[i]
+
+        width = data.plan().column("x").shape[0]
+        ds = tf.data.Dataset.from_generator(rows_of, output_signature=(
+            tf.TensorSpec((width,), tf.float32), tf.TensorSpec((), tf.float32))).batch(batch)
+        return count(ds.prefetch(2))
+
+    def reader_fsspec() -> int:    # the same reader through s3fs (STRATKIT_LAKE_FILESYSTEM=fsspec)
+        import os
+
+        os.environ["STRATKIT_LAKE_FILESYSTEM"] = "fsspec"
+        try:
+            return reader()
+        finally:
+            del os.environ["STRATKIT_LAKE_FILESYSTEM"]
+
+    ways = {"reader": reader, "limit": limit, "recipe": recipe}
+    if url.startswith("s3://"):
+        ways["reader via s3fs"] = reader_fsspec
+    out = []
+    for r in range(rounds):
+        names = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
+        measured = {}
+        for name in names:
+            started = time.perf_counter()
+            n = ways[name]()
+            assert n == rows, (name, n, rows)
+            measured[name] = rows / (time.perf_counter() - started)
+        out.append(measured)
+    return {"rows": rows, "plan_seconds": plan_seconds, "rounds": out}
+
+
+def cnn(url: str, rounds: int, batch: int) -> dict:
+    import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    import stratkit
+    from stratkit.data import Table, TableInput
+
+    trainer = stratkit.Trainer(strategy="one_device")
+    data = TableInput(Table.parquet(url), features="image", label="label", seed=1)
+    fs, files = _files(url)
+    table = [pq.read_table(fs.open_input_file(p), columns=["image", "label"]) for p in files]
+    images = np.concatenate([np.asarray(t.column("image").combine_chunks().flatten().to_numpy()).reshape(
+        t.num_rows, 16, 16, 3) for t in table]).astype("float32")
+    labels = np.concatenate([t.column("label").to_numpy() for t in table])
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Conv2D(16, 3, activation="relu"),
+                                  keras.layers.MaxPooling2D(), keras.layers.Conv2D(32, 3, activation="relu"),
+                                  keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    class Clock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.started = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds = time.perf_counter() - self.started
+
+    def steps_per_second(source) -> float:
+        model = trainer.build(build)
+        clock = Clock()
+        trainer.fit(model, source, epochs=2, global_batch_size=batch, verbose=0, callbacks=[clock])
+        return data.steps_per_epoch(batch) / clock.seconds        # the second epoch: traced and warm
+
+    out = []
+    for r in range(rounds):
+        order = [("table", data), ("arrays", (images, labels))]
+        measured = {}
+        for name, source in (order if r % 2 == 0 else order[::-1]):
+            measured[name] = steps_per_second(source)
+        out.append(measured)
+    return {"rows": int(len(labels)), "rounds": out}
+
+
+def memory(small: str, big: str, budget: int) -> dict:
+    import keras
+
+    import stratkit
+    from stratkit.data import Table, TableInput
+
+    trainer = stratkit.Trainer()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # noqa: E731 - KiB on Linux
+
+    def fit(url: str) -> int:
+        data = TableInput(Table.parquet(url), features="x", label="y", seed=1, shuffle_window=512,
+                          read_ahead_bytes=budget)
+        model = trainer.build(build)
+        trainer.fit(model, data, epochs=1, global_batch_size=512, verbose=0)
+        return data.plan().rows, data.plan().row_bytes
+
+    before = peak()
+    small_rows, _ = fit(small)
+    small_peak = peak()
+    big_rows, row_bytes = fit(big)
+    return {"rank": max(trainer.spec.worker_rank, 0), "before_kb": before, "small_peak_kb": small_peak,
+            "big_peak_kb": peak(), "small_rows": small_rows, "big_rows": big_rows,
+            "big_decoded_bytes": int(big_rows * row_bytes), "budget": budget}
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    if what == "throughput":
+        result = throughput(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif what == "cnn":
+        result = cnn(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        result = memory(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    print("RESULT " + json.dumps(result), flush=True)

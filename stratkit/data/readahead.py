@@ -1,0 +1,347 @@
+"""One worker's reader: its lanes fetched and decoded by background threads within a byte budget, turned into
+the per-replica batches of each global step.
+
+A worker reads block after block (`shards.Layout.block`: window j of each of its lanes). Decode threads fetch
+each lane's window (a lane reader keeps its place in the stream between windows, so a row group is opened
+once per lane that reads it); a block is put together when every lane's window is in: the rows taken in global
+order (the feed's arrays, `batching.Batcher.arrays` through `columns.py`, gathered by numpy), cut
+at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
+batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
+queue; tf.data cuts each into its steps in the graph (one Python hand-off per chunk, not per step).
+
+Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
+chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded
+ahead, and two finished chunks (`CHUNK_ROWS` rows each, within a quarter of the budget). The blocks ahead are
+what `read_ahead_bytes` leaves room for (at least one); a budget without room for one is refused before
+step 1, naming what takes the bytes.
+
+A failure in a thread (a file that vanished, a store that refuses) is raised by the iterator, once, as a
+`TableReadError` naming the file; the threads stop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from stratkit.data import sources
+from stratkit.data.cursor import Cursor
+from stratkit.data.batching import Batcher
+from stratkit.data.plan import Plan, Stream
+from stratkit.data.shards import Layout, steps_for
+from stratkit.data.steps import Chunk, Splitter, batch_counts
+from stratkit.errors import ConfigError
+
+#: Finished chunks kept ready for the training step.
+READY_CHUNKS = 2
+#: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`): the Python
+#: hand-off to tf.data costs per chunk, the steps are cut from it in the graph.
+CHUNK_ROWS = 8192
+MAX_CHUNK_STEPS = 64
+#: The newest failure a reader of this process raised (`last_failure`).
+_FAILURES: list[BaseException] = []
+
+
+#: Seconds `WorkerReader.close` waits for its threads (a window being decoded finishes first).
+CLOSE_SECONDS = 30.0
+#: The readers still running: closed at interpreter exit (`_close_all`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for reader in list(_LIVE):
+        reader.close()
+
+
+def last_failure() -> BaseException | None:
+    """The newest failure a reader in this process raised, for `Trainer.fit` to raise instead of the error
+    TensorFlow's input pipeline wrapped it in (None: none)."""
+    return _FAILURES[-1] if _FAILURES else None
+
+
+class TableReadError(RuntimeError):
+    """The table could not be read mid-run (a file vanished or was rewritten, the store refused)."""
+
+
+@dataclass(frozen=True)
+class ReaderSpec:
+    """What one worker's reader needs (small and picklable)."""
+
+    plan: Plan
+    layout: Layout
+    seed: int
+    shuffle: bool
+    world: int
+    rank: int
+    batch: int
+    replicas: int
+    start: Cursor
+    passes: int | None          # None: endless
+    budget: int
+    threads: int
+
+
+class LaneReader:
+    """One lane of one pass: its stream rows from `first` to `stop`, read in order, a window at a time."""
+
+    def __init__(self, plan: Plan, stream: Stream, first: int, stop: int, names: list[str], batch_rows: int,
+                 fs: Any, cache: dict[int, Any], block: int = 0) -> None:
+        self.batches = self._batches(plan, stream.pieces(first, stop), names, batch_rows, fs, cache)
+        self.left: Any = None
+        self.next = block                       # the window this lane reads next
+        self.turn = threading.Condition()
+
+    @staticmethod
+    def _batches(plan: Plan, pieces: list, names: list[str], batch_rows: int, fs: Any,
+                 cache: dict[int, Any]) -> Iterator[Any]:
+        for piece in pieces:
+            try:
+                yield from sources.read_piece(plan, piece, names, batch_rows, fs, cache)
+            except Exception as exc:  # noqa: BLE001 - said once with the file named
+                raise _read_error(plan, piece.unit, exc) from exc
+
+    def read(self, rows: int) -> list[Any]:
+        """The next `rows` rows, as RecordBatches."""
+        out, have = [], 0
+        while have < rows:
+            batch = self.left if self.left is not None else next(self.batches)
+            self.left = None
+            need = rows - have
+            if batch.num_rows > need:
+                self.left = batch.slice(need)
+                batch = batch.slice(0, need)
+            out.append(batch)
+            have += batch.num_rows
+        return out
+
+
+def _read_error(plan: Plan, unit: int, exc: BaseException) -> TableReadError:
+    path = plan.files[int(plan.unit_file[unit])]
+    if isinstance(exc, FileNotFoundError):
+        what = "is gone (deleted or moved after the run planned the table at its start)"
+        fix = ("restore the file and resume from the last backup; for a Delta table, keep the versions a run reads "
+               "(VACUUM removes the files of old versions)")
+    else:
+        what = f"could not be read ({type(exc).__name__}: {exc})"
+        fix = "check the store and the file, then resume from the last backup"
+    return TableReadError(f"table file {path!r} {what}. Training stopped; the backups written so far are kept. "
+                          f"Fix: {fix}")
+
+
+class WorkerReader:
+    """This worker's per-replica batches, step after step (an iterator; `close()` stops its threads)."""
+
+    def __init__(self, spec: ReaderSpec, feed: Batcher) -> None:
+        from stratkit.storage.arrow import arrow_filesystem
+
+        self.spec = spec
+        self.feed = feed
+        self.names = feed.read_columns
+        self.first_lane, self.stop_lane = spec.layout.owned(spec.world, spec.rank)
+        self.steps = steps_for(spec.plan.rows, spec.batch)
+        check_budget(spec.layout, spec.plan, spec.world, spec.budget)
+        self.ahead, self.block_bytes, _ = memory_plan(spec.layout, spec.plan, self.first_lane, self.stop_lane,
+                                                      spec.budget)
+        self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
+        self.cache: dict[int, Any] = {}
+        self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
+        share = max(1, spec.batch // max(spec.world, 1))
+        fits = int(spec.budget // (8 * share * max(spec.plan.row_bytes, 1.0)))   # 2 ready chunks: a quarter
+        self.per_chunk = max(1, min(MAX_CHUNK_STEPS, -(-CHUNK_ROWS // share), fits))
+        self.ready: queue.Queue = queue.Queue(READY_CHUNKS)
+        self.stopping = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="stratkit-table-assemble", daemon=True)
+        _LIVE.add(self)
+        self.thread.start()
+
+    # -- the consumer's side ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[tuple]]:
+        """Step after step: each a list of `replicas` per-replica `(x, y[, sample_weight])` tuples."""
+        for chunk in self.chunks():
+            parts = list(chunk.parts(self.feed))
+            for at in range(0, len(parts), self.spec.replicas):
+                yield parts[at:at + self.spec.replicas]
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The steps as they come from the assembler, `per_chunk` at a time (what the tf.data pipeline takes)."""
+        while True:
+            item = self.ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                self.failure = item
+                _FAILURES[:] = [item]
+                self.close()
+                raise item
+            yield item
+
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Stop the threads and wait for them (within `timeout`): a thread left inside pyarrow when the
+        interpreter exits aborts the process ("terminate called without an active exception", measured)."""
+        self.stopping.set()
+        try:
+            while True:
+                self.ready.get_nowait()
+        except queue.Empty:
+            pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        closer = threading.Thread(target=self.pool.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                  name="stratkit-table-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        _LIVE.discard(self)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.ready.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    # -- the assembler thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            spec = self.spec
+            cursor = spec.start
+            done = 0
+            while not self.stopping.is_set() and (spec.passes is None or done < spec.passes):
+                self._one_pass(cursor)
+                cursor = Cursor(cursor.pass_ + 1, 0)
+                done += 1
+            self._put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self._put(exc if isinstance(exc, (TableReadError, ConfigError)) else
+                      TableReadError(f"reading the table failed: {type(exc).__name__}: {exc}"))
+
+    def _one_pass(self, cursor: Cursor) -> None:
+        spec, layout = self.spec, self.spec.layout
+        a, b = self.first_lane, self.stop_lane
+        start = cursor.global_position(spec.batch)
+        counts = batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:]
+        stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
+        first_block = layout.first_block(start) if start < spec.plan.rows else layout.blocks()
+        batch_rows = int(min(max(layout.window, 4096), 65536))
+        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
+                            first_block) for s, e in zip(layout.window_starts(first_block, a, b),
+                                                         layout.starts[a + 1:b + 1])]
+        splitter = Splitter(counts, spec.replicas, self.feed, self.per_chunk)
+        pending: list[tuple[int, list[Future]]] = []
+        block = first_block
+        total = layout.blocks()
+
+        def submit(j: int) -> None:
+            lengths = layout.window_lengths(j, a, b)
+            pending.append((j, [self.pool.submit(_read_window, lane, j, int(n)) for lane, n in zip(lanes, lengths)]))
+
+        while (block < total or pending) and not self.stopping.is_set():
+            while block < total and len(pending) <= self.ahead:
+                submit(block)
+                block += 1
+            if not pending:
+                break
+            j, futures = pending.pop(0)
+            windows = [f.result() for f in futures]
+            g, index = layout.block(j, a, b, spec.seed, cursor.pass_, spec.shuffle)
+            keep = g >= start
+            if not keep.all():
+                g, index = g[keep], index[keep]
+            for step in splitter.add(_gathered(windows, index, spec.plan, self.names, self.feed), len(index)):
+                if not self._put(step):
+                    return
+            del windows
+            _release()
+        for step in splitter.finish():
+            if not self._put(step):
+                return
+
+
+def _release() -> None:
+    """Hand the memory pyarrow's allocator keeps after a block back to the system (mimalloc and jemalloc keep
+    freed pages for reuse: measured, the RSS grew twice what pyarrow held)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
+def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
+    """Window `block` of `lane`, once the lane has read the windows before it (threads may take two windows of
+    one lane at once; the pool's queue is FIFO, so the earliest one waiting is always running)."""
+    with lane.turn:
+        while lane.next != block:
+            lane.turn.wait()
+        try:
+            return lane.read(rows) if rows else []
+        finally:
+            lane.next += 1
+            lane.turn.notify_all()
+
+
+def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: list[str], feed: Batcher) -> list[Any]:
+    """The block's rows at `index`, in that order, as the feed's arrays (converted in stream order, then gathered
+    by numpy: faster than Arrow's take on list columns)."""
+    import pyarrow as pa
+
+    if not len(index):
+        return []
+    batches = [b for window in windows for b in window]
+    schema = pa.schema([plan.arrow_schema.field(n) for n in names])
+    return [array[index] for array in feed.arrays(pa.Table.from_batches(batches, schema=schema))]
+
+
+def lane_bytes(plan: Plan) -> int:
+    """What one lane holds while it reads a unit: its fetched column chunks and their decoded rows (the
+    largest unit's; pyarrow pre-buffers a row group's chunks and decodes them a page at a time)."""
+    return int((plan.unit_bytes + plan.unit_decoded).max()) if plan.units else 0
+
+
+def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) -> tuple[int, int, int]:
+    """(blocks read ahead, one block's bytes, the lanes' bytes) for lanes [first, stop) within `budget`.
+
+    The budget holds the lanes' open units, the block being put together, the blocks decoded ahead and the
+    ready chunks (kept within a quarter of the budget by their size)."""
+    lanes = (stop - first) * lane_bytes(plan)
+    block = block_bytes(layout, plan, first, stop)
+    room = budget - lanes - budget // 4
+    return max(1, room // max(block, 1) - 1), block, lanes
+
+
+def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
+    """Refuse a read-ahead budget that cannot hold what the worker with the most lanes needs: its lanes' open
+    units, a block put together and one decoded ahead, and the ready chunks.
+
+    Raises:
+        ConfigError: naming what takes the bytes, and the fix.
+    """
+    most = max(layout.owned(world, rank)[1] - layout.owned(world, rank)[0] for rank in range(world))
+    _, block, lanes = memory_plan(layout, plan, 0, most, budget)
+    needed = lanes + 2 * block + budget // 4
+    if needed > budget:
+        raise ConfigError(
+            f"read_ahead_bytes={budget} cannot hold what a worker of {world} reads at once: {most} lane(s), each "
+            f"holding a row group being read (up to {lane_bytes(plan)} bytes fetched and decoded) = {lanes} bytes, "
+            f"and two blocks of shuffle_window={layout.window} rows a lane x ~{plan.row_bytes:.0f} bytes per row "
+            f"(decoded, twice: rows and arrays) = {2 * block} bytes, and a quarter for finished steps. Fix: "
+            f"read_ahead_bytes={int(1.34 * (lanes + 2 * block)) + 1} or more, a smaller shuffle_window, fewer lanes "
+            "per worker (lanes=), or smaller row groups")
+
+
+def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
+    """Bytes one block of lanes [first, stop) takes decoded, twice (its Arrow rows and its arrays)."""
+    rows = int(layout.window_lengths(0, first, stop).sum()) if stop > first else 0
+    return int(2 * rows * max(plan.row_bytes, 1.0))
+
+
+__all__ = ["Chunk", "LaneReader", "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader",
+           "batch_counts", "block_bytes", "check_budget", "lane_bytes", "last_failure", "memory_plan"]

@@ -1,0 +1,166 @@
+"""The files of a table on a disk or a store: listing (a directory, a glob, a list), hive partitions, the filter.
+
+A directory is read recursively, every file except the ones Spark, Hive and Delta keep beside the data (names
+starting with "_" or ".", e.g. `_SUCCESS`, `_delta_log/`) and those not ending with the suffix asked for. A
+glob (`*`, `?`, `[`) matches names under the directory before its first wildcard. A hive-partitioned tree
+(`.../date=2024-01-01/part=3/file.parquet`) gives each file its partition values: an integer when every
+file's value for that key is one, else a string. `filter` keeps the files whose partition values pass every
+condition (`[("date", ">=", "2024-01-01"), ("part", "in", [1, 2])]`: a conjunction); it prunes files, it
+never reads rows, so it names partition columns only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from stratkit.errors import ConfigError
+from stratkit.storage import redact
+
+_OPS = ("=", "==", "!=", "<", "<=", ">", ">=", "in", "not in")
+_WILDCARD = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file: its path as the filesystem names it, its size and a tag that changes when it is rewritten."""
+
+    path: str
+    size: int
+    tag: str
+
+
+def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
+    """Every data file `base` names (a file, a directory read recursively, or a glob), sorted by path.
+
+    Raises:
+        ConfigError: nothing there, or no file with `suffix` (naming the path and the fix).
+    """
+    import pyarrow.fs as pafs
+
+    pattern = None
+    match = _WILDCARD.search(base)
+    if match:
+        pattern = base
+        base = base[:match.start()].rsplit("/", 1)[0]
+    try:
+        info = fs.get_file_info(base)
+    except OSError as exc:
+        raise ConfigError(f"table path {shown!r} cannot be read: {exc}. Fix: check the path, the store's endpoint "
+                          "and credentials") from None
+    if info.type == pafs.FileType.NotFound:
+        raise ConfigError(f"table path {shown!r} does not exist. Fix: check the path or URL")
+    if info.type == pafs.FileType.File:
+        return [FileEntry(info.path, int(info.size), _tag(info))]
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    except OSError as exc:
+        raise ConfigError(f"table path {shown!r} cannot be listed: {exc}. Fix: check the store's endpoint and "
+                          "credentials") from None
+    out = []
+    for entry in infos:
+        if entry.type != pafs.FileType.File:
+            continue
+        relative = entry.path[len(base):].lstrip("/")
+        if any(part.startswith(("_", ".")) for part in relative.split("/")):
+            continue
+        if pattern is not None and not fnmatch.fnmatchcase(entry.path, pattern):
+            continue
+        if suffix and not entry.path.endswith(suffix) and pattern is None:
+            continue
+        out.append(FileEntry(entry.path, int(entry.size), _tag(entry)))
+    if not out:
+        raise ConfigError(f"table path {shown!r} holds no {suffix or 'data'} files. Fix: point it at the table's "
+                          "directory, a glob of its files, or a list of files")
+    return sorted(out, key=lambda e: e.path)
+
+
+def _tag(info: Any) -> str:
+    mtime = getattr(info, "mtime_ns", None)
+    return str(mtime) if mtime is not None else ""
+
+
+def hive_partitions(paths: Sequence[str], base: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Each path's partition values (key=value directories below `base`), typed alike; and key -> dtype."""
+    raw: list[dict[str, str]] = []
+    for path in paths:
+        relative = path[len(base):].strip("/") if path.startswith(base) else path
+        values = {}
+        for part in relative.split("/")[:-1]:
+            if "=" in part:
+                key, value = part.split("=", 1)
+                values[key] = value
+        raw.append(values)
+    keys = sorted({k for values in raw for k in values})
+    types = {}
+    for key in keys:
+        missing = [paths[i] for i, values in enumerate(raw) if key not in values]
+        if missing:
+            raise ConfigError(f"partition key {key!r} is missing from the path of {missing[0]!r} (other files of the "
+                              "table have it). Fix: read one partitioned tree, or list the files yourself")
+        types[key] = "int64" if all(re.fullmatch(r"-?\d{1,18}", values[key]) for values in raw) else "string"
+    typed = [{k: (int(v) if types[k] == "int64" else v) for k, v in values.items()} for values in raw]
+    return typed, types
+
+
+def check_filter(conditions: Any, keys: Iterable[str]) -> list[tuple[str, str, Any]]:
+    """`filter` as a checked list of (key, op, value) on partition keys.
+
+    Raises:
+        ConfigError: a malformed condition, an unknown operator, or a key that is not a partition column.
+    """
+    if conditions is None:
+        return []
+    if isinstance(conditions, tuple) and len(conditions) == 3 and isinstance(conditions[0], str):
+        conditions = [conditions]
+    known = list(keys)
+    out = []
+    for condition in conditions:
+        if not (isinstance(condition, (tuple, list)) and len(condition) == 3):
+            raise ConfigError(f"filter condition {condition!r} is not (column, op, value). Fix: e.g. "
+                              "filter=[('date', '>=', '2024-01-01')]")
+        key, op, value = condition
+        if op not in _OPS:
+            raise ConfigError(f"filter condition {condition!r}: operator {op!r} is not one of {list(_OPS)}")
+        if key not in known:
+            raise ConfigError(f"filter condition {condition!r} names {key!r}, which is not a partition column of "
+                              f"the table (partition columns: {known or 'none'}). A filter prunes whole files; it "
+                              "never drops rows inside one (that would change the row counts the order is built "
+                              "on). Fix: filter on a partition column, or write the rows you want to a table of "
+                              "their own")
+        out.append((key, op, value))
+    return out
+
+
+def passes(values: dict[str, Any], conditions: list[tuple[str, str, Any]]) -> bool:
+    """Whether a file's partition values pass every condition."""
+    for key, op, wanted in conditions:
+        have = values.get(key)
+        if op in ("in", "not in"):
+            inside = have in set(wanted) or str(have) in {str(w) for w in wanted}
+            if inside != (op == "in"):
+                return False
+            continue
+        if isinstance(have, int) and not isinstance(wanted, int):
+            try:
+                wanted = int(wanted)
+            except (TypeError, ValueError):
+                have = str(have)
+        elif isinstance(have, str):
+            wanted = str(wanted)
+        ok = {"=": have == wanted, "==": have == wanted, "!=": have != wanted, "<": have < wanted,
+              "<=": have <= wanted, ">": have > wanted, ">=": have >= wanted}[op]
+        if not ok:
+            return False
+    return True
+
+
+def shown_path(root: str | os.PathLike[str]) -> str:
+    """The table's path as messages show it (no secret)."""
+    return redact(os.fspath(root))
+
+
+__all__ = ["FileEntry", "check_filter", "hive_partitions", "list_files", "passes", "shown_path"]

@@ -1,0 +1,249 @@
+"""`stratkit.data.TableInput`: a table as training input, exactly once per epoch, in one order at any world size.
+
+    data = stratkit.data.TableInput(stratkit.data.Table.parquet("s3://lake/events/"),
+                                    features=["x"], label="y", seed=7)
+    trainer.fit(model, data, epochs=3, global_batch_size=256, backup_dir="s3://runs/r1", backup_every=100)
+
+`Trainer.fit` (and `validation_data=`, `Trainer.evaluate`) take it on every engine; a hand-written `model.fit`
+under `make_strategy()` uses `dataset_fn` and `steps_per_epoch`. An engine that starts its own workers builds
+each one's reader from (the planned table, world size, rank): `reader`.
+
+The order, the lanes and the cursor: `docs/data.md`; `stratkit.data.shards`, `order`, `cursor`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+from stratkit.data.cursor import Cursor, OrderRecord, check_resume
+from stratkit.data.batching import Batcher
+from stratkit.data.plan import Plan
+from stratkit.data.readahead import ReaderSpec, WorkerReader
+from stratkit.data.shards import Layout, steps_for
+from stratkit.data.table import Table
+from stratkit.errors import ConfigError
+
+#: The lane counts `lanes="auto"` picks from: each divisible by every world size up to 6 and by many more.
+LANE_CHOICES = (240, 120, 60, 24, 12)
+#: `lanes="auto"` never picks fewer (unless the table has fewer rows).
+MIN_LANES = 12
+#: `lanes="auto"`: at least this many units (row groups) per lane, so a lane's two partial units stay a small
+#: part of what it reads.
+UNITS_PER_LANE = 8
+#: `shuffle_window="auto"`: one block of every lane (what one process holds to put global batches together)
+#: takes about this many decoded bytes.
+WINDOW_BYTES = 32 << 20
+DEFAULT_READ_AHEAD = 256 << 20
+DEFAULT_SEED = 20170601
+
+
+def auto_lanes(plan: Plan) -> int:
+    """The lanes for `lanes="auto"`: the largest of `LANE_CHOICES` leaving `UNITS_PER_LANE` units per lane, and
+    at least 12 (every world size up to 4, and 6 and 12, divides it: a small table's lanes then share row
+    groups, which costs decoding them more than once, not reading more of the store than it holds)."""
+    for lanes in LANE_CHOICES:
+        if plan.units >= lanes * UNITS_PER_LANE and plan.rows >= lanes:
+            return lanes
+    return min(MIN_LANES, max(plan.rows, 1))
+
+
+def auto_window(plan: Plan, lanes: int) -> int:
+    """The shuffle window for `shuffle_window="auto"`: a block of all `lanes` within `WINDOW_BYTES`, at most a lane."""
+    lane_rows = max(1, -(-plan.rows // lanes))
+    return int(min(max(1, WINDOW_BYTES // max(1, int(lanes * max(plan.row_bytes, 1.0)))), lane_rows))
+
+
+class TableInput:
+    """A `Table` read as `(x, y[, sample_weight])` batches (see the module docstring).
+
+    Args:
+        table: the `stratkit.data.Table`.
+        features: the column(s) feeding the model's input(s) (one name, or a list: `feed.py`'s rule).
+        label: the label column (None for a model trained without one).
+        sample_weight: a column of per-row weights.
+        seed: the order's seed (default: `Trainer(seed=...)`'s in `Trainer.fit`, else stratkit's default; the
+            same on every worker).
+        shuffle: False reads the units in the plan's order and each window in order (validation).
+        shuffle_window: rows each lane shuffles together ("auto": a block of all lanes ~32 MiB decoded).
+        lanes: the canonical partition count the order is built on ("auto": from the table, see `auto_lanes`);
+            fixed for a run and recorded in its backups. World sizes that divide it share the rows evenly.
+        read_ahead_bytes: decoded bytes a worker's reader may hold ahead of the step.
+        threads: decode threads per worker.
+    """
+
+    def __init__(self, table: Table, features: str | Sequence[str], label: str | None = None,
+                 sample_weight: str | None = None, *, seed: int | None = None, shuffle: bool = True,
+                 shuffle_window: int | str = "auto", lanes: int | str = "auto",
+                 read_ahead_bytes: int = DEFAULT_READ_AHEAD, threads: int = 4) -> None:
+        if not isinstance(table, Table):
+            raise ConfigError(f"TableInput takes a stratkit.data.Table, not {type(table).__name__}. Fix: "
+                              "TableInput(Table.parquet(url), features=..., label=...)")
+        for name, value in (("shuffle_window", shuffle_window), ("lanes", lanes)):
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be 'auto' or a positive integer")
+        if isinstance(read_ahead_bytes, bool) or not isinstance(read_ahead_bytes, int) or read_ahead_bytes < 1:
+            raise ConfigError(f"read_ahead_bytes={read_ahead_bytes!r} must be a positive number of bytes, e.g. "
+                              f"{DEFAULT_READ_AHEAD}")
+        self.features = [features] if isinstance(features, str) else list(features)
+        self.single = isinstance(features, str)
+        self.label = label
+        self.sample_weight = sample_weight
+        self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self.seed_given = seed is not None        # else Trainer.fit gives its own (`Trainer(seed=...)`)
+        self.shuffle = bool(shuffle)
+        self.shuffle_window = shuffle_window
+        self.lanes = lanes
+        self.read_ahead_bytes = int(read_ahead_bytes)
+        self.threads = max(1, int(threads))
+        self.note: str | None = None  # what a resume changed that it accepts (said once)
+        wanted = [*self.features, *(n for n in (label, sample_weight) if n is not None)]
+        planned = table._plan is not None          # a driver planned it once: keep its plan (all its columns)
+        self.table = table if table.columns is not None or planned else table.with_columns(wanted)
+
+    # -- the plan and its order -----------------------------------------------------------------------
+    def plan(self) -> Plan:
+        return self.table.plan()
+
+    @property
+    def num_rows(self) -> int:
+        return self.plan().rows
+
+    def layout(self) -> Layout:
+        plan = self.plan()
+        if plan.rows == 0:
+            raise ConfigError(f"the table {self.table!r} has no rows. Fix: check the path, the version and the "
+                              "filter")
+        lanes = auto_lanes(plan) if self.lanes == "auto" else int(self.lanes)
+        window = auto_window(plan, lanes) if self.shuffle_window == "auto" else int(self.shuffle_window)
+        return Layout(plan.rows, lanes, window)
+
+    def record(self) -> OrderRecord:
+        """What a backup records of this input: the snapshot and the order's settings."""
+        plan, layout = self.plan(), self.layout()
+        return OrderRecord(source=plan.source, fingerprint=plan.fingerprint, rows=plan.rows, seed=self.seed,
+                           lanes=layout.lanes, window=layout.window, shuffle=self.shuffle)
+
+    def _copy(self, **changes: Any) -> TableInput:
+        out = object.__new__(TableInput)
+        out.__dict__.update(self.__dict__)
+        out.__dict__.update(changes)
+        return out
+
+    def pinned(self, record: OrderRecord | dict | None, *, mid_pass: bool = False, backup: str = "") -> TableInput:
+        """This input reading the snapshot and order a backup recorded (its settings unless given explicitly).
+
+        Raises:
+            ConfigError: the table's files changed, or (mid-pass) an order setting differs from the backup's.
+        """
+        saved = record if isinstance(record, OrderRecord) or record is None else OrderRecord.from_dict(record)
+        if saved is None:
+            return self
+        out = self._copy(table=self.table.pinned(saved.source),
+                         lanes=saved.lanes if self.lanes == "auto" else self.lanes,
+                         shuffle_window=saved.window if self.shuffle_window == "auto" else self.shuffle_window,
+                         seed=self.seed if self.seed_given else saved.seed, seed_given=True,
+                         shuffle=self.shuffle and saved.shuffle)
+        out.note = check_resume(saved, out.record(), mid_pass=mid_pass, backup=backup)
+        return out
+
+    def with_order(self, seed: int, shuffle: bool) -> TableInput:
+        """This input with the trainer's seed (unless one was given) and `shuffle` (Trainer.fit's)."""
+        return self._copy(seed=self.seed if self.seed_given else int(seed), shuffle=self.shuffle and shuffle)
+
+    def at_version(self, version: int) -> TableInput:
+        """A Delta table's input pinned to `version` (the version every worker agreed on)."""
+        return self._copy(table=self.table.at_version(version))
+
+    # -- steps -----------------------------------------------------------------------------------------
+    def steps_per_epoch(self, global_batch_size: int) -> int:
+        """Global batches in one pass over the table: ceil(rows / global_batch_size), the last one partial."""
+        return steps_for(self.num_rows, _batch(global_batch_size))
+
+    # -- one worker's reader ---------------------------------------------------------------------------
+    def feed(self, model: Any = None) -> Batcher:
+        plan = self.plan()
+        feed = Batcher(plan.columns, self.features[0] if self.single else self.features, self.label,
+                       self.sample_weight, model=model)
+        feed.check_bounds(plan.bounds)
+        return feed
+
+    def reader(self, global_batch_size: int, world: int = 1, rank: int = 0, *, replicas: int = 1, model: Any = None,
+               start: Cursor = Cursor(), passes: int | None = None, feed: Batcher | None = None) -> WorkerReader:
+        """Worker `rank` of `world`'s batches: an iterator of steps, each a list of `replicas` per-replica
+        `(x, y[, sample_weight])` tuples of numpy arrays, from `start` on (`passes`: how many, None: endless).
+        `close()` it when done."""
+        spec = ReaderSpec(plan=self.plan(), layout=self.layout(), seed=self.seed, shuffle=self.shuffle,
+                          world=int(world), rank=int(rank), batch=_batch(global_batch_size),
+                          replicas=int(replicas), start=start, passes=passes, budget=self.read_ahead_bytes,
+                          threads=self.threads)
+        return WorkerReader(spec, feed if feed is not None else self.feed(model))
+
+    def dataset_fn(self, global_batch_size: int, model: Any = None, *, epoch: int = 0, step: int = 0,
+                   steps_per_epoch: int | None = None, passes: int | None = None) -> Callable[[Any], Any]:
+        """`dataset_fn(input_context)` for `strategy.distribute_datasets_from_function`: each worker's
+        per-replica batches from (epoch, step) on (endless, or `passes` passes), as a `tf.data.Dataset`.
+
+        With a hand-written fit::
+
+            strategy = stratkit.make_strategy()
+            ...
+            dataset = strategy.distribute_datasets_from_function(data.dataset_fn(256, model=model))
+            model.fit(dataset, epochs=3, steps_per_epoch=data.steps_per_epoch(256))
+        """
+        batch = _batch(global_batch_size)
+        start = Cursor.at(epoch, step, rows=self.num_rows, batch_size=batch, steps_per_epoch=steps_per_epoch)
+        feed = self.feed(model)
+        specs = feed.specs()
+
+        def dataset_fn(input_context: Any) -> Any:
+            import tensorflow as tf
+
+            world = int(input_context.num_input_pipelines)
+            rank = int(input_context.input_pipeline_id)
+            replicas = max(1, int(input_context.num_replicas_in_sync) // max(world, 1))
+
+            def chunks() -> Any:
+                reader = self.reader(batch, world, rank, replicas=replicas, start=start, passes=passes, feed=feed)
+                try:
+                    for chunk in reader.chunks():
+                        yield (*chunk.arrays, chunk.splits)
+                finally:
+                    reader.close()
+
+            flat = [tf.TensorSpec(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
+            signature = (*flat, tf.TensorSpec((None,), tf.int64))
+
+            def parts(*values: Any) -> Any:   # a chunk's per-replica parts, cut in the graph
+                arrays, splits = values[:-1], values[-1]
+                return tf.data.Dataset.range(tf.size(splits, out_type=tf.int64) - 1).map(
+                    lambda i: feed.pack([a[splits[i]:splits[i + 1]] for a in arrays]))
+
+            dataset = tf.data.Dataset.from_generator(chunks, output_signature=signature).prefetch(1)
+            return dataset.flat_map(parts).prefetch(2 * replicas)
+
+        return dataset_fn
+
+    def __repr__(self) -> str:
+        return f"TableInput({self.table!r}, features={self.features!r}, label={self.label!r})"
+
+
+def _batch(global_batch_size: Any) -> int:
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer: got {global_batch_size!r}")
+    return int(global_batch_size)
+
+
+def lanes_note(layout: Layout, world: int) -> str | None:
+    """What a world size that does not divide the lanes costs (said once at fit start), None when it divides."""
+    if layout.lanes % world == 0:
+        return None
+    if world > layout.lanes:
+        return (f"{world} workers over {layout.lanes} lanes: {world - layout.lanes} worker(s) read no rows (they "
+                f"take part in every step with empty batches). Fix: lanes= a multiple of the world size")
+    most = math.ceil(layout.lanes / world)
+    return (f"{layout.lanes} lanes over {world} workers: some read {most} lanes, others {layout.lanes // world} "
+            f"(the largest share {most * world / layout.lanes:.2f}x the mean). Fix: lanes= a multiple of {world}")
+
+
+__all__ = ["DEFAULT_READ_AHEAD", "LANE_CHOICES", "TableInput", "auto_lanes", "auto_window", "lanes_note"]

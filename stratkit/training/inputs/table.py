@@ -1,0 +1,133 @@
+"""A `stratkit.data.TableInput`: a table on a disk or a store, read per worker, exactly once, in one order.
+
+Each worker's pipeline is its own (`strategy.distribute_datasets_from_function`): worker i of N reads its
+lanes and hands its replicas their parts of each global batch (`stratkit.data.readahead`), so nothing is
+auto-sharded and no worker reads another's rows. Its share of a batch may be a few rows more or fewer than
+B/N, or none (stratkit's fit is exact on uneven replica batches).
+
+Before the first step every worker agrees on the snapshot: a Delta table without a version reads the
+chief's latest version; every worker's plan must then have the same fingerprint (a Parquet listing that
+changed between two workers' listings is refused, naming the fix). A failure to plan on one worker is
+raised on every worker after the agreement (no worker is left waiting in a collective).
+
+Steps rule: without `steps_per_epoch` an epoch is one pass, ceil(rows / global batch) steps, the last batch
+partial, on every worker; with it, epochs of that many steps run on across passes. A resume at (epoch, step)
+starts every lane at its offset (`stratkit.data.cursor`): nothing is read twice, at any world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from stratkit import status
+from stratkit.data import TableInput
+from stratkit.data.readahead import check_budget, last_failure
+from stratkit.data.table_input import lanes_note
+from stratkit.errors import ConfigError
+from stratkit.training.inputs import rules
+from stratkit.training.inputs.base import InputAdapter, PreparedData, WorkerContext
+
+log = status.logger(__name__)
+
+
+def agreed(data: TableInput, strategy: Any) -> TableInput:
+    """`data` pinned to the snapshot every worker reads (the chief's Delta version), its plan checked alike.
+
+    Raises:
+        ConfigError: this or another worker could not plan the table, or the workers' plans differ.
+    """
+    from stratkit.strategy import collectives, keras_compat
+
+    multi = strategy is not None and keras_compat._is_multi_worker_collective(strategy)
+    failed: BaseException | None = None
+    if data.table.kind == "delta" and data.table.version is None:
+        try:
+            version = data.table.latest_version() or 0
+        except Exception as exc:  # noqa: BLE001 - raised after the agreement every worker must reach
+            failed, version = exc, -1
+        if multi:
+            chief = collectives.chief_ints(strategy, [version])[0]
+            failed = failed if chief >= 0 else (failed or ConfigError(
+                "the chief could not open the Delta table. Fix: the error in the chief's log"))
+            version = chief
+        if failed is None:
+            data = data.at_version(version)
+    mark = 0
+    if failed is None:
+        try:
+            mark = int(data.record().fingerprint[:15], 16)
+        except Exception as exc:  # noqa: BLE001 - as above
+            failed = exc
+    if multi:
+        mine = -1 if failed is not None else mark
+        low, high = collectives.min_over_workers(strategy, mine), -collectives.min_over_workers(strategy, -mine)
+        if failed is None and low < 0:
+            failed = ConfigError("another worker could not read the table's plan. Fix: the error in that worker's "
+                                 "log")
+        elif failed is None and low != high:
+            failed = ConfigError(f"the workers planned different snapshots of {data.table!r} (the files changed "
+                                 "while they listed them). Fix: stop writing to the table while a run starts, read a "
+                                 "Delta table (a version pins its files), or list the files yourself")
+    if failed is not None:
+        raise failed
+    return data
+
+
+class TableAdapter(InputAdapter):
+    kind = "table"
+
+    def __init__(self, data: TableInput, model: Any = None) -> None:
+        super().__init__(data)
+        self.model = model
+
+    def distribute(self, *, strategy: Any, num_replicas: int, global_batch_size: int | None,
+                   steps_per_epoch: int | None, training: bool, shuffle: bool, seed: int, tpu: bool,
+                   drop_remainder: bool, shard: bool, first_epoch: int = 0, first_step: int = 0) -> PreparedData:
+        if global_batch_size is None:
+            raise rules.no_batch_size(num_replicas)
+        if tpu or drop_remainder:
+            raise ConfigError("a TableInput's last batch of a pass is partial (every row once, none dropped), which "
+                              "TPUs cannot take. Fix: train on GPUs or CPUs, or pass a tf.data.Dataset")
+        data = agreed(self.data.with_order(seed, shuffle) if training else self.data, strategy)
+        if not shard:
+            raise ConfigError("predict on a TableInput is not supported. Fix: read the rows with "
+                              "TableInput.reader(batch) and call model.predict on them")
+        per_pass = data.steps_per_epoch(global_batch_size)
+        layout = data.layout()
+        world = _workers(strategy)
+        check_budget(layout, data.plan(), world, data.read_ahead_bytes)   # before step 1, not in the pipeline
+        data.feed(self.model)                                              # the columns against the model
+        if training:
+            note = lanes_note(layout, world)
+            if note:
+                log.warning("%s", note)
+        passes = None if training else 1
+        epoch, step = (first_epoch, first_step) if training else (0, 0)
+        fn = data.dataset_fn(global_batch_size, model=self.model, epoch=epoch, step=step,
+                             steps_per_epoch=steps_per_epoch if training else None, passes=passes)
+        dataset = strategy.distribute_datasets_from_function(fn)
+        steps = steps_per_epoch if (training and steps_per_epoch) else per_pass
+        return PreparedData(dataset, global_batch_size, steps, data.num_rows, self.kind, endless=training,
+                            record=data.record().as_dict(), failure=last_failure)
+
+    def local(self, global_batch_size: int | None, what: str) -> Any:
+        raise ConfigError(f"a TableInput cannot be read here ({what}). Fix: pass it to Trainer.fit / "
+                          "Trainer.evaluate on a synchronous strategy (parameter-server training cannot read it)")
+
+    def predict_inputs(self, batch_size: int) -> Any:
+        return self.local(batch_size, "predict")
+
+    def batched_element_spec(self, num_workers: int, num_replicas: int) -> Any:
+        return self.local(None, "parameter-server training")
+
+    def worker_dataset_fn(self, global_batch_size: int | None, context: WorkerContext, seed: int) -> Callable:
+        return self.local(None, "parameter-server training")
+
+
+def _workers(strategy: Any) -> int:
+    """Workers of the strategy's cluster: its replicas over this worker's devices."""
+    local = len(getattr(strategy.extended, "worker_devices", ()) or ()) or 1
+    return max(int(strategy.num_replicas_in_sync) // local, 1)
+
+
+__all__ = ["TableAdapter", "agreed"]

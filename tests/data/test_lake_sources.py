@@ -1,0 +1,277 @@
+"""The table reader on real files, in this process: each source, bad input refused before step 1, a file that
+vanishes mid-run, a Delta version pinned through a commit and a resume, deletion vectors applied.
+
+Local files (the stores are tests/data/test_lake_training.py's); one device (`Trainer(strategy="one_device")`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+import lake_tables
+from stratkit.data import Table, TableInput, TableReadError
+from stratkit.errors import ConfigError
+
+tf = pytest.importorskip("tensorflow")
+keras = pytest.importorskip("keras")
+
+ROWS = 3000
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parquet")
+    assert lake_tables.write_parquet(pafs.LocalFileSystem(), str(root), 12, ROWS) == ROWS
+    return root
+
+
+def _ids(data: TableInput, batch: int, world: int = 1, rank: int = 0) -> list[np.ndarray]:
+    reader = data.reader(batch, world, rank, passes=1)
+    try:
+        return [np.concatenate([part[0].reshape(-1) for part in step]) for step in reader]  # a column: (rows, 1)
+    finally:
+        reader.close()
+
+
+def test_a_planned_table_pickles_small_and_every_worker_reads_the_rows_of_one_global_order(parquet_dir):
+    data = TableInput(Table.parquet(parquet_dir), features="id", label="y", seed=4, shuffle_window=50)
+    assert data.plan().rows == ROWS and data.plan().units > 12
+    copy = pickle.loads(pickle.dumps(data))               # what a driver hands its tasks: the plan travels
+    assert copy.plan().fingerprint == data.plan().fingerprint and len(pickle.dumps(data)) < 20_000
+    one = _ids(data, 128)
+    assert np.array_equal(np.sort(np.concatenate(one)), np.arange(ROWS))
+    for world in (2, 3):
+        parts = [_ids(copy, 128, world, rank) for rank in range(world)]
+        for k, expected in enumerate(one):
+            assert np.array_equal(np.sort(np.concatenate([p[k] for p in parts])), np.sort(expected))
+    second = data.reader(128, passes=2)                    # the next pass is another order
+    steps = [np.concatenate([p[0].reshape(-1) for p in step]) for step in second]
+    assert len(steps) == 2 * len(one) and not np.array_equal(steps[0], steps[len(one)])
+
+
+def test_columns_keep_their_types_and_a_lossy_cast_is_refused_from_the_statistics(tmp_path):
+    big = 2**40 + np.arange(10, dtype=np.int64)             # ids beyond float32's exact integers
+    pq.write_table(pa.table({"id": big, "s": [f"w{i}" for i in range(10)], "y": np.ones(10, "float64")}),
+                   tmp_path / "a.parquet")
+    data = TableInput(Table.parquet(tmp_path), features=["id", "s"], label="y", shuffle=False)
+    (step,) = list(data.reader(10, passes=1))
+    ((ids, words), y), = [(p[0], p[1]) for p in step]            # no model: a tuple, in the order given
+    ids, words = ids.reshape(-1), words.reshape(-1)                   # (rows, 1): feeds.py's rule for a column
+    assert ids.dtype == np.int64 and np.array_equal(np.sort(ids), big)      # exact
+    assert words.dtype == object and isinstance(words[0], bytes) and y.dtype == np.float64
+    ids = keras.Input((), dtype="float32", name="id")
+    model = keras.Model(ids, keras.layers.Dense(1)(keras.ops.expand_dims(ids, -1)))
+    with pytest.raises(ConfigError, match=r"column 'id': casting its int64 values to the model's float32"):
+        TableInput(Table.parquet(tmp_path), features="id", label="y").feed(model)
+
+
+def _bad(tmp_path, name, **columns):
+    pq.write_table(pa.table(columns), tmp_path / name)
+
+
+def test_bad_tables_are_refused_before_step_1_naming_the_file_or_column_and_the_fix(tmp_path, parquet_dir):
+    with pytest.raises(ConfigError, match=r"column 'nope' is not in table file .*part-00000\.parquet.*Fix"):
+        TableInput(Table.parquet(parquet_dir), features="nope", label="y").feed()
+    with pytest.raises(ConfigError, match=r"does not exist\. Fix"):
+        Table.parquet(tmp_path / "missing").plan()
+    shutil.copytree(parquet_dir, tmp_path / "mixed")
+    _bad(tmp_path / "mixed", "zz.parquet", id=np.arange(3, dtype=np.int32), x=pa.array([[1.0] * 3] * 3,
+         pa.list_(pa.float32(), 3)), y=np.ones(3, "float32"))
+    with pytest.raises(ConfigError, match=r"column 'id' is int64 in table file .*part-00000.* but int32 in "
+                                          r".*zz\.parquet.*schemas differ\. Fix"):
+        Table.parquet(tmp_path / "mixed", columns=["id", "y"]).plan()
+    (tmp_path / "nulls").mkdir()
+    _bad(tmp_path / "nulls", "n.parquet", x=pa.array([1.0, None, 3.0]), y=np.ones(3))
+    with pytest.raises(ConfigError, match=r"column 'x' has 1 null value\(s\) in table file .*n\.parquet.*Fix"):
+        Table.parquet(tmp_path / "nulls").plan()
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "j.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match=r"j\.parquet' is not a readable Parquet file .* Fix"):
+        Table.parquet(tmp_path / "junk").plan()
+    with pytest.raises(ConfigError, match=r"filter condition .*'id'.* not a partition column"):
+        Table.parquet(parquet_dir, filter=[("id", ">", 3)]).plan()
+
+
+def test_hive_partitions_are_columns_and_the_filter_prunes_files(tmp_path):
+    for day in (1, 2, 3):
+        (tmp_path / f"day={day}").mkdir()
+        pq.write_table(pa.table({"x": np.full(5, float(day))}), tmp_path / f"day={day}" / "p.parquet")
+    data = TableInput(Table.parquet(tmp_path, filter=[("day", ">=", 2)]), features=["x", "day"], shuffle=False)
+    (step,) = list(data.reader(100, passes=1))
+    x, day = (a.reshape(-1) for a in step[0][0])
+    assert day.dtype == np.int64 and sorted(set(day.tolist())) == [2, 3]
+    assert np.array_equal(x, day.astype(float))
+
+
+def test_a_file_that_vanishes_mid_run_stops_the_reader_with_its_name(tmp_path, parquet_dir):
+    shutil.copytree(parquet_dir, tmp_path / "t")
+    data = TableInput(Table.parquet(tmp_path / "t"), features="id", label="y", lanes=1, shuffle=False)
+    data.plan()
+    os.remove(tmp_path / "t" / "part-00011.parquet")      # the last file in the plan's order: read last
+    reader = data.reader(100, passes=1)
+    with pytest.raises(TableReadError, match=r"part-00011\.parquet' is gone .*backups written so far are kept"):
+        for _ in reader:
+            pass
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    import stratkit
+
+    return stratkit.Trainer(strategy="one_device")
+
+
+def _build():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class At(keras.callbacks.Callback):
+    """Run `action()` right before global step `step` (an epoch has `per_epoch` steps)."""
+
+    def __init__(self, per_epoch: int, **actions):
+        super().__init__()
+        self.per_epoch, self.actions = per_epoch, {int(k[1:]): v for k, v in actions.items()}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        action = self.actions.get(self.epoch * self.per_epoch + batch)
+        if action is not None:
+            action()
+
+
+def test_a_delta_version_is_pinned_through_a_commit_and_a_resume_reads_it_again(trainer, tmp_path):
+    """3 versions written with deltalake; training reads version 1: explicitly, and pinned at fit start when
+    version 1 is the latest. A commit made during training changes nothing, and the resume (after new commits)
+    reads version 1 again, from the backup's record."""
+    from deltalake import WriterProperties, write_deltalake
+
+    path = str(tmp_path / "delta")
+    small = WriterProperties(max_row_group_size=300)
+    write_deltalake(path, lake_tables.columns(0, 1500), writer_properties=small)
+    write_deltalake(path, lake_tables.columns(1500, 1000), mode="append", writer_properties=small)
+
+    def data(version=None):
+        return TableInput(Table.delta(path, version=version), features="x", label="y", seed=2)
+
+    batch = 100   # 25 steps a pass of version 1
+    reference = trainer.build(_build)
+    history = trainer.fit(reference, data(1), epochs=2, global_batch_size=batch, verbose=0)
+    commit = lambda: write_deltalake(path, lake_tables.columns(2500, 700), mode="append")  # noqa: E731
+
+    def crash():
+        raise Crash("before step 33")
+
+    model = trainer.build(_build)
+    with pytest.raises(Crash):      # pinned at fit start (the latest: 1); a commit lands during the run
+        trainer.fit(model, data(), epochs=2, global_batch_size=batch, verbose=0, backup_dir=str(tmp_path / "b"),
+                    backup_every=5, callbacks=[At(25, s10=commit, s33=crash)])
+    write_deltalake(path, lake_tables.columns(3200, 300), mode="append")    # and another before the resume
+    from deltalake import DeltaTable
+
+    assert DeltaTable(path).version() == 3
+    from stratkit.training.checkpoint import find_resume_point
+
+    point = find_resume_point(str(tmp_path / "b"))
+    assert (point.position.epoch, point.position.step) == (1, 5)
+    assert point.state()["data"]["source"]["version"] == 1 and point.state()["data"]["rows"] == 2500
+    resumed = trainer.build(_build)
+    again = trainer.fit(resumed, data(), epochs=2, global_batch_size=batch, verbose=0,
+                        backup_dir=str(tmp_path / "b"), backup_every=5)
+    for a, b in zip(reference.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], again.history["loss"], atol=1e-6)
+    with pytest.raises(ConfigError, match=r"has no version 9 \(its versions: 0 to 3.*Fix"):
+        Table.delta(path, version=9).plan()
+
+
+def test_delta_deletion_vectors_are_applied(tmp_path):
+    from deltalake import write_deltalake
+
+    path = str(tmp_path / "dv")
+    write_deltalake(path, lake_tables.columns(0, 400), configuration={"delta.enableDeletionVectors": "true"})
+    lake_tables.delete_with_vector(path, [0, 5, 7, 399])
+    data = TableInput(Table.delta(path), features="id", label="y", shuffle=False)
+    assert data.plan().rows == 396
+    ids = np.concatenate(_ids(data, 64))
+    assert sorted(ids.tolist()) == sorted(set(range(400)) - {0, 5, 7, 399})
+
+
+def test_a_vanished_file_stops_trainer_fit_with_the_readers_error_and_the_backups_are_kept(trainer, tmp_path,
+                                                                                             parquet_dir):
+    shutil.copytree(parquet_dir, tmp_path / "t")
+    data = TableInput(Table.parquet(tmp_path / "t"), features="x", label="y", lanes=1, shuffle=False,
+                      shuffle_window=100, read_ahead_bytes=1 << 16)   # reads a few windows ahead of the step
+    class Gone(keras.callbacks.Callback):   # after fit planned the table, before the reader reaches the file
+        def on_train_begin(self, logs=None):
+            os.remove(tmp_path / "t" / "part-00011.parquet")   # read last (lanes=1, in order)
+
+    model = trainer.build(_build)
+    with pytest.raises(TableReadError, match=r"part-00011\.parquet' is gone"):
+        trainer.fit(model, data, epochs=1, global_batch_size=100, verbose=0, backup_dir=str(tmp_path / "b"),
+                    backup_every=5, callbacks=[Gone()])
+    from stratkit.training.checkpoint import find_resume_point
+
+    assert find_resume_point(str(tmp_path / "b")).position.step >= 5     # the last good backup is there
+
+
+def test_tfrecord_features_are_checked_against_the_records_before_training(tmp_path):
+    lake_tables.write_tfrecord(pafs.LocalFileSystem(), str(tmp_path), 3, 300)
+    good = {"id": tf.io.FixedLenFeature([], tf.int64), "x": tf.io.FixedLenFeature([3], tf.float32),
+            "y": tf.io.FixedLenFeature([], tf.float32)}
+    data = TableInput(Table.tfrecord(tmp_path, features=good), features="id", label="y")
+    assert sorted(np.concatenate(_ids(data, 64)).tolist()) == list(range(300))
+    wrong = {**good, "x": tf.io.FixedLenFeature([4], tf.float32)}
+    with pytest.raises(ConfigError, match=r"shard-00000\.tfrecord' do not match features= .*Fix"):
+        Table.tfrecord(tmp_path, features=wrong).plan()
+    with pytest.raises(ConfigError, match=r"feature 'x' is a VarLenFeature.*Fix"):
+        Table.tfrecord(tmp_path, features={"x": tf.io.VarLenFeature(tf.float32)})
+
+
+def test_a_hand_written_fit_through_dataset_fn_trains_as_trainer_fit(trainer, parquet_dir):
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y", seed=6)
+    through_trainer = trainer.build(_build)
+    trainer.fit(through_trainer, data, epochs=2, global_batch_size=128, verbose=0)
+    with trainer.strategy.scope():
+        by_hand = _build()
+    dataset = trainer.strategy.distribute_datasets_from_function(data.dataset_fn(128, model=by_hand))
+    by_hand.fit(dataset, epochs=2, steps_per_epoch=data.steps_per_epoch(128), verbose=0)
+    for a, b in zip(through_trainer.get_weights(), by_hand.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_steps_per_epoch_runs_on_across_passes_and_a_resume_continues_them(trainer, parquet_dir, tmp_path):
+    """Epochs of 10 steps over passes of 24 (3000 rows, batch 128): a crash at global step 27 (pass 2, batch 3)
+    resumes from the step backup of step 25 and ends as the uninterrupted run."""
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y", seed=8)
+    reference = trainer.build(_build)
+    trainer.fit(reference, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0)
+
+    def crash():
+        raise Crash("before step 27")
+
+    model = trainer.build(_build)
+    with pytest.raises(Crash):
+        trainer.fit(model, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0,
+                    backup_dir=str(tmp_path / "b"), backup_every=5, callbacks=[At(10, s27=crash)])
+    resumed = trainer.build(_build)
+    trainer.fit(resumed, data, epochs=4, steps_per_epoch=10, global_batch_size=128, verbose=0,
+                backup_dir=str(tmp_path / "b"), backup_every=5)
+    for a, b in zip(reference.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
