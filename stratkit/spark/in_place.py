@@ -9,8 +9,8 @@ The one decision `SparkRunner.run` (and through it `KerasEstimator.fit`) asks fo
   relation, or a projection of some of its columns (no alias, cast, filter, sample, limit, repartition, join or
   anything else Spark would compute), every column the type staging would give it, the files Spark would read
   the ones stratkit lists -- becomes such a `TableInput` (its path, its columns) and is read in place too:
-  no staging copy, no staging directory. train_fn then receives that `TableInput` (for `Trainer.fit`) instead of
-  a `ParquetShard`;
+  no staging copy, no staging directory. train_fn then receives that `TableInput` (a `ScannedTable`, which also
+  takes a `ParquetShard`'s `dataset_fn(G, model=model)` / `steps_per_epoch(G, replicas)`) for `Trainer.fit`;
 * everything else is staged (`stratkit.spark.staging`): what Spark computes only Spark can write.
   `DataFrameInput(df, in_place=False)` stages a scan too (train_fn keeps its `ParquetShard`); `in_place=True`
   refuses a DataFrame that cannot be read in place, saying why.
@@ -73,12 +73,44 @@ def read_in_place(value: Any, spark: Any, name: str) -> TableInput | None:
                               "TableInput(Table.parquet(url), ...)")
         log.debug("argument %r is staged: %s", name, why)
         return None
-    data = TableInput(table, features=list(value.feature_cols), label=value.label_cols[0] if value.label_cols else None,
-                      sample_weight=value.weight_col)
+    data = ScannedTable(table, features=list(value.feature_cols),
+                        label=value.label_cols[0] if value.label_cols else None, sample_weight=value.weight_col)
     log.info("argument %r is a scan of the Parquet table %s: read in place by every worker (no staging copy; "
              "train_fn receives a stratkit.data.TableInput). DataFrameInput(df, in_place=False) stages it", name,
              table.shown)
     return data
+
+
+class ScannedTable(TableInput):
+    """A DataFrame argument read in place: a `TableInput` (pass it to `Trainer.fit` with `global_batch_size=`), which
+    also takes the `ParquetShard` calls a train_fn written for a staged DataFrame makes:
+    `trainer.fit(model, data.dataset_fn(G, model=model), steps_per_epoch=data.steps_per_epoch(G, replicas))` trains
+    each row once per epoch (an epoch is one pass: ceil(rows / G) steps, the last batch partial). The shard's other
+    methods are refused with the fix."""
+
+    def steps_per_epoch(self, global_batch_size: int, num_replicas: int | None = None) -> int:
+        """Global batches in one pass (`num_replicas`, which a `ParquetShard` takes, changes nothing here)."""
+        return super().steps_per_epoch(global_batch_size)
+
+    def dataset_fn(self, global_batch_size: int, shuffle: bool = True, seed: int | None = None,
+                   shuffle_buffer: int | None = None, model: Any = None, **kwargs: Any) -> Any:
+        """`TableInput.dataset_fn`, with `ParquetShard.dataset_fn`'s `shuffle` and `seed` (`shuffle_buffer` has no
+        meaning here: the table's order shuffles in windows)."""
+        data = self if shuffle and seed is None else self._copy(
+            seed=self.seed if seed is None else int(seed), seed_given=True, shuffle=self.shuffle and shuffle)
+        return TableInput.dataset_fn(data, global_batch_size, model, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _SHARD_ONLY:
+            raise ConfigError(f"{name}() is a ParquetShard method: this DataFrame is a plain Parquet scan, read in "
+                              "place as a stratkit.data.TableInput. Fix: pass it to trainer.fit(model, data, "
+                              "global_batch_size=G), or stage it with DataFrameInput(df, in_place=False)")
+        raise AttributeError(name)
+
+
+#: `ParquetShard`'s methods a `ScannedTable` has no counterpart of.
+_SHARD_ONLY = frozenset({"shard_sizes", "record_batches", "schema", "dataset", "iter_batches", "to_numpy",
+                         "total_rows", "index", "count", "staged"})
 
 
 def _scanned_table(data: DataFrameInput) -> tuple[Table | None, str]:
@@ -153,4 +185,4 @@ def _bare(uri: str) -> str:
     return (parts.netloc + unquote(parts.path)).rstrip("/") if parts.scheme else unquote(uri).rstrip("/")
 
 
-__all__ = ["planned", "read_in_place"]
+__all__ = ["ScannedTable", "planned", "read_in_place"]

@@ -163,6 +163,9 @@ def test_only_a_plain_parquet_scan_is_read_in_place(spark, table_dir, tmp_path):
     columns = {"feature_cols": ["x", "id"], "label_col": "y"}
     kept = read_in_place(DataFrameInput(scan, **columns), spark, "data")
     assert kept is not None and kept.table.columns == ["x", "id", "y"] and kept.num_rows == ROWS
+    assert kept.steps_per_epoch(256, 2) == kept.steps_per_epoch(256) == 6    # a ParquetShard's call works on it
+    with pytest.raises(ConfigError, match="to_numpy.*in_place=False"):
+        kept.to_numpy()
     assert read_in_place(DataFrameInput(scan.select("id", "x", "y"), **columns), spark, "data") is not None
     computed = {
         "filter": scan.filter("id > 10"),
