@@ -10,7 +10,9 @@ The same train_fn (a 16-64-1 MLP, `stratkit.Trainer`, global batch 2048, 1 epoch
   * staged (`in_place=False`): the executors copy the columns into a staging directory first
     (`stratkit.spark.staging`), and each worker reads its `ParquetShard` of the copy.
 
-A warm-up run (in place, not counted) starts the executors' Python workers and the standby. Then `rounds`
+A warm-up run of each way (not counted, kept in the JSON as `warm_up`) starts the executors' Python workers, the
+standby and the staging job's Arrow workers (the first staging job on fresh executors costs a minute more). Then
+`rounds`
 alternating rounds (in place then staged, then staged then in place, ...), each way once per round; the load
 average before and after each run is recorded. Per run: wall (run() called to returned), "before the stage"
 (run() called to the barrier stage submitted: the driver's planning, or the staging job), and the chief's
@@ -153,7 +155,9 @@ def main() -> None:
     runs: list[dict] = []
     try:
         runner = SparkRunner(num_workers=2, spark=spark, timeout=1800)
-        warm = one_run(spark, runner, str(table), "in place", size)   # executors' Python workers, the standby
+        # Not counted: the executors' Python workers and standby start, and the staging job's first Arrow workers
+        # (measured 82 s on fresh executors at load 16: a cost of the first staged run only).
+        warm = [one_run(spark, runner, str(table), way, size) for way in WAYS]
         for index in range(size["rounds"]):
             for way in (WAYS if index % 2 == 0 else WAYS[::-1]):
                 run = one_run(spark, runner, str(table), way, size)
