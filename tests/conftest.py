@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import cpu_times
 import hosts
 from procs import REPO_ROOT, describe, run_process
 
@@ -50,8 +51,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         LOG.unlink(missing_ok=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    cpu_times.addoption(parser)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global LOG, OWNED
+    cpu_times.configure(config)     # `--times PATH`: each test's wall and CPU time (tests/cpu_times.py)
     # gcsfs reads this once, at import: its bucket-type probe speaks gRPC, which the GCS emulator
     # (tests/stores.py) does not, so it is off for the whole suite and every process it starts.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
