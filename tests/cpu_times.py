@@ -16,7 +16,8 @@ call and teardown, so a module fixture counts in the test that made it):
   orphans included, exactly.
 
 Processes that import TensorFlow or Keras are counted too (``tests/netguard/stratkit_import_probe.py``: one
-line per import, with the test that ran it). The controller writes PATH (JSON): the run (wall, load averages
+line per import, with the test that ran it), and the children `tests/procs.py` forked from its fork server
+(which import nothing). The controller writes PATH (JSON): the run (wall, load averages
 every 15 s, the machine's busy CPU), every test, totals per module, and the imports. `tools/test_times.py PATH`
 prints the tables.
 """
@@ -208,28 +209,32 @@ class Recorder:
         self._stop.set()
         for test in self.tests:
             test["outcome"] = self.outcomes.get(test["nodeid"], "?")
-        imports = _read_imports(os.environ.get(IMPORT_LOG))
+        lines = _read_imports(os.environ.get(IMPORT_LOG))
+        imports = [line for line in lines if not line.get("forked")]
+        forks = [line for line in lines if line.get("forked")]
         modules: dict[str, dict] = {}
         for test in self.tests:
             module = modules.setdefault(test["nodeid"].split("::", 1)[0], {
                 "tests": 0, "wall": 0.0, "cpu_self": 0.0, "cpu_waited": 0.0, "cpu_tree": 0.0, "cpu_cgroup": 0.0,
-                "tf_imports": 0, "tf_import_cpu": 0.0})
+                "tf_imports": 0, "tf_import_cpu": 0.0, "forked": 0})
             module["tests"] += 1
             for key in ("wall", "cpu_self", "cpu_waited", "cpu_tree", "cpu_cgroup"):
                 module[key] = round(module[key] + (test[key] or 0.0), 3)
-        for line in imports:
+        for line in lines:
             module = modules.get(line["test"].split("::", 1)[0]) if line.get("test") else None
-            if module is not None:
+            if module is not None and line.get("forked"):
+                module["forked"] += 1
+            elif module is not None:
                 module["tf_imports"] += 1
                 module["tf_import_cpu"] = round(module["tf_import_cpu"] + line["cpu"], 3)
         run = {"started": self.started_wall, "wall": round(time.time() - self.started_wall, 1),
                "args": sys.argv[1:], "load": self.samples, "tests": len(self.tests),
-               "tf_imports": len(imports), "tf_import_cpu": round(sum(line["cpu"] for line in imports), 1),
+               "tf_imports": len(imports), "forked": len(forks), "tf_import_cpu": round(sum(line["cpu"] for line in imports), 1),
                "tf_import_wall": round(sum(line["wall"] for line in imports), 1)}
         for key in ("wall", "cpu_self", "cpu_waited", "cpu_tree", "cpu_cgroup"):
             run["sum_" + key] = round(sum(test[key] or 0.0 for test in self.tests), 1)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"run": run, "modules": modules, "tests": self.tests, "imports": imports},
+        self.path.write_text(json.dumps({"run": run, "modules": modules, "tests": self.tests, "imports": lines},
                                         indent=1))
         log = os.environ.pop(IMPORT_LOG, None)
         if log:
