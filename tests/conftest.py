@@ -21,7 +21,7 @@ import pytest
 
 import cpu_times
 import hosts
-from procs import REPO_ROOT, describe, run_process
+from procs import REPO_ROOT, describe, run_process, stop_fork_servers
 
 GUARD_DIR = Path(__file__).resolve().parent / "netguard"
 
@@ -47,6 +47,7 @@ OWNED = False      # this pytest made the log (a pytest a test starts uses its p
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    stop_fork_servers()
     if OWNED and LOG is not None:
         LOG.unlink(missing_ok=True)
 

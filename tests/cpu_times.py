@@ -18,8 +18,8 @@ call and teardown, so a module fixture counts in the test that made it):
 Processes that import TensorFlow or Keras are counted too (``tests/netguard/stratkit_import_probe.py``: one
 line per import, with the test that ran it), and the children `tests/procs.py` forked from its fork server
 (which import nothing). The controller writes PATH (JSON): the run (wall, load averages
-every 15 s, the machine's busy CPU), every test, totals per module, and the imports. `tools/test_times.py PATH`
-prints the tables.
+every 15 s, the machine's busy CPU), every test, totals per module, and the imports (while it runs, each test's
+line is appended to PATH.partial). `tools/test_times.py PATH` prints the tables.
 """
 
 from __future__ import annotations
@@ -141,6 +141,10 @@ class Recorder:
         self.cgroup = _Cgroup(f"stratkit-tests-{os.getpid()}") if worker or not self._distributed() else None
         self.start = None
         self.started_wall = time.time()
+        self.partial = path.with_name(path.name + ".partial")
+        if not worker:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.partial.unlink(missing_ok=True)
         self.samples: list[dict] = []
         self._stop = threading.Event()
         if not worker:
@@ -187,6 +191,8 @@ class Recorder:
         for key, value in report.user_properties:
             if key == "cpu_times":
                 self.tests.append({"nodeid": report.nodeid, **value})
+                with open(self.partial, "a") as handle:    # to follow a long run while it runs
+                    handle.write(json.dumps(self.tests[-1]) + "\n")
 
     def _sample(self) -> None:
         previous = _busy()
@@ -200,6 +206,7 @@ class Recorder:
             if self._stop.wait(15):
                 return
 
+    @pytest.hookimpl(trylast=True)     # after tests/conftest.py ended the fork servers
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         strays = self.cgroup.leave() if self.cgroup else []
         if strays:
@@ -236,6 +243,7 @@ class Recorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"run": run, "modules": modules, "tests": self.tests, "imports": lines},
                                         indent=1))
+        self.partial.unlink(missing_ok=True)
         log = os.environ.pop(IMPORT_LOG, None)
         if log:
             Path(log).unlink(missing_ok=True)

@@ -246,13 +246,20 @@ def _fork_server(env: Mapping[str, str], index: int) -> TaskStandby | None:
         _server_env = child_env()
         for _ in range(SERVERS):     # both import at once
             _servers.append(TaskStandby([sys.executable], None, _server_env, preload=SERVER_PRELOAD))
-            atexit.register(_servers[-1].close)
+        atexit.register(stop_fork_servers)
     server = _servers[index % len(_servers)]
     if not server.wait_ready(600):
         sys.stderr.write(f"tests/procs.py: a fork server is gone ({server.error}); children start as processes\n")
         _servers_off = True
         return None
     return server if _import_env(env) == _import_env(_server_env) else None
+
+
+def stop_fork_servers() -> None:
+    """End this process's fork servers (a child still running dies with its server); the next child starts
+    them again."""
+    while _servers:
+        _servers.pop().close()
 
 
 def _start(argv: list[str], env: dict[str, str], out: IO[bytes], err: IO[bytes], cwd: str, fork: bool,
