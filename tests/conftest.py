@@ -188,6 +188,29 @@ LONGEST_FIRST = (
 )
 
 
+#: Modules on one kept Spark session (tests/spark/spark_helpers.py `shared_session`, tests/spark/conftest.py
+#: SHARING): one xdist work unit, so one worker runs them one after another and starts the session (its driver,
+#: two executor JVMs and their standbys, each importing TensorFlow) once. As separate modules they went to
+#: either worker, and any other session in between stopped the kept one.
+SAME_SESSION = frozenset({"tests/spark/test_spark_runner.py", "tests/spark/test_logserver_spark.py",
+                          "tests/spark/test_spark_ml.py", "tests/spark/test_spark_storage.py",
+                          "tests/spark/test_spark_preemption.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with the SAME_SESSION modules as one work unit."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "tests/spark (one shared session)" if module in SAME_SESSION else module
+
+    return Scheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)     # before tests/spark/conftest.py moves its session sharers together
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
