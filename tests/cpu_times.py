@@ -217,7 +217,7 @@ class Recorder:
         for test in self.tests:
             test["outcome"] = self.outcomes.get(test["nodeid"], "?")
         lines = _read_imports(os.environ.get(IMPORT_LOG))
-        imports = [line for line in lines if not line.get("forked")]
+        imports = [line for line in lines if "module" in line]
         forks = [line for line in lines if line.get("forked")]
         modules: dict[str, dict] = {}
         for test in self.tests:
@@ -229,9 +229,11 @@ class Recorder:
                 module[key] = round(module[key] + (test[key] or 0.0), 3)
         for line in lines:
             module = modules.get(line["test"].split("::", 1)[0]) if line.get("test") else None
-            if module is not None and line.get("forked"):
+            if module is None or line.get("started"):
+                continue
+            if line.get("forked"):
                 module["forked"] += 1
-            elif module is not None:
+            else:
                 module["tf_imports"] += 1
                 module["tf_import_cpu"] = round(module["tf_import_cpu"] + line["cpu"], 3)
         run = {"started": self.started_wall, "wall": round(time.time() - self.started_wall, 1),

@@ -212,7 +212,12 @@ IMPORT_TIME = re.compile(
     r"|ENABLE_RUNTIME_UPTIME_TELEMETRY|DISABLE_HOST_SEND_RECV_REGISTRATION|TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK"
     r"|(LC|LD|XDG|TF|XLA|KERAS|CUDA|NVIDIA|OMP|GOMP|KMP|MKL|OPENBLAS|GOTO|GFORTRAN|LLVM|NPY|NUMPY|HDF5|GCS|GCSFS"
     r"|AZURE|ARROW|JE|PILLOW|FREETYPE|SKLEARN|SCIPY|JOBLIB|LOKY|PANDAS|ABSL|PROTOCOL_BUFFERS|GRPC|WRAPT|OPENSSL"
-    r"|PSUTIL|IPYTHON|TRAITLETS|ACC)_\w*")
+    r"|PSUTIL|IPYTHON|TRAITLETS|ACC|TF2)_\w*")
+#: What importing TensorFlow and Keras itself sets in os.environ (tensorflow/__init__.py, scikit-learn and joblib
+#: through keras.wrappers): a child that inherited these values from a pytest process that imported TensorFlow
+#: is as one without them, whose own import sets them (the servers' import did).
+SET_BY_IMPORT = {"TF2_BEHAVIOR": "1", "ENABLE_RUNTIME_UPTIME_TELEMETRY": "1", "HDF5_PLUGIN_PATH": "disable",
+                 "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
 #: ... but read when a TensorFlow context starts, which only the forked child does.
 _CONTEXT_TIME = frozenset({"TF_CONFIG", "CUDA_VISIBLE_DEVICES"})
 
@@ -231,7 +236,8 @@ _servers_off = False
 
 
 def _import_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if IMPORT_TIME.fullmatch(k) and k not in _CONTEXT_TIME}
+    return {k: v for k, v in env.items()
+            if IMPORT_TIME.fullmatch(k) and k not in _CONTEXT_TIME and SET_BY_IMPORT.get(k) != v}
 
 
 def _fork_server(env: Mapping[str, str], index: int) -> TaskStandby | None:
@@ -252,7 +258,11 @@ def _fork_server(env: Mapping[str, str], index: int) -> TaskStandby | None:
         sys.stderr.write(f"tests/procs.py: a fork server is gone ({server.error}); children start as processes\n")
         _servers_off = True
         return None
-    return server if _import_env(env) == _import_env(_server_env) else None
+    ours, theirs = _import_env(env), _import_env(_server_env)
+    if ours != theirs:
+        _log_run({"started": sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))})
+        return None
+    return server
 
 
 def stop_fork_servers() -> None:
@@ -269,17 +279,18 @@ def _start(argv: list[str], env: dict[str, str], out: IO[bytes], err: IO[bytes],
     if server is not None:
         task = server.fork(env, run=("path", argv[1], argv[2:]), cwd=cwd, output=(out.fileno(), err.fileno()))
         if task is not None:
-            _count_fork(argv)
+            _log_run({"forked": True, "argv": argv[1:3]})
             return task
     return start_child(argv, env, stdout=out, stderr=err, cwd=cwd)
 
 
-def _count_fork(argv: list[str]) -> None:
-    """In a measuring run (tests/cpu_times.py), one line per forked child beside the imports' lines."""
+def _log_run(line: dict[str, Any]) -> None:
+    """In a measuring run (tests/cpu_times.py), a line beside the imports' lines: a child forked, or started
+    because of the variables named."""
     log = os.environ.get("STRATKIT_TEST_IMPORT_LOG")
     if log:
-        line = {"forked": True, "pid": os.getpid(), "argv": argv[1:3], "time": time.time(),
-                "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+        line.update(pid=os.getpid(), time=time.time(), test=os.environ.get("PYTEST_CURRENT_TEST", ""),
+                    worker=os.environ.get("PYTEST_XDIST_WORKER", ""))
         with open(log, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 

@@ -52,12 +52,17 @@ def summary(data: dict, top: int) -> str:
         lines.append(f"  {row['nodeid'][:100]:100s} {_cpu(row):6.0f} {row['wall']:6.0f}  {row.get('outcome', '')}")
     count, seconds = Counter(), defaultdict(float)
     for line in data.get("imports", []):
-        if not line.get("forked"):
+        if "module" in line:
             count[_command(line)] += 1
             seconds[_command(line)] += line["cpu"]
     lines.append("\nTensorFlow imports by command:   n  cpu_s")
     for command, n in count.most_common(top):
         lines.append(f"  {command:60s} {n:4d} {seconds[command]:6.0f}")
+    started = Counter(", ".join(line["started"]) for line in data.get("imports", []) if line.get("started"))
+    if started:
+        lines.append("\nchildren tests/procs.py started (not forked) because of an import-time variable:   n")
+        for variables, n in started.most_common(top):
+            lines.append(f"  {variables[:90]:90s} {n:4d}")
     return "\n".join(lines)
 
 
