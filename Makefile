@@ -41,11 +41,14 @@ $(AZURITE):
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
+# TEST_TIMES=out/test-times.json: each test's wall and CPU time with its children's, the load beside the run and
+# the TensorFlow imports paid (tests/cpu_times.py; tables: python tools/test_times.py out/test-times.json).
+TIMES = $(if $(TEST_TIMES),--times $(TEST_TIMES))
 test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray and not hosts and not storage_hosts"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TIMES) -m "not ray and not hosts and not storage_hosts"
 
 test-ray: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m ray
+	$(PY) -m pytest -q --durations=10 $(TIMES) -m ray
 
 # The several-machine tests on test hosts (network namespaces; need root): marker `hosts` (launch --nnodes on two
 # hosts, elastic hosts, Spark standalone clusters, Slurm daemons, the elastic benchmark) and `storage_hosts` (issue
@@ -53,7 +56,7 @@ test-ray: $(STAMP)
 # fresh one that resumes from an S3 server on a host of its own). Their Ray tests run in test-ray. In their own
 # target so `make test` stays within its 35 minutes; CI runs every target. Two xdist workers as in `make test`.
 test-hosts: $(STAMP) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "(hosts or storage_hosts) and not ray"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "(hosts or storage_hosts) and not ray"
 
 # Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
 # once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched
