@@ -149,7 +149,7 @@ def test_a_dataframe_scanning_a_parquet_table_is_read_in_place_not_staged(spark,
     frame = spark.read.parquet(table_dir).select("y", "x", "id")
     data = DataFrameInput(frame, feature_cols=["x", "id"], label_col="y")
     assert SparkRunner(num_workers=2, spark=spark, timeout=600).run(train_and_keep, data=data, out_dir=str(out)) == 0
-    _check_run(out, reference, ["TableInput", ["x", "id"], "y"])
+    _check_run(out, reference, ["ScannedTable", ["x", "id"], "y"])   # a TableInput (lake_train reads its table)
     assert calls == [] and list(scratch.iterdir()) == []
 
 
