@@ -5,15 +5,17 @@ The one decision `SparkRunner.run` (and through it `KerasEstimator.fit`) asks fo
 * a `stratkit.data.TableInput` is read in place: planned once on the driver (the listing and the footers; a
   Delta table pinned to its latest version), so a bad table is a `ConfigError` before any Spark job, and shipped
   to the tasks as that small plan; each worker's `Trainer.fit` reads its own lanes from the store;
-* a DataFrame (or `DataFrameInput`) that is exactly a scan of a Parquet table -- its optimized plan a bare file
+* a `DataFrameInput(df, in_place=None)` (`KerasEstimator`'s default) whose DataFrame is exactly a scan of a
+  Parquet table -- its optimized plan a bare file
   relation, or a projection of some of its columns (no alias, cast, filter, sample, limit, repartition, join or
   anything else Spark would compute), every column the type staging would give it, the files Spark would read
   the ones stratkit lists -- becomes such a `TableInput` (its path, its columns) and is read in place too:
   no staging copy, no staging directory. train_fn then receives that `TableInput` (a `ScannedTable`, which also
   takes a `ParquetShard`'s `dataset_fn(G, model=model)` / `steps_per_epoch(G, replicas)`) for `Trainer.fit`;
 * everything else is staged (`stratkit.spark.staging`): what Spark computes only Spark can write.
-  `DataFrameInput(df, in_place=False)` stages a scan too (train_fn keeps its `ParquetShard`); `in_place=True`
-  refuses a DataFrame that cannot be read in place, saying why.
+  `DataFrameInput(df)` (in_place=False, the default) and a bare DataFrame stage a scan too (train_fn keeps its
+  `ParquetShard` and every method of it); `in_place=True` refuses a DataFrame that cannot be read in place,
+  saying why.
 
 Detection reads the analyzed plan through the JVM (`df._jdf`); a DataFrame without one (Spark Connect) is
 staged. Delta tables read by Spark (delta-spark) are not detected: pass `TableInput(Table.delta(url))`.
@@ -69,7 +71,7 @@ def read_in_place(value: Any, spark: Any, name: str) -> TableInput | None:
     if table is None:
         if value.in_place:
             raise ConfigError(f"argument {name!r}: DataFrameInput(in_place=True), but the DataFrame is not a plain "
-                              f"scan of a Parquet table ({why}). Fix: in_place=None (stage it) or pass "
+                              f"scan of a Parquet table ({why}). Fix: in_place=False (stage it) or pass "
                               "TableInput(Table.parquet(url), ...)")
         log.debug("argument %r is staged: %s", name, why)
         return None

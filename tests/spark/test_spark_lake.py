@@ -147,7 +147,7 @@ def test_a_dataframe_scanning_a_parquet_table_is_read_in_place_not_staged(spark,
     out = tmp_path / "out"
     out.mkdir()
     frame = spark.read.parquet(table_dir).select("y", "x", "id")
-    data = DataFrameInput(frame, feature_cols=["x", "id"], label_col="y")
+    data = DataFrameInput(frame, feature_cols=["x", "id"], label_col="y", in_place=None)
     assert SparkRunner(num_workers=2, spark=spark, timeout=600).run(train_and_keep, data=data, out_dir=str(out)) == 0
     _check_run(out, reference, ["ScannedTable", ["x", "id"], "y"])   # a TableInput (lake_train reads its table)
     assert calls == [] and list(scratch.iterdir()) == []
@@ -161,12 +161,13 @@ def test_only_a_plain_parquet_scan_is_read_in_place(spark, table_dir, tmp_path):
 
     scan = spark.read.parquet(table_dir)
     columns = {"feature_cols": ["x", "id"], "label_col": "y"}
-    kept = read_in_place(DataFrameInput(scan, **columns), spark, "data")
+    kept = read_in_place(DataFrameInput(scan, in_place=None, **columns), spark, "data")
     assert kept is not None and kept.table.columns == ["x", "id", "y"] and kept.num_rows == ROWS
     assert kept.steps_per_epoch(256, 2) == kept.steps_per_epoch(256) == 6    # a ParquetShard's call works on it
     with pytest.raises(ConfigError, match="to_numpy.*in_place=False"):
         kept.to_numpy()
-    assert read_in_place(DataFrameInput(scan.select("id", "x", "y"), **columns), spark, "data") is not None
+    selected = DataFrameInput(scan.select("id", "x", "y"), in_place=None, **columns)
+    assert read_in_place(selected, spark, "data") is not None
     computed = {
         "filter": scan.filter("id > 10"),
         "computed column": scan.select("x", "y", (F.col("id") + 1).alias("id")),
@@ -176,13 +177,15 @@ def test_only_a_plain_parquet_scan_is_read_in_place(spark, table_dir, tmp_path):
         "in memory": spark.createDataFrame([(0, [0.0, 1.0, 2.0], 1.0)], "id long, x array<float>, y float"),
     }
     for what, frame in computed.items():
-        assert read_in_place(DataFrameInput(frame, **columns), spark, "data") is None, what
+        assert read_in_place(DataFrameInput(frame, in_place=None, **columns), spark, "data") is None, what
     assert read_in_place(DataFrameInput(scan, in_place=False, **columns), spark, "data") is None
+    assert read_in_place(DataFrameInput(scan, **columns), spark, "data") is None    # the default stages
     other = tmp_path / "part"   # a file Spark reads but stratkit skips: the listings differ, so staged
     other.mkdir()
     (other / "a.parquet").write_bytes((Path(table_dir) / "part-00000.parquet").read_bytes())
     (other / "b.data").write_bytes((Path(table_dir) / "part-00001.parquet").read_bytes())
-    assert read_in_place(DataFrameInput(spark.read.parquet(str(other)), **columns), spark, "data") is None
+    listed_apart = DataFrameInput(spark.read.parquet(str(other)), in_place=None, **columns)
+    assert read_in_place(listed_apart, spark, "data") is None
     with pytest.raises(ConfigError, match="in_place=True.*not a plain scan.*Filter"):
         read_in_place(DataFrameInput(computed["filter"], in_place=True, **columns), spark, "data")
 
