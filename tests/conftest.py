@@ -196,7 +196,8 @@ LONGEST_FIRST = (
 #: either worker, and any other session in between stopped the kept one.
 SAME_SESSION = frozenset({"tests/spark/test_spark_runner.py", "tests/spark/test_logserver_spark.py",
                           "tests/spark/test_spark_ml.py", "tests/spark/test_spark_storage.py",
-                          "tests/spark/test_spark_preemption.py", "tests/spark/test_spark_typed.py"})
+                          "tests/spark/test_spark_preemption.py", "tests/spark/test_spark_typed.py",
+                          "tests/spark/test_spark_lake.py"})
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):

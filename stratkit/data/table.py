@@ -135,6 +135,11 @@ class Table:
         return table
 
     # -- the plan --------------------------------------------------------------------------------------
+    @property
+    def planned(self) -> bool:
+        """Whether the plan is made (it then travels with the table, pickled)."""
+        return self._plan is not None
+
     def plan(self) -> Plan:
         """The plan (made once: the listing and the footers read, the columns checked).
 

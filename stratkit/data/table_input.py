@@ -98,7 +98,7 @@ class TableInput:
         self.threads = max(1, int(threads))
         self.note: str | None = None  # what a resume changed that it accepts (said once)
         wanted = [*self.features, *(n for n in (label, sample_weight) if n is not None)]
-        planned = table._plan is not None          # a driver planned it once: keep its plan (all its columns)
+        planned = table.planned          # a driver planned it once: keep its plan (all its columns)
         self.table = table if table.columns is not None or planned else table.with_columns(wanted)
 
     # -- the plan and its order -----------------------------------------------------------------------

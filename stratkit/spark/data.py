@@ -87,15 +87,26 @@ class DataFrameInput:
             (`dataset_fn(global_batch)`, `to_numpy()`; default float32). With `model=` each column takes its
             model input's dtype, so it must stay None there.
         weight_col: a column of per-row sample weights, yielded after the labels.
+        in_place: False (default): always stage; train_fn receives a `ParquetShard` with all its methods.
+            None: a DataFrame that is exactly a scan of a Parquet table (`spark.read.parquet(p)`, maybe a
+            `select` of columns) is read in place by every worker, with no staging copy, and train_fn receives
+            a `stratkit.data.TableInput` for `Trainer.fit` (`stratkit.spark.in_place` decides); any other
+            DataFrame is staged. True: read in place or raise a `ConfigError` saying why it cannot be.
+            (`KerasEstimator`, whose train_fn is stratkit's own, reads a scan in place by default: `readInPlace`.)
 
     Raises:
-        ConfigError: a column that is not in the DataFrame, or named twice.
+        ConfigError: a column that is not in the DataFrame, or named twice; `in_place` not None/True/False.
     """
 
     def __init__(self, df: Any, feature_cols: Sequence[str] | str | None = None,
                  label_col: str | Sequence[str] | None = "label", staging_dir: str | None = None,
-                 feature_dtype: str | None = None, weight_col: str | None = None) -> None:
+                 feature_dtype: str | None = None, weight_col: str | None = None,
+                 in_place: bool | None = False) -> None:
+        if in_place not in (None, True, False):
+            raise ConfigError(f"in_place={in_place!r} must be False (always stage), None (read a "
+                              "Parquet scan in place, stage the rest) or True (read in place or refuse)")
         self.df = df
+        self.in_place = in_place
         names = list(df.columns)
         if label_col == "label" and "label" not in names and feature_cols is None:
             label_col = None  # the default, on an unlabeled DataFrame

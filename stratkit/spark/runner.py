@@ -4,7 +4,8 @@ The driver side of the Spark adapter. One `run()`:
   1. checks everything that can be checked before Spark is involved: the
      layout (through `stratkit.detect`), GPU confs, encryption, and whether
      the cluster has enough task slots for the barrier stage;
-  2. stages DataFrame arguments as Parquet (`stratkit.spark.data`);
+  2. plans table arguments for reading in place, stages the DataFrames Spark
+     computes as Parquet (`stratkit.spark.in_place` decides which);
   3. starts the log server, then one barrier stage with one task per TF task
      (`DataFrame.mapInArrow(..., barrier=True)`, or an RDD barrier stage where
      that is unavailable) -- each task runs `stratkit.spark.task.run_task`;
@@ -31,13 +32,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratkit import status
+from stratkit.data import TableInput
 from stratkit.errors import ConfigError
 from stratkit.process import arguments
 from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
-from stratkit.spark import elastic, layout, slots, staging
+from stratkit.spark import elastic, in_place, layout, slots, staging
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.confs import (
     STANDBY_CONF,
@@ -165,9 +167,13 @@ class SparkRunner:
     def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `train_fn(*args, **kwargs)` on every task; return the chief's (rank 0's) return value.
 
-        Arguments are cloudpickled to the tasks. A Spark DataFrame argument
-        (or `DataFrameInput(df, feature_cols=..., label_col=...)`) is staged
-        as Parquet and arrives in train_fn as that worker's `ParquetShard`.
+        Arguments are cloudpickled to the tasks. A `stratkit.data.TableInput`
+        is planned once here and read in place by each worker's `Trainer.fit`
+        (no copy). A Spark DataFrame argument (or `DataFrameInput(df,
+        feature_cols=..., label_col=...)`) that is a plain scan of a Parquet
+        table is read in place the same way (train_fn receives a `TableInput`);
+        any other is staged as Parquet and arrives in train_fn as that
+        worker's `ParquetShard` (`stratkit.spark.in_place` decides).
         Each task's output is printed on the driver, prefixed `[worker:1]`.
 
         Raises:
@@ -279,14 +285,17 @@ class SparkRunner:
     def _stage_data(self, spark: Any, run_id: str, args: tuple, kwargs: dict,
                     staged: list[data_module.StagedData]) -> tuple[tuple, dict]:
         def convert(name: str, value: Any) -> Any:
-            data = _as_dataframe_input(value)
+            data = value if isinstance(value, TableInput) else _as_dataframe_input(value)
             if data is None:
                 return value
             if self.num_ps:
-                raise ConfigError(f"argument {name!r} is a DataFrame, but DataFrame input is not supported with "
-                                  f"num_ps={self.num_ps} (parameter-server workers read data through the "
-                                  "coordinator's dataset_fn). Fix: train synchronously (num_ps=0), or read the "
-                                  "data inside train_fn")
+                raise ConfigError(f"argument {name!r} is a {type(data).__name__}, but table and DataFrame input "
+                                  f"is not supported with num_ps={self.num_ps} (parameter-server workers read data "
+                                  "through the coordinator's dataset_fn). Fix: train synchronously (num_ps=0), or "
+                                  "read the data inside train_fn")
+            table = in_place.read_in_place(data, spark, name)
+            if table is not None:   # every worker reads the table from its store: nothing staged
+                return table
             item = staging.stage(data, spark, run_id, name, num_shards=sum(r.trains for r in self.roles))
             staged.append(item)
             return item

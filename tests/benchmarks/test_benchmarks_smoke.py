@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Nor bench_lake.py: its --quick starts moto, writes five tables and runs three TensorFlow processes and a 2-worker
 # launch (~3 min at load 20 on the shared 2 cores); `python benchmarks/bench_lake.py --quick` checks it, and
 # tests/data runs the reader itself.
+# Nor bench_spark_lake.py: its --quick starts a 2-executor SparkSession and runs four 2-worker trainings (~2 min on
+# the shared 2 cores); `python benchmarks/bench_spark_lake.py --quick` checks it, and tests/spark/test_spark_lake.py
+# trains both ways' code paths.
 EXPECTED = {
     "overhead": ({"benchmark", "machine", "quick", "rows", "goal_ratio"},
                  {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),

@@ -19,7 +19,8 @@ import sys
 import time
 
 
-def train(table_url: str, backup_dir: str | None = None) -> dict:
+def train(table_url, backup_dir: str | None = None) -> dict:
+    """`table_url`: a URL, or a `TableInput` handed over by a runner (trained with this script's order settings)."""
     import stratkit
 
     trainer = stratkit.Trainer()
@@ -30,7 +31,9 @@ def train(table_url: str, backup_dir: str | None = None) -> dict:
     from stratkit.data import Table, TableInput
 
     kind = os.environ.get("LAKE_KIND", "parquet")
-    if kind == "delta":
+    if isinstance(table_url, TableInput):
+        table = table_url.table
+    elif kind == "delta":
         version = os.environ.get("LAKE_VERSION")
         table = Table.delta(table_url, version=int(version) if version else None)
     elif kind == "tfrecord":

@@ -16,7 +16,7 @@ from spark_helpers import stop_shared_session
 #: them one xdist work unit, so that one worker runs them all, one after another).
 SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_ml.py": "test_spark_runner.py",
            "test_spark_storage.py": "test_spark_runner.py", "test_spark_preemption.py": "test_spark_runner.py",
-           "test_spark_typed.py": "test_spark_runner.py"}
+           "test_spark_typed.py": "test_spark_runner.py", "test_spark_lake.py": "test_spark_runner.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -55,6 +55,8 @@ ALLOWED: dict[tuple[str, str], str] = {
                                      "parent run, tested on the pinned MLflow)",
     ("atexit", "_run_exitfuncs"): "stdlib: run the exit handlers before os._exit in a Spark child",
     ("spark_context", "_jsc"): "pyspark: the JVM SparkContext (slot counts have no Python API)",
+    ("df", "_jdf"): "pyspark: the DataFrame's JVM Dataset, whose optimized plan (is it a bare Parquet scan?) has no "
+                    "Python API (spark/in_place.py; a DataFrame without one is staged)",
     ("BarrierTaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("TaskContext", "_taskContext"): "pyspark: the task context pyspark's own worker sets",
     ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",

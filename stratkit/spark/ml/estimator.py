@@ -30,8 +30,8 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         scored = model.transform(df)                                       # + "prediction"
 
     `fit` runs `SparkRunner(numWorkers).run(...)` on a `DataFrameInput` of the feature, label and sample weight
-    columns, so it does what they do: the rows staged once as Parquet and each read by exactly one worker per
-    epoch, one barrier task per worker with the training in a fresh process (MultiWorkerMirrored), the global
+    columns, so it does what they do: the rows staged once as Parquet (a plain Parquet scan read in place
+    instead) and each read by exactly one worker per epoch, one barrier task per worker with the training in a fresh process (MultiWorkerMirrored), the global
     batch kept at any world size, every worker's output streamed to the driver as `[worker:1] ...`, retries
     (`maxRetries`) resuming from `backupDir`, preemption notices, the replica check before the model is saved.
     The chief sends the trained `.keras` file back to the driver; the `KerasModel` holds it.
@@ -70,6 +70,9 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         predictionKind / probabilityCol: "class" for a classifier's class index and probabilities (see
             `KerasModel`); default "raw".
         customObjects: custom Keras classes/functions the saved model needs to load.
+        readInPlace: None (default): a DataFrame that is a plain scan of a Parquet table (`spark.read.parquet(p)`)
+            without a validation split is read in place by the workers, with no staging copy
+            (`stratkit.spark.in_place`); False: always stage; True: read in place or raise a `ConfigError`.
     """
 
     def __init__(self, **params: Any) -> None:
@@ -110,7 +113,7 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
                              max_retries=self.getOrDefault("maxRetries"), timeout=self.getOrDefault("timeout"))
         columns = {"feature_cols": list(job.feature_cols), "label_col": list(job.label_cols),
                    "weight_col": job.weight_col}   # staged each in its own type
-        inputs = DataFrameInput(train, **columns)
+        inputs = DataFrameInput(train, in_place=self.getOrDefault("readInPlace"), **columns)
         held_out = None if validation is None else DataFrameInput(validation, **columns)
         try:
             with tracking.driver_run(self.getOrDefault("tracking")):   # the run SparkRunner hands the chief

@@ -144,6 +144,9 @@ class EstimatorParams(TrainingParams):
     buildFn = _param("buildFn", "a function returning a compiled keras.Model, called with buildParams in each "
                      "training process (pickled)")
     callbacks = _param("callbacks", "Keras callbacks for fit (pickled to every worker)")
+    readInPlace = _param("readInPlace", "None (default): a DataFrame that is a plain scan of a Parquet table is read "
+                         "in place by the workers, any other is staged; False: always stage; True: read in place "
+                         "or refuse (DataFrameInput's in_place)")
 
     def _defaults(self) -> dict[str, Any]:
-        return {**super()._defaults(), "buildFn": None, "callbacks": None}
+        return {**super()._defaults(), "buildFn": None, "callbacks": None, "readInPlace": None}

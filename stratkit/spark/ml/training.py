@@ -2,7 +2,10 @@
 
 The estimator stages the DataFrame's feature, label (and sample weight)
 columns as one Parquet copy (`DataFrameInput`, each column in its own type),
-so each worker gets its `ParquetShard` of whole rows. In the worker:
+so each worker gets its `ParquetShard` of whole rows; a DataFrame that is a
+plain scan of a Parquet table arrives instead as a `stratkit.data.TableInput`
+read in place (`stratkit.spark.in_place`), which `Trainer.fit` reads itself
+(the estimator's seed and shuffle set its order). In the worker:
   1. `stratkit.Trainer()` first (MultiWorkerMirrored over the Spark tasks),
      then `keras.utils.set_random_seed(seed)` when a seed is set, then the
      user's build function inside the strategy's scope;
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stratkit.data import TableInput
 from stratkit.data.signature import describe
 from stratkit.errors import ConfigError
 from stratkit.spark.data import DEFAULT_SEED
@@ -80,17 +84,26 @@ def train_on_executor(job: TrainJob, data: Any, validation: Any = None) -> dict[
     if job.seed is not None:
         keras.utils.set_random_seed(job.seed)
     model = trainer.build(lambda: job.build_fn(**job.build_params))
-    plan = data.plan(model, names=PARAMS)  # before step 1: widths, kinds, lossy casts by the staged min/max
     seed = DEFAULT_SEED if job.seed is None else job.seed
-    steps = job.steps_per_epoch or data.steps_per_epoch(job.batch_size, trainer.num_replicas)
-    train = data.dataset_fn(job.batch_size, shuffle=job.shuffle, seed=seed, model=plan)
-    val, val_steps = None, None
-    if validation is not None:
-        val_batch = _validation_batch(validation, job.batch_size, trainer.num_replicas)
-        val_steps = validation.steps_per_epoch(val_batch, trainer.num_replicas)
-        val = validation.dataset_fn(val_batch, shuffle=False, model=validation.plan(model, names=PARAMS))
-    history = trainer.fit(model, train, epochs=job.epochs, steps_per_epoch=steps, validation_data=val,
+    if isinstance(data, TableInput):   # a Parquet scan read in place (stratkit.spark.in_place): Trainer.fit reads it
+        data = TableInput(data.table, data.features, data.label, data.sample_weight, seed=seed, shuffle=job.shuffle,
+                          lanes=data.lanes, shuffle_window=data.shuffle_window)
+        plan = data.feed(model).plan   # before step 1: widths, kinds, lossy casts by the footers' min/max
+        fit_steps, steps = job.steps_per_epoch, job.steps_per_epoch or data.steps_per_epoch(job.batch_size)
+        train, val, val_steps, batch = data, validation, None, job.batch_size
+    else:
+        plan = data.plan(model, names=PARAMS)  # before step 1: widths, kinds, lossy casts by the staged min/max
+        steps = job.steps_per_epoch or data.steps_per_epoch(job.batch_size, trainer.num_replicas)
+        train, batch = data.dataset_fn(job.batch_size, shuffle=job.shuffle, seed=seed, model=plan), None
+        fit_steps = steps
+        val, val_steps = None, None
+        if validation is not None:
+            val_batch = _validation_batch(validation, job.batch_size, trainer.num_replicas)
+            val_steps = validation.steps_per_epoch(val_batch, trainer.num_replicas)
+            val = validation.dataset_fn(val_batch, shuffle=False, model=validation.plan(model, names=PARAMS))
+    history = trainer.fit(model, train, epochs=job.epochs, steps_per_epoch=fit_steps, validation_data=val,
                           validation_steps=val_steps, backup_dir=job.backup_dir, backup_every=job.backup_every,
+                          global_batch_size=batch,
                           # the other workers as Trainer has them: quiet unless STRATKIT_VERBOSE_WORKERS=1
                           verbose=job.verbose if trainer.is_chief else None,
                           callbacks=[*job.callbacks, *tracking_callbacks(job, trainer)])
