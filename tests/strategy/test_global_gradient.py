@@ -61,14 +61,14 @@ def _result(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
-    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=480)  # 3.6 min measured at load 13
+    result = run_process(str(SCRIPT), args=["one", ",".join(CASES)], timeout=1200)  # 3.6 min measured at load 13
     assert result.ok, describe([result])
     return _result(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def mirrored() -> dict:
-    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=480)
+    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=1200)  # 10.8 min measured at load 12-14
     assert result.ok, describe([result])
     return _result(result.stdout)
 
@@ -76,7 +76,7 @@ def mirrored() -> dict:
 @pytest.fixture(scope="module")
 def two_workers() -> list[dict]:
     results = run_cluster(str(SCRIPT), worker_tf_configs(free_ports(2)), args=["mwms", ",".join(CASES)],
-                          timeout=600, grace_after_failure=30)
+                          timeout=1200, grace_after_failure=30)
     assert all(r.ok for r in results), describe(results)
     return [_result(r.stdout) for r in results]
 
