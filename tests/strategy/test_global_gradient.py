@@ -68,7 +68,7 @@ def one_process() -> dict:
 
 @pytest.fixture(scope="module")
 def mirrored() -> dict:
-    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=1200)  # 10.8 min measured at load 12-14
+    result = run_process(str(SCRIPT), args=["mirrored", ",".join(CASES)], timeout=1200)  # 10.8 min at load 12-14
     assert result.ok, describe([result])
     return _result(result.stdout)
 
