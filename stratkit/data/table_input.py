@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from stratkit.data.cursor import Cursor, OrderRecord, check_resume
 from stratkit.data.batching import Batcher
 from stratkit.data.plan import Plan
-from stratkit.data.readahead import ReaderSpec, WorkerReader
+from stratkit.data.readahead import ReaderSpec, WorkerReader, lane_bytes
 from stratkit.data.shards import Layout, steps_for
 from stratkit.data.table import Table
 from stratkit.errors import ConfigError
@@ -48,10 +48,19 @@ def auto_lanes(plan: Plan) -> int:
     return min(MIN_LANES, max(plan.rows, 1))
 
 
-def auto_window(plan: Plan, lanes: int) -> int:
-    """The shuffle window for `shuffle_window="auto"`: a block of all `lanes` within `WINDOW_BYTES`, at most a lane."""
+def auto_window(plan: Plan, lanes: int, budget: int = DEFAULT_READ_AHEAD) -> int:
+    """The shuffle window for `shuffle_window="auto"`: a block of all `lanes` within `WINDOW_BYTES`, at most a lane,
+    and small enough that one process (which holds every lane) fits `budget` (`readahead.check_budget`): its
+    lanes' open row groups, two blocks decoded twice (rows and arrays) and a quarter for finished steps. Only
+    the budget and the table decide it, never the world size, so the order is the same on any number of workers.
+    """
     lane_rows = max(1, -(-plan.rows // lanes))
-    return int(min(max(1, WINDOW_BYTES // max(1, int(lanes * max(plan.row_bytes, 1.0)))), lane_rows))
+    row_bytes = max(plan.row_bytes, 1.0)
+    window = WINDOW_BYTES // max(1, int(lanes * row_bytes))
+    room = budget - budget // 4 - lanes * lane_bytes(plan)
+    if room > 0:        # else check_budget refuses the budget, naming the lanes' bytes and the fix
+        window = min(window, int(room // (4 * lanes * row_bytes)))
+    return int(min(max(1, window), lane_rows))
 
 
 class TableInput:
@@ -115,7 +124,8 @@ class TableInput:
             raise ConfigError(f"the table {self.table!r} has no rows. Fix: check the path, the version and the "
                               "filter")
         lanes = auto_lanes(plan) if self.lanes == "auto" else int(self.lanes)
-        window = auto_window(plan, lanes) if self.shuffle_window == "auto" else int(self.shuffle_window)
+        window = (auto_window(plan, lanes, self.read_ahead_bytes) if self.shuffle_window == "auto"
+                  else int(self.shuffle_window))
         return Layout(plan.rows, lanes, window)
 
     def record(self) -> OrderRecord:

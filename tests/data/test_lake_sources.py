@@ -275,3 +275,25 @@ def test_steps_per_epoch_runs_on_across_passes_and_a_resume_continues_them(train
                 backup_dir=str(tmp_path / "b"), backup_every=5)
     for a, b in zip(reference.get_weights(), resumed.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_default_shuffle_window_fits_the_read_ahead_budget_of_one_process(tmp_path):
+    """`shuffle_window="auto"` took ~32 MiB a block whatever the budget, so a table of large row groups with the
+    default settings (bench_lake's: 1M rows of 16 float32s, 65,536-row groups, 256 MiB) was refused at its first
+    batch (12 lanes' row groups 123 MB + two blocks 134 MB + a quarter > 256 MiB). The same shape at a sixteenth:
+    62,500 rows, 4,096-row groups, 16 MiB."""
+    rows, features = 62_500, 16
+    table = pa.table({"id": np.arange(rows, dtype=np.int64),
+                      **{f"f{i}": np.random.default_rng(i).random(rows, dtype=np.float32) for i in range(features)}})
+    for part in range(4):
+        pq.write_table(table.slice(part * rows // 4, rows // 4), tmp_path / f"part-{part}.parquet",
+                       row_group_size=4096)
+    data = TableInput(Table.parquet(tmp_path), features=["id", *(f"f{i}" for i in range(features))], label=None,
+                      read_ahead_bytes=16 << 20)
+    reader = data.reader(1024, passes=1)
+    try:        # each step's parts: (x,) with x the inputs in order, id first
+        ids = np.concatenate([np.asarray(part[0][0]).reshape(-1) for step in reader for part in step])
+    finally:
+        reader.close()
+    assert np.array_equal(np.sort(ids), np.arange(rows))
+    assert data.layout().window < -(-rows // data.layout().lanes)      # the budget, not the lane, bounds it

@@ -99,7 +99,7 @@ def test_a_sigkill_mid_epoch_on_two_workers_resumes_at_the_step_on_three_under_l
                                                                                             monkeypatch):
     """2 workers under launch: worker 1 SIGKILLed before global step 70 (epoch 2, step 23), no restart. Then 3
     workers under LocalRunner, with a fresh staging directory (a fresh host: only the store), resume at the
-    newest step backup on S3 and finish the run as the uninterrupted one. (The same world size resumes through
+    newest committed step backup on S3 and finish the run as the uninterrupted one. (The same world size resumes through
     the same cursor: tests/data/test_lake_order.py checks every world size against reading from the start.)"""
     import cloudpickle
     import lake_train
@@ -123,9 +123,12 @@ def test_a_sigkill_mid_epoch_on_two_workers_resumes_at_the_step_on_three_under_l
         cloudpickle.unregister_pickle_by_value(lake_train)
     steps = -(-ROWS // BATCH)
     start = resumed["first_step"]
-    assert steps < start <= 70 and start % 10 == 0, start      # a step backup of epoch 2 (every 10 steps)
+    # a committed step backup (every 10 steps) within an epoch: the newest one, which under load may be some
+    # backups behind the kill, since uploads run beside training (seen: step 30 at load 6, step 60 quiet)
+    assert 0 < start <= 70 and start % 10 == 0 and start % steps != 0, start
+    epoch = start // steps
     # worker 0 read only its share of the batches after the backup: nothing before it was read and dropped
-    assert len(resumed["ids"]["1"]) <= (2 * steps - start) * (BATCH // 3 + 2)
+    assert len(resumed["ids"][str(epoch)]) <= ((epoch + 1) * steps - start) * (BATCH // 3 + 2)
     _same(reference, resumed)
 
 
