@@ -35,10 +35,11 @@ from typing import Any
 
 from stratkit.cluster import layout as cluster_layout
 from stratkit.errors import ConfigError, StratkitError
-from stratkit.launch.plan import LaunchPlan, TunePlan, plan_launch
+from stratkit.launch.plan import LaunchPlan, plan_launch
 from stratkit.launch.results import LaunchResult
 from stratkit.launch.runfn import TUNER_RESULT
 from stratkit.launch.supervisor import Supervisor
+from stratkit.launch.tune import TunePlan
 from stratkit.process import arguments
 from stratkit.process.payload import RESULT, pickle_payload
 from stratkit.process.report import is_preempted

@@ -44,7 +44,7 @@ from stratkit import files
 from stratkit.errors import ConfigError
 
 ADDRESS_VAR = "STRATKIT_TUNE_ADDRESS"
-TOKEN_VAR = "STRATKIT_TUNE_TOKEN"
+TUNE_TOKEN_VAR = "STRATKIT_TUNE_TOKEN"
 #: This tuner's id: a whole number; the processes of one multi-worker trial group share it.
 TUNER_VAR = "STRATKIT_TUNE_TUNER"
 #: How many tuners the search waits for before its first trial (each registers once).
@@ -130,11 +130,11 @@ def from_environ(environ: Mapping[str, str] | None = None) -> TuneEnv | None:
     env = os.environ if environ is None else environ
     if not env.get(ADDRESS_VAR, "").strip():
         return None
-    token = env.get(TOKEN_VAR, "")
+    token = env.get(TUNE_TOKEN_VAR, "")
     if len(token) < MIN_TOKEN or not token.isascii() or not token.isprintable() or " " in token:
-        raise ConfigError(f"{TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces (got "
-                          f"{len(token)}). It is set by the engine that started this tuner with {ADDRESS_VAR}. Fix: "
-                          "start the search with `stratkit launch --tune` or LocalRunner(tune=True)")
+        raise ConfigError(f"{TUNE_TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces "
+                          f"(got {len(token)}). It is set by the engine that started this tuner with {ADDRESS_VAR}. "
+                          "Fix: start the search with `stratkit launch --tune` or LocalRunner(tune=True)")
     return TuneEnv(address=parse_address(env[ADDRESS_VAR]), token=token, tuner=_int(env, TUNER_VAR, 0),
                    tuners=_int(env, TUNERS_VAR, 1), serve=env.get(SERVE_VAR, "").strip() == "1",
                    markers=env.get(MARKERS_VAR) or None, engine=env.get(ENGINE_VAR) or "the engine")
@@ -143,7 +143,7 @@ def from_environ(environ: Mapping[str, str] | None = None) -> TuneEnv | None:
 def task_env(address: tuple[str, int], token: str, tuner: int, tuners: int, *, serve: bool = False,
              markers: str | None = None, engine: str = "") -> dict[str, str]:
     """The variables one tuner process gets (merge them into its environment)."""
-    env = {ADDRESS_VAR: format_address(*address), TOKEN_VAR: token, TUNER_VAR: str(tuner), TUNERS_VAR: str(tuners),
+    env = {ADDRESS_VAR: format_address(*address), TUNE_TOKEN_VAR: token, TUNER_VAR: str(tuner), TUNERS_VAR: str(tuners),
            SERVE_VAR: "1" if serve else "0"}
     if markers:
         env[MARKERS_VAR] = markers

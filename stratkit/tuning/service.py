@@ -296,7 +296,7 @@ class SearchService:
             if self.leases.current(trial_id, run) is None:
                 return {"alive": False}
             self.leases.beat(trial_id, run, time.monotonic())
-            reply = self.planner.report(trial_id, dict(request.get("data") or {}))  # type: ignore[union-attr]
+            reply = self._ask(lambda: self.planner.report(trial_id, dict(request.get("data") or {})))  # type: ignore
             self._version += 1
             version = self._version
         self._persist(version)
@@ -329,7 +329,17 @@ class SearchService:
         with self._lock:
             if self.planner is None:
                 raise _Refused("protocol", "no planner registered yet")
-            return {"value": self.planner.query(str(request["name"]), dict(request.get("args") or {}))}
+            planner = self.planner
+            return {"value": self._ask(lambda: planner.query(str(request["name"]), dict(request.get("args") or {})))}
+
+    @staticmethod
+    def _ask(call: Any) -> Any:
+        """A planner call whose error is its caller's alone (a report without the objective, an unknown trial):
+        that tuner's request fails (its trial, as KerasTuner would have it), the search goes on."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - told to the one tuner that asked
+            raise _Refused("request", f"{type(exc).__name__}: {exc}") from None
 
     def _op_files(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
         """The run whose files are the trial's (the one that ended it), or None."""

@@ -4,11 +4,12 @@
 with its planner and the search's store; it reads the engine's environment
 (`stratkit.tuning.environment`) and returns the `Session`:
 
-| this process | the service | the client |
-|---|---|---|
-| alone (`python search.py`: no STRATKIT_TUNE_* variables) | here, no listener | direct calls |
-| the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0) | here, behind the run's listener (`hub`) on `STRATKIT_TUNE_ADDRESS` | direct calls |
-| a tuner | elsewhere (the host, or the engine's driver) | the wire, with the token |
+* alone (`python search.py`: no STRATKIT_TUNE_* variables): the service here,
+  no listener; the client calls it directly;
+* the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0): the service
+  here, behind the run's listener (`hub`) on `STRATKIT_TUNE_ADDRESS`; direct calls;
+* a tuner: the service elsewhere (the host, or the engine's driver); the wire,
+  with the token.
 
 Each call is the process's next search (0, 1, ...: a script may search
 several times, the same in every tuner). Every tuner checks the store before it registers (`SearchStore.check`: the

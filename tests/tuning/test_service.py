@@ -354,9 +354,9 @@ def test_a_search_its_host_has_not_reached_yet_is_asked_again(store):
 
 def test_the_tune_environment_is_checked():
     with pytest.raises(ConfigError, match=r"STRATKIT_TUNE_TOKEN must be at least 16.*Fix"):
-        environment.from_environ({environment.ADDRESS_VAR: "127.0.0.1:5", environment.TOKEN_VAR: "short"})
+        environment.from_environ({environment.ADDRESS_VAR: "127.0.0.1:5", environment.TUNE_TOKEN_VAR: "short"})
     with pytest.raises(ConfigError, match=r"STRATKIT_TUNE_ADDRESS='nowhere' is not host:port"):
-        environment.from_environ({environment.ADDRESS_VAR: "nowhere", environment.TOKEN_VAR: TOKEN})
+        environment.from_environ({environment.ADDRESS_VAR: "nowhere", environment.TUNE_TOKEN_VAR: TOKEN})
     env = environment.task_env(("127.0.0.1", 5), TOKEN, 1, 2, serve=False, markers="/tmp/m", engine="x")
     parsed = environment.from_environ(env)
     assert (parsed.address, parsed.tuner, parsed.tuners, parsed.serve) == (("127.0.0.1", 5), 1, 2, False)
