@@ -29,7 +29,7 @@ several times). What it decides:
   resumes from it (trials that were running run again; a finished one never).
 
 Requests (`protocol`): register, next, beat, built, report, end, abort, query,
-files, bye. Each may be repeated after a lost connection and gets the same answer.
+files. Each may be repeated after a lost connection and gets the same answer.
 
 Size: one class whose lock and condition every request shares (the leases, the
 gate, the end, the persisted state must change together); the lease table and
@@ -345,12 +345,6 @@ class SearchService:
         """The run whose files are the trial's (the one that ended it), or None."""
         with self._lock:
             return {"run": self.ended.get(str(request["trial"]))}
-
-    def _op_bye(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            self._heard_stop.add(tuner)
-            self._changed.notify_all()
-        return {}
 
     # -- failures, expiry, the end ------------------------------------------------------------------
     def fail(self, kind: str, message: str) -> None:
