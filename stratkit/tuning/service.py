@@ -214,8 +214,14 @@ class SearchService:
 
     def _gate(self, now: float) -> bool:
         """Whether trials may start: every tuner registered (or the start bound passed), the first one built."""
-        if len(self.registered) < self.tuners and now < self._start_deadline:
-            return False
+        if len(self.registered) < self.tuners:
+            if now < self._start_deadline:
+                return False
+            if not self._handed:
+                missing = sorted(set(range(self.tuners)) - self.registered)
+                log.warning("the search starts with %d of %d tuners: tuner(s) %s did not register within %g s (%s)",
+                            len(self.registered), self.tuners, ", ".join(map(str, missing)),
+                            self._start_deadline - self._started_at, environment.START_VAR)
         if self._first is not None:
             return False
         return True
