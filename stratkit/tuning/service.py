@@ -454,7 +454,12 @@ def _unpickle(blob: Any) -> Planner:
 
     if not isinstance(blob, str):
         raise _Refused("protocol", "register: the planner must be a base64 string")
-    return cloudpickle.loads(base64.b64decode(blob))
+    try:
+        return cloudpickle.loads(base64.b64decode(blob))
+    except Exception as exc:  # noqa: BLE001 - e.g. the tuner library is not installed where the service runs
+        raise ConfigError(f"the search service cannot load the tuners' search ({type(exc).__name__}: {exc}). Fix: "
+                          "install the tuner library (pip install 'stratkit[tune]') and the script's modules where "
+                          "the service runs (the driver) too") from None
 
 
 def _difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
