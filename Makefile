@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[spark,ray,storage,lake,mlflow,test,examples,bench,docs]"
+	$(PY) -m pip install --quiet -e ".[spark,ray,storage,lake,mlflow,tune,test,examples,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)

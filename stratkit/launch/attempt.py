@@ -38,7 +38,8 @@ from stratkit.process.children import kill_group, start_child, stop_groups
 from stratkit.process.ports import is_listening, listening_ports
 from stratkit.process.pump import OutputPump
 from stratkit.process.reaper import Reaper
-from stratkit.process.report import TaskFailure, is_preempted
+from stratkit.process.report import TaskFailure, describe_returncode, is_preempted
+from stratkit.tuning import environment as tune_env
 
 _POLL = 0.1
 #: After the first failure, how long other tasks' own failures are still weighed for the root cause.
@@ -114,6 +115,7 @@ class AttemptRunner:
     network: PrivateNetwork | None
     signals: list[int]
     failed: list[TaskProcess] = field(default_factory=list)  # in the order their failures were seen
+    lost: list[TaskProcess] = field(default_factory=list)  # a tune run's tuners that died after the search started
 
     @property
     def primary(self) -> Task:
@@ -156,7 +158,10 @@ class AttemptRunner:
         return [TaskProcess(t, self.number, *by_task.get(t, (None, None))) for t in plan.tasks]
 
     def _cluster(self, children: list[TaskProcess]) -> dict[str, list[str]]:
-        """This attempt's TF_CONFIG cluster: every task's held address (on a node of several: the rendezvous')."""
+        """This attempt's TF_CONFIG cluster: every task's held address (on a node of several: the rendezvous');
+        a tune run's: the search service's address (its host task's held port)."""
+        if self.plan.tune is not None:
+            return {"service": [c.address for c in children if c.address is not None]}
         return build_cluster(self.plan.tasks, [c.address for c in children if c.address is not None])
 
     def _spawn(self, child: TaskProcess, env: dict[str, str]) -> None:
@@ -226,7 +231,9 @@ class AttemptRunner:
             child.release_port()
             self.console.event("exit", attempt=self.number, task=child.task.name, pid=child.pid,
                                returncode=child.returncode)
-            if child.returncode != 0:
+            if child.returncode != 0 and self._lost_tuner(child):
+                self.lost.append(child)
+            elif child.returncode != 0:
                 child.failed_order = len(self.failed)
                 self.failed.append(child)
                 watch.settle_until = watch.settle_until or now + SETTLE
@@ -245,7 +252,11 @@ class AttemptRunner:
             # A task that saved its backup on a preemption notice and exited 75: the cluster's tasks stop at the
             # same step, so every other one is saving and exiting too (a crash among them ranks first).
             return ("preempted" if is_preempted(culprit.returncode) else "failed"), culprit, chief_done
-        if not running:  # 2. every task exited 0
+        if not running and self.lost and not tune_env.ended(self._markers):
+            culprit = self.lost[0]  # a tune run whose tuners all died before the search ended
+            culprit.join_output()
+            return "failed", culprit, chief_done
+        if not running:  # 2. every task exited 0 (a tune run: or died as lost tuners of a search that ended)
             return "succeeded", None, True
         if watch.primary_done is not None and now - watch.primary_done > self.plan.exit_grace:  # 3. --exit-grace over
             names = ", ".join(c.task.name for c in running)
@@ -258,6 +269,22 @@ class AttemptRunner:
             culprit = next((c for c in running if c.task == self.primary), running[0])
             return "timed_out", culprit, chief_done
         return None  # (5. a signal to the launcher is checked first, in `_watch`)
+
+    @property
+    def _markers(self) -> str | None:
+        return self.plan.tune.markers_for(self.number) if self.plan.tune is not None else None
+
+    def _lost_tuner(self, child: TaskProcess) -> bool:
+        """A tune run's tuner (not the service's host) that died after the search started: its lease expires and
+        its trial runs again on another tuner, so the run goes on (said once, in events.jsonl too). Before the
+        start, a tuner that cannot run is the run's failure (its bad configuration, its missing module)."""
+        tune = self.plan.tune
+        if tune is None or child.task.name == tune.host_task or not tune_env.started(self._markers):
+            return False
+        self.console.say(f"{child.task.name} (a tuner) {describe_returncode(child.returncode)}: the search goes on "
+                         "without it (its trial's lease expires and the trial runs again on another tuner)")
+        self.console.event("tuner_lost", attempt=self.number, task=child.task.name, returncode=child.returncode)
+        return True
 
     def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, bool, int]:
         """Order failures seen within `SETTLE` s of the first one: the smallest is the root cause.

@@ -122,3 +122,18 @@ def test_train_from_lake_reads_a_parquet_table_on_s3_under_stratkit_launch(tmp_p
     report = json.loads(reports["worker:0"])
     assert report["rows"] == 3000 and report["steps_per_epoch"] == 12 and report["workers"] == 2
     assert report["accuracy"][-1] > 0.6, report
+
+
+# -- examples/tune_keras_tuner.py (docs/tuning.md) -------------------------------------------------
+
+@pytest.mark.multiworker
+def test_the_tuning_example_runs_on_two_tuners_under_launch(tmp_path):
+    """The example's seeded search on 2 tuners under `stratkit launch --tune`: every tuner ends with the same
+    trials, scores and best model (the equality with one process and LocalRunner: tests/tuning)."""
+    launched = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--",
+                            sys.executable, str(EXAMPLES / "tune_keras_tuner.py"), "--trials", "3", "--epochs", "1"],
+                           tmp_path)
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{.*\})$", launched, re.M))
+    assert set(reports) == {"worker:0", "worker:1"}, launched[-6000:]
+    first = json.loads(reports["worker:0"])
+    assert json.loads(reports["worker:1"]) == first and len(first["trials"]) == 3 and first["accuracy"] > 0.3
