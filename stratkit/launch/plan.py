@@ -35,6 +35,7 @@ from stratkit.launch.checks import (
 )
 from stratkit.launch.isolation import is_loopback
 from stratkit.process.ports import address_family, hold_port
+from stratkit.launch.tune import TunePlan, check_tune, check_tuner_gpus
 from stratkit.tuning import environment as tune_env
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
@@ -205,26 +206,6 @@ class GpuRequest:
                            share=self.share, spelling=self.spelling)
 
 
-@dataclass(frozen=True)
-class TunePlan:
-    """A tune run (`--tune`, `LocalRunner(tune=True)`): every task a tuner of one search, no TF_CONFIG.
-
-    `host_task` runs the search service beside its own tuner on the port the attempt holds for it (the
-    launcher: worker 0); None: the service runs at `address` (`LocalRunner`'s driver). A tuner other than
-    the host that dies after the search started (`markers`) is a lost lease, not the attempt's failure.
-    """
-
-    token: str
-    engine: str
-    markers: str
-    host_task: str | None = "worker:0"
-    address: tuple[str, int] | None = None
-
-    def markers_for(self, attempt: int) -> str:
-        """Each attempt's own markers (a restarted host starts its search's start again) when a task hosts."""
-        return os.path.join(self.markers, f"attempt-{attempt}") if self.host_task else self.markers
-
-
 @dataclass
 class LaunchPlan:
     """`launch()`'s arguments, checked: what the supervisor runs (see `launch()` for each field)."""
@@ -339,6 +320,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     tasks = plan_tasks(workers, chief, ps, evaluator)
     gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
                      gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
+    if tune is not None:
+        check_tuner_gpus(len(tasks), gpu.visible, gpus_per_worker)
     for group in machines or [tasks]:
         gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)
@@ -377,24 +360,3 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
         extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal, tune=tune)
-
-
-def check_tune(*, chief: bool, ps: int, evaluator: bool, share_gpus: bool,
-               machines: Sequence[Sequence[layout.Task]] | None) -> None:
-    """A tune run's layout: N tuners (`--workers N`, or `gpu`: one per GPU), each trial on its own devices.
-
-    Raises:
-        ConfigError: naming the flag that has no meaning in a tune run, and the fix.
-    """
-    for given, flag in ((chief, "--chief"), (ps, "--ps"), (evaluator, "--evaluator")):
-        if given:
-            raise ConfigError(f"{flag} does not go with --tune: a tune run is N tuners (--workers N), each training "
-                              f"its trials alone on its own devices; worker 0 also runs the search. Fix: drop {flag}")
-    if share_gpus:
-        raise ConfigError("--share-gpus does not go with --tune: two trials on one GPU would compete for its memory "
-                          "and time (and train differently than alone). Fix: drop --share-gpus; --workers gpu runs one "
-                          "tuner per GPU, or give each tuner several with --gpus-per-worker")
-    if machines is not None:
-        raise ConfigError("--tune with --nnodes is not supported yet: a tune run is the tuners of one machine. Fix: "
-                          "run `stratkit launch --tune --workers N` on one machine, or use a Spark/Ray/Slurm search "
-                          "(docs/tuning.md)")

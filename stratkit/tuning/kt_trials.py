@@ -211,4 +211,5 @@ def resumable(saver: Any, uploaded: Any) -> bool:
     return True
 
 
-__all__ = ["FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState", "resumable", "to_json"]
+__all__ = ["FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState", "resumable",
+           "to_json"]

@@ -47,7 +47,7 @@ class SearchUnreachable(StratkitError, RuntimeError):
 
 
 class SearchFailed(StratkitError, RuntimeError):
-    """The search ended with an error (a tuner's bad configuration, the planner's own error): the same on every tuner."""
+    """The search ended with an error (the planner's own), the same on every tuner; or one request failed."""
 
 
 def encode(message: dict[str, Any]) -> bytes:

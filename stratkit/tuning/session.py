@@ -4,13 +4,15 @@
 with its planner and the search's store; it reads the engine's environment
 (`stratkit.tuning.environment`) and returns the `Session`:
 
-| this process | the service | the client |
-|---|---|---|
-| alone (`python search.py`: no STRATKIT_TUNE_* variables) | here, no listener | direct calls |
-| the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0) | here, listening on `STRATKIT_TUNE_ADDRESS` | direct calls |
-| a tuner | elsewhere (the host, or the engine's driver) | the wire, with the token |
+* alone (`python search.py`: no STRATKIT_TUNE_* variables): the service here,
+  no listener; the client calls it directly;
+* the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0): the service
+  here, behind the run's listener (`hub`) on `STRATKIT_TUNE_ADDRESS`; direct calls;
+* a tuner: the service elsewhere (the host, or the engine's driver); the wire,
+  with the token.
 
-Every tuner checks the store before it registers (`SearchStore.check`: the
+Each call is the process's next search (0, 1, ...: a script may search
+several times, the same in every tuner). Every tuner checks the store before it registers (`SearchStore.check`: the
 store answers and takes writes) and after (it sees the handshake the service
 wrote: a local path that is not shared between machines is refused). A tuner
 whose check fails tells the service, and the search ends with that ConfigError
@@ -26,14 +28,20 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from stratkit.cluster import detect
 from stratkit.errors import ConfigError
 from stratkit.tuning import environment, protocol
 from stratkit.tuning.client import LocalChannel, SearchClient, WireChannel
+from stratkit.tuning.hub import SearchHub
 from stratkit.tuning.planner import Planner
 from stratkit.tuning.search_store import SearchStore
 from stratkit.tuning.service import SearchService
+
+#: This process's searches so far (each `open_session` is the next: every tuner runs the same script), and the
+#: run's listener when this process hosts (worker 0 of `stratkit launch --tune`).
+_PROCESS: dict[str, Any] = {"searches": 0, "hub": None}
 
 
 @dataclass
@@ -77,6 +85,18 @@ def _refuse_cluster() -> None:
                           "LocalRunner(num_workers=N, tune=True), or run `python search.py` for one process")
 
 
+def _hub(env: environment.TuneEnv) -> SearchHub:
+    """The run's listener in this (host) process, made at its first search on the address the engine held."""
+    if _PROCESS["hub"] is None:
+        try:
+            _PROCESS["hub"] = SearchHub(env.address[0], env.address[1], env.token, tuners=env.tuners)
+        except OSError as exc:
+            raise ConfigError(f"the search service cannot listen on {environment.format_address(*env.address)} "
+                              f"({exc.strerror or exc}; {environment.ADDRESS_VAR}, set by {env.engine}). Fix: a free "
+                              "port on an address of this machine") from None
+    return _PROCESS["hub"]
+
+
 def open_session(planner: Planner, *, store: str, lease_seconds: float | None = None) -> Session:
     """Join (or host) the search this process belongs to, with `planner` and the search's `store`.
 
@@ -86,6 +106,8 @@ def open_session(planner: Planner, *, store: str, lease_seconds: float | None = 
         SearchUnreachable: the service could not be reached within STRATKIT_TUNE_CONNECT_SECONDS.
     """
     env = environment.from_environ()
+    search = _PROCESS["searches"]
+    _PROCESS["searches"] += 1
     lease = lease_seconds if lease_seconds is not None else environment.seconds(environment.LEASE_VAR,
                                                                                  environment.LEASE_SECONDS)
     search_store = SearchStore(store)
@@ -98,22 +120,18 @@ def open_session(planner: Planner, *, store: str, lease_seconds: float | None = 
         return Session("alone", client, search_store, service)
     if env.serve:
         search_store.check()
+        hub = _hub(env)
         service = SearchService(search_store, tuners=env.tuners, lease_seconds=lease, markers=env.markers,
-                                start_seconds=environment.seconds(environment.START_VAR, environment.START_SECONDS))
-        try:
-            service.listen(env.address[0], env.address[1], env.token)
-        except OSError as exc:
-            service.close()
-            raise ConfigError(f"the search service cannot listen on {environment.format_address(*env.address)} "
-                              f"({exc.strerror or exc}; {environment.ADDRESS_VAR}, set by {env.engine}). Fix: a free "
-                              "port on an address of this machine") from None
+                                start_seconds=environment.seconds(environment.START_VAR, environment.START_SECONDS),
+                                search=search)
+        hub.add(search, service)
         client = SearchClient(LocalChannel(service, env.tuner), env.tuner)
         client.register_local(service, planner)
         return Session("host", client, search_store, service, env)
     connection = protocol.Connection(env.address, env.token, env.tuner, env.label,
                                      connect_seconds=environment.seconds(environment.CONNECT_VAR,
                                                                          environment.CONNECT_SECONDS))
-    client = SearchClient(WireChannel(connection), env.tuner)
+    client = SearchClient(WireChannel(connection, search), env.tuner)
     try:
         search_store.check()
     except ConfigError as exc:

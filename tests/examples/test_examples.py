@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -101,3 +102,23 @@ def test_the_callback_state_sample_counts_every_step_once_across_a_crash(tmp_pat
     output = _quickstart([sys.executable, sample], tmp_path)
     assert "resumed from" in output and "at epoch 2 + 1 steps" in output  # the backup of step 21
     assert "steps counted: 50" in output and not (tmp_path / "backup").exists()
+
+
+# -- examples/tune_keras_tuner.py (docs/tuning.md) -------------------------------------------------
+
+@pytest.mark.multiworker
+def test_the_tuning_example_searches_alike_under_launch_and_local_runner(tmp_path):
+    """The example's seeded search on 2 tuners under `stratkit launch --tune` and under LocalRunner(tune=True):
+    the same trials, scores and best hyperparameters on every tuner and both ways (docs/tuning.md)."""
+    example = str(EXAMPLES / "tune_keras_tuner.py")
+    tiny = ["--trials", "3", "--epochs", "1"]
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "local").mkdir()
+    launched = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--",
+                            sys.executable, example, *tiny], tmp_path / "launch")
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{.*\})$", launched, re.M))
+    assert set(reports) == {"worker:0", "worker:1"}, launched[-6000:]
+    first = json.loads(reports["worker:0"])
+    assert json.loads(reports["worker:1"]) == first and len(first["trials"]) == 3 and first["accuracy"] > 0.3
+    local = _quickstart([sys.executable, example, *tiny, "--local-runner", "2"], tmp_path / "local")
+    assert json.loads(local.strip().splitlines()[-1]) == first
