@@ -58,9 +58,13 @@ LOST_ATTR = "stratkit_lost"
 
 class _PlanStorage(InMemoryStorage):
     """The study's in-memory storage; while `planning`, a trial's parameters are sampled but not written (the
-    tuner that runs the trial writes the ones its objective suggests)."""
+    tuner that runs the trial writes the ones its objective suggests). A trial read from it is a copy: Optuna's
+    `Trial` adds each suggested parameter to the trial it read, which InMemoryStorage hands out as its own."""
 
     planning = False
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        return copy.deepcopy(super().get_trial(trial_id))
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
                         distribution: Any) -> None:
@@ -104,8 +108,8 @@ class OptunaPlanner:
     """The `stratkit.tuning.planner.Planner` of an Optuna study (see the module's docstring).
 
     Args:
-        study: the user's study spec: name (None: Optuna's own name, per process), directions, user
-            attributes, and its trials before the search (enqueued or added; JSON, `optuna_codec`).
+        study: the user's study spec: name (`named`: the user gave it, else Optuna's, different in each
+            process), directions, attributes, and its trials before the search (enqueued or added; JSON).
         sampler / pruner: the user's study's.
         n_trials: the study's trials (None: until `timeout` or `stop()`).
         timeout: seconds after which no trial starts (None: no bound).
@@ -144,7 +148,7 @@ class OptunaPlanner:
 
     def fingerprint(self) -> dict[str, Any]:
         initial = [{k: v for k, v in t.items() if k not in ("start", "complete")} for t in self.spec["trials"]]
-        return codec.json_safe({"name": self.spec.get("name"), "directions": self.spec["directions"],
+        return codec.json_safe({"name": self.spec["name"] if self.spec.get("named") else None, "directions": self.spec["directions"],
                                 "sampler": describe(self.sampler), "pruner": describe(self.pruner),
                                 "n_trials": self.n_trials, "timeout": self.timeout, "seed": self.seed,
                                 "retries": self.retries, "initial": initial}, "the study's settings")
@@ -160,7 +164,7 @@ class OptunaPlanner:
     def _build(self, state: dict[str, Any]) -> None:
         """The study from a state (`state()`, or the spec before the search)."""
         info = state["study"]
-        name = info.get("name") or "stratkit-study"
+        name = str(info["name"])  # the user's, or the one Optuna gave the first worker's study (Hyperband hashes it)
         storage = _PlanStorage()
         study_id = storage.create_new_study([StudyDirection(d) for d in info["directions"]], name)
         for key, value in (info.get("user_attrs") or {}).items():
@@ -335,7 +339,7 @@ class OptunaPlanner:
     def summary(self) -> dict[str, Any]:
         """The study's name, directions, attributes and trials (what every tuner's study holds after the end)."""
         storage, study_id = self.storage, self._study_id
-        return {"study": {"name": self.spec.get("name"), "directions": list(self.spec["directions"]),
+        return {"study": {"name": self.spec["name"], "directions": list(self.spec["directions"]),
                           "user_attrs": storage.get_study_user_attrs(study_id),
                           "system_attrs": codec.json_safe(storage.get_study_system_attrs(study_id),
                                                           "the study's system attributes")},

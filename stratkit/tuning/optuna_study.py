@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -72,6 +73,8 @@ PRIVATE = ("Study._storage", "Study._study_id", "optuna.study._frozen.FrozenStud
            "optuna.storages._base.DEFAULT_STUDY_NAME_PREFIX")
 #: How often a lost trial runs again by default (Optuna's RetryHeartbeatStaleTrialCallback max_retry).
 RETRIES = 2
+#: The studies this process optimized so far.
+_SEARCHES = itertools.count()
 
 log = status.logger(__name__)
 #: Each trial's line, as Optuna's optimize logs it (Optuna's verbosity applies).
@@ -108,25 +111,31 @@ def _seed_trial(seed: int) -> None:
         sys.modules["numpy"].random.seed(seed)
 
 
-def _default_store() -> tuple[str, bool]:
-    """The store of a study given none, and whether this process removes it after the search: one run's own,
-    as Optuna's in-memory study lives as long as its process (a restarted chief of the run still finds it)."""
+def _default_store(search: int) -> tuple[str, bool]:
+    """The store of the process's `search`-th study given none, and whether this process removes it after the
+    search: the run's own, as Optuna's in-memory study lives as long as its process (a restarted chief of the run
+    still finds it: the path comes from the run's token and the study's place in the script)."""
     env = environment.from_environ()
     if env is None:
         return tempfile.mkdtemp(prefix="stratkit-optuna-"), True
-    digest = hashlib.sha256(f"stratkit-optuna:{env.token}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"stratkit-optuna:{env.token}:{search}".encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"stratkit-optuna-{digest}"), env.tuner == 0
 
 
 def _spec(study: optuna.Study) -> dict[str, Any]:
-    """The study as the planner starts it: name (None when Optuna named it), directions, attributes, trials."""
+    """The study as the planner starts it: name (and whether the user gave it), directions, attributes, trials."""
     name = study.study_name
-    return {"name": None if name.startswith(DEFAULT_STUDY_NAME_PREFIX) else name,
+    return {"name": name, "named": not name.startswith(DEFAULT_STUDY_NAME_PREFIX),
             "directions": [d.value for d in study.directions],
             "user_attrs": codec.json_safe(study.user_attrs, "the study's user attributes"),
             "system_attrs": codec.json_safe(study._storage.get_study_system_attrs(0),
                                             "the study's system attributes"),
             "trials": [codec.trial_to_json(t) for t in study.get_trials(deepcopy=False)]}
+
+
+def _failure(trial: optuna.Trial, error: BaseException) -> str:
+    """A failed trial as Optuna's optimize logs it."""
+    return f"Trial {trial.number} failed with parameters: {trial.params} because of the following error: {error!r}."
 
 
 class DistributedStudy:
@@ -172,7 +181,8 @@ class DistributedStudy:
         planner = OptunaPlanner(_spec(self), self.sampler, self.pruner,  # type: ignore[attr-defined]
                                 n_trials=None if n_trials is None else int(n_trials), timeout=timeout,
                                 seed=options.seed, retries=options.retries)
-        store, remove = (options.store, False) if options.store is not None else _default_store()
+        search = next(_SEARCHES)  # every worker runs the same script: its k-th study is theirs
+        store, remove = (options.store, False) if options.store is not None else _default_store(search)
         session = open_session(planner, store=store, lease_seconds=options.lease_seconds)
         planner.plan_ahead = session.role != "alone"  # one process samples as Optuna does: nothing runs beside
         sampler, pruner = self.sampler, self.pruner  # type: ignore[attr-defined]
@@ -228,6 +238,12 @@ class DistributedStudy:
                 log.warning("trial %d stopped on this worker: %s", trial.number, exc)
                 return
             state, error = TrialState.FAIL, exc
+            if not isinstance(exc, catch) and lease.first and not storage.reported:  # before its end opens the gate
+                message = (f"the objective fails on the study's first trial: {_failure(trial, exc)} No other trial "
+                           "ran. Fix: the objective (it must run for every value of the search space), or "
+                           "study.optimize(catch=(...)) for an error a trial may raise")
+                session.client.abort(message)
+                raise ConfigError(message) from exc
         try:  # (a trial the service took back meanwhile is finished there: tell skips it)
             frozen = self.tell(trial, None if state is not None else value, state=state,  # type: ignore[attr-defined]
                                skip_if_finished=True)
@@ -237,18 +253,10 @@ class DistributedStudy:
         if frozen is None or LOST_ATTR in frozen.system_attrs:
             return
         if error is not None:
-            message = (f"Trial {trial.number} failed with parameters: {trial.params} because of the following "
-                       f"error: {error!r}.")
-            optuna_log.warning(message, exc_info=error)
+            optuna_log.warning(_failure(trial, error), exc_info=error)
             if not isinstance(error, catch):
-                if lease.first and not storage.reported:
-                    message = (f"the objective fails on the study's first trial: {message} No other trial ran. Fix: "
-                               "the objective (it must run for every value of the search space), or "
-                               "study.optimize(catch=(...)) for an error a trial may raise")
-                    session.client.abort(message)
-                    raise ConfigError(message) from error
-                session.client.abort(f"{message} (on tuner {session.tuner}: the search ends, as study.optimize "
-                                     "raises in one process; catch= lets the study go on)", kind="failed")
+                session.client.abort(f"{_failure(trial, error)} (on tuner {session.tuner}: the study ends, as "
+                                     "study.optimize raises in one process; catch= lets it go on)", kind="failed")
                 raise error
         elif frozen.state == TrialState.COMPLETE:
             optuna_log.info("Trial %d finished with %s: %s and parameters: %s.", frozen.number,
@@ -307,9 +315,9 @@ def distribute(study: Any, *, store: str | os.PathLike[str] | None = None, seed:
         return study
     check_version()
     if not isinstance(study._storage, InMemoryStorage):
-        raise ConfigError(f"stratkit.tune(study): the study {study.study_name!r} keeps its trials in "
-                          f"{type(study._storage).__name__}; stratkit keeps a distributed study itself (on the "
-                          "search's store). Fix: optuna.create_study(...) without storage=, and "
+        raise ConfigError(f"stratkit.tune(study): the study {study.study_name!r} keeps its trials in its own "
+                          f"storage ({type(study._storage).__name__}); stratkit keeps a distributed study itself (on "
+                          "the search's store, no database). Fix: optuna.create_study(...) without storage=, and "
                           "stratkit.tune(study, store=...) to keep it")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ConfigError(f"stratkit.tune(study, retries={retries!r}): a whole number >= 0. Fix: e.g. retries=2")
