@@ -40,7 +40,7 @@ def objective(trial):
 
 def search(trials=8, epochs=3, store=None):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=1),
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0),
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
     study.set_user_attr("epochs", epochs)
     study = stratkit.tune(study, store=store)                # the one stratkit line

@@ -15,6 +15,11 @@ A distributed study (`stratkit.tuning.optuna_study`) keeps Optuna's own
   for a parameter outside the plan; it never samples here;
 * `RemotePruner` asks the service's pruner (`Trial.should_prune`).
 
+What the service stores before it answers (`write`): a change to the study,
+and a trial's report and end. A running trial's parameters, attributes, draws
+and pruning verdicts are stored with its next report or its end: a service
+that dies before then leaves the trial to be lost and run again anyway.
+
 Optuna's storage API is public (`optuna.storages.BaseStorage`); the study's
 trials keep their numbers as ids (one study per storage, `optuna_codec`).
 
@@ -142,9 +147,8 @@ class SearchStorage(BaseStorage):
                         distribution: BaseDistribution) -> None:
         if not self.remote:
             return self.local.set_trial_param(trial_id, param_name, param_value_internal, distribution)
-        self.mine(trial_id)
         self._call("set_trial_param", trial_id, param_name, param_value_internal, codec.dist_to_json(distribution),
-                   write=True)
+                   write=not self.mine(trial_id))
 
     def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
         if not self.remote:
@@ -176,16 +180,14 @@ class SearchStorage(BaseStorage):
     def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
         if not self.remote:
             return self.local.set_trial_user_attr(trial_id, key, value)
-        self.mine(trial_id)
         self._call("set_trial_attr", "user", trial_id, key, codec.json_safe(value, f"user attribute {key!r}"),
-                   write=True)
+                   write=not self.mine(trial_id))
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         if not self.remote:
             return self.local.set_trial_system_attr(trial_id, key, value)
-        self.mine(trial_id)
         self._call("set_trial_attr", "system", trial_id, key, codec.json_safe(value, f"system attribute {key!r}"),
-                   write=True)
+                   write=not self.mine(trial_id))
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
         if not self.remote:
@@ -224,7 +226,7 @@ class PlannedSampler(optuna.samplers.BaseSampler):
         if planned is not None and planned[0] == param_distribution:
             return param_distribution.to_external_repr(planned[1])
         self.storage.mine(trial.number)
-        reply = self.storage.client.query("sample", write=True, trial=str(trial.number), param=param_name,
+        reply = self.storage.client.query("sample", trial=str(trial.number), param=param_name,
                                           dist=codec.dist_to_json(param_distribution))
         if "raise" in reply:
             codec.raise_error(reply["raise"])
@@ -239,7 +241,7 @@ class RemotePruner(optuna.pruners.BasePruner):
 
     def prune(self, study: Any, trial: FrozenTrial) -> bool:
         self.storage.mine(trial.number)
-        reply = self.storage.client.query("prune", write=True, trial=str(trial.number))
+        reply = self.storage.client.query("prune", trial=str(trial.number))
         if "raise" in reply:
             codec.raise_error(reply["raise"])
         return bool(reply["ok"])

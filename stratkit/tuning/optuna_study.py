@@ -154,7 +154,10 @@ class DistributedStudy:
                 None: until `timeout` or `study.stop()`.
             timeout: seconds after the search's start (the service's clock) after which no trial starts.
             n_jobs: 1 (a worker runs one trial at a time: run more workers instead).
-            catch / callbacks / gc_after_trial: as Optuna's, for the trials this worker runs.
+            catch: as Optuna's: the errors that fail a trial without ending the study.
+            callbacks: as Optuna's, called after each trial this worker ran.
+            gc_after_trial: as Optuna's, after each trial this worker ran.
+            show_progress_bar: not shown (Optuna's log lines report each trial).
 
         Raises:
             ConfigError: a bad argument, the store cannot be used, the workers optimize different studies, or
