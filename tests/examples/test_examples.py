@@ -151,6 +151,8 @@ def test_the_optuna_example_tries_one_processs_trials_on_two_workers_and_prunes(
     two = json.loads(reports["worker:0"])
     assert [t[:3:2] for t in two["trials"]] == [t[:3:2] for t in one["trials"]] and len(one["trials"]) == 8
     assert "PRUNED" in {t[1] for t in two["trials"]}
+    print("pruned at epoch: one process %s, 2 workers %s" % tuple(
+        {t[0]: len(t[4]) - 1 for t in run["trials"] if t[1] == "PRUNED"} for run in (one, two)))
     for (number, state, _, value, reported), (_, state1, _, value1, reported1) in zip(two["trials"], one["trials"]):
         steps = reported.keys() & reported1.keys()
         assert steps and all(abs(reported[s] - reported1[s]) <= 1e-6 for s in steps), (number, reported, reported1)

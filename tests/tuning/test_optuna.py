@@ -179,7 +179,9 @@ def test_a_killed_worker_fails_its_trial_a_retry_runs_and_a_killed_chief_resumes
     os.kill(worker, signal.SIGKILL)
     killed = time.monotonic()
     retry, chief = _held(run, 0)
-    assert time.monotonic() - killed < 30
+    delay = time.monotonic() - killed
+    assert delay < 30
+    print(f"the killed worker's trial {lost} ran again as trial {retry} {delay:.1f} s after the kill")
     finished = {t["number"] for t in json.loads(s3.fs().cat_file(f"{bucket}/study/search.json"))["planner"]["trials"]
                 if t["state"] in ("COMPLETE", "PRUNED")}
     os.kill(chief, signal.SIGKILL)
