@@ -149,13 +149,13 @@ def test_a_dead_tuners_trial_runs_again_on_another_and_its_late_result_is_refuse
 def test_a_silent_tuner_loses_its_lease_a_beating_one_keeps_it(store):
     """SIGSTOP in miniature: a lease nobody renews expires after lease_seconds; one whose heartbeats go on
     outlives it; after max_losses the trial is given up and the search still ends."""
-    service = SearchService(store, tuners=1, lease_seconds=0.6, max_losses=2)
+    service = SearchService(store, tuners=1, lease_seconds=2.0, max_losses=2)
     client = SearchClient(LocalChannel(service, 0), 0)
     client.register_local(service, Count(2, serial=True))
     try:
         kept = client.next()  # its heartbeat thread renews it every lease_seconds / 6
         client.built(kept)
-        time.sleep(1.5)
+        time.sleep(3.0)
         assert client.end(kept, {"score": 0}) and not kept.lost.is_set()
         for run in (1, 2):
             lease = client.next()
