@@ -122,6 +122,24 @@ def test_bad_input_is_a_config_error_before_any_trial(tmp_path):
         stratkit.tune(optuna.create_study(), store=str(blocked / "study")).optimize(objective, n_trials=2)
 
 
+@pytest.mark.slow
+def test_an_unreachable_store_is_a_config_error_before_any_trial(store_server):
+    """The study's store is S3 (moto) and down: every worker's store check refuses it before any trial ran."""
+    import stores
+
+    s3 = store_server("s3")
+    bucket = s3.make_bucket(f"optuna-down-{os.getpid()}")
+    calls = []
+    with stores.client_settings(s3):
+        s3.down()
+        try:
+            with pytest.raises(ConfigError, match=rf"store='s3://{bucket}/study'.*Fix"):
+                stratkit.tune(optuna.create_study(), store=s3.url(bucket, "study")).optimize(calls.append, n_trials=2)
+        finally:
+            s3.up()
+    assert calls == []
+
+
 def study_on_local_runner():
     """A LocalRunner task: the study's 8 trials on 2 workers; every worker's view of the study afterwards."""
     import optuna
