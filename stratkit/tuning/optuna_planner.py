@@ -148,7 +148,8 @@ class OptunaPlanner:
 
     def fingerprint(self) -> dict[str, Any]:
         initial = [{k: v for k, v in t.items() if k not in ("start", "complete")} for t in self.spec["trials"]]
-        return codec.json_safe({"name": self.spec["name"] if self.spec.get("named") else None, "directions": self.spec["directions"],
+        name = self.spec["name"] if self.spec.get("named") else None  # Optuna's own names differ per process
+        return codec.json_safe({"name": name, "directions": self.spec["directions"],
                                 "sampler": describe(self.sampler), "pruner": describe(self.pruner),
                                 "n_trials": self.n_trials, "timeout": self.timeout, "seed": self.seed,
                                 "retries": self.retries, "initial": initial}, "the study's settings")
@@ -322,7 +323,8 @@ class OptunaPlanner:
             return None
         if method == "set_trial_attr":
             kind, trial_id, key, value = args
-            (storage.set_trial_user_attr if kind == "user" else storage.set_trial_system_attr)(int(trial_id), key, value)
+            setter = storage.set_trial_user_attr if kind == "user" else storage.set_trial_system_attr
+            setter(int(trial_id), key, value)
             return None
         if method == "set_trial_intermediate_value":
             trial_id, step, value = args
