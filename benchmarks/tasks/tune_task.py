@@ -1,7 +1,8 @@
 """One tuner of the tuning benchmark's search (benchmarks/bench_tuning.py): the example's digits RandomSearch,
 plain KerasTuner (`--plain`) or through `stratkit.tune`; prints one `TUNE {...}` line: this tuner's search wall
 time, the seconds spent building and fitting its trials (KerasTuner's `Tuner._build_and_fit_model`, timed
-around the call), and the trials it ran."""
+around the call), the part of those that was stratkit's own inside a fit (the trial's `Backup` hooks and the
+checkpoint uploads, each timed around the call), and the trials it ran."""
 
 from __future__ import annotations
 
@@ -35,6 +36,30 @@ def timed(self, trial, *fit_args, **fit_kwargs):
 
 
 keras_tuner.Tuner._build_and_fit_model = timed
+inside: list[float] = []
+
+
+def timing(cls, name):
+    original = getattr(cls, name)
+
+    def run(*call_args, **call_kwargs):
+        started = time.perf_counter()
+        try:
+            return original(*call_args, **call_kwargs)
+        finally:
+            inside.append(time.perf_counter() - started)
+
+    setattr(cls, name, run)
+
+
+if not args.plain:
+    from stratkit.training.checkpoint.callback import Backup
+    from stratkit.tuning.kt_trials import TunerState
+
+    for hook in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_epoch_end", "on_train_end",
+                 "release"):
+        timing(Backup, hook)
+    timing(TunerState, "upload")
 digits = example.load_digits()
 x, y = (digits.data / 16).astype("float32"), digits.target
 tuner = keras_tuner.RandomSearch(example.build_model, objective="val_accuracy", max_trials=args.trials, seed=1,
@@ -46,5 +71,5 @@ if not args.plain:
 started = time.perf_counter()
 tuner.search(x[:1400], y[:1400], epochs=args.epochs, validation_data=(x[1400:], y[1400:]), verbose=0)
 wall = time.perf_counter() - started
-print("TUNE " + json.dumps({"wall": wall, "own": sum(own), "trials": len(own),
+print("TUNE " + json.dumps({"wall": wall, "own": sum(own), "inside": sum(inside), "trials": len(own),
                             "scores": {t.trial_id: t.score for t in tuner.oracle.trials.values()}}), flush=True)

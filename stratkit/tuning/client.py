@@ -151,6 +151,8 @@ class SearchClient:
             except Exception as exc:  # noqa: BLE001 - unreachable, or the search failed: judged below
                 log.debug("heartbeat for trial %s failed: %s", lease.trial_id, exc)
                 alive = time.monotonic() - last_ok < 6 * lease.heartbeat  # the lease's life on the service
+            if not alive and lease.ended.is_set():
+                return  # a beat that crossed this lease's end: the lease ended, it was not lost
             if not alive:
                 log.warning("trial %s (run %d) was taken back by the search service (its lease expired): this "
                             "tuner stops it, another runs it", lease.trial_id, lease.run)
@@ -173,10 +175,8 @@ class SearchClient:
 
     def end(self, lease: Lease, data: dict[str, Any]) -> bool:
         """End the trial with its result; False when the lease was lost (the result is another run's now)."""
-        try:
-            accepted = bool(self.call("end", trial=lease.trial_id, run=lease.run, data=data).get("accepted"))
-        finally:
-            lease.ended.set()
+        lease.ended.set()  # no heartbeat after this: one that crossed the end must not call the lease lost
+        accepted = bool(self.call("end", trial=lease.trial_id, run=lease.run, data=data).get("accepted"))
         if not accepted:
             lease.lost.set()
         return accepted
@@ -200,16 +200,6 @@ class SearchClient:
         else:
             run = self.call("files", trial=trial_id).get("run")
         return None if run is None else int(run)
-
-    def bye(self) -> None:
-        """Tell the service this tuner heard the end (best effort); not when `next` heard it (the service counted
-        it then, and a host that already left would keep this tuner reconnecting for its connect_seconds)."""
-        if self.final is not None:
-            return
-        try:
-            self.call("bye")
-        except Exception:  # noqa: BLE001 - the host may be gone already
-            pass
 
     def close(self) -> None:
         self.channel.close()

@@ -64,11 +64,9 @@ class Session:
 
     def finish(self) -> None:
         """After this tuner heard the end: the host waits (bounded) until every other tuner heard it too, so
-        none is left asking a service that is gone; a tuner says goodbye."""
+        none is left asking a service that is gone. A tuner asks nothing more (the host may be gone already)."""
         if self.service is not None and self.role == "host":
             self.service.wait_heard()
-        elif self.role == "tuner":
-            self.client.bye()
 
     def close(self) -> None:
         self.client.close()

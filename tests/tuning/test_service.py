@@ -361,3 +361,28 @@ def test_the_tune_environment_is_checked():
     parsed = environment.from_environ(env)
     assert (parsed.address, parsed.tuner, parsed.tuners, parsed.serve) == (("127.0.0.1", 5), 1, 2, False)
     assert environment.from_environ({}) is None
+
+
+def test_a_tuner_that_cannot_reach_the_store_ends_the_search_before_any_trial(store, store_server, monkeypatch):
+    """The real tuner's path (`session.open_session` with the engine's variables): its store check fails (a
+    bucket missing on S3, moto), and the host's first `next` gets the same ConfigError."""
+    from stratkit.tuning import session
+
+    s3 = store_server("s3")
+    service = SearchService(store, tuners=2, lease_seconds=5)
+    hub = SearchHub("127.0.0.1", 0, TOKEN, tuners=2)
+    hub.add(session._PROCESS["searches"], service)  # the search number this process's next session takes
+    try:
+        host = SearchClient(LocalChannel(service, 0), 0)
+        host.register_local(service, Count(3))
+        for key, value in {**s3.env, **environment.task_env(hub.address, TOKEN, 1, 2, engine="a test")}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("STRATKIT_STORE_TIMEOUT", "20")
+        with pytest.raises(ConfigError, match=r"tuner 1: store='s3://no-such-bucket-for-tuning/search': the bucket "
+                                              r"or container 'no-such-bucket-for-tuning' does not exist"):
+            session.open_session(Count(3), store="s3://no-such-bucket-for-tuning/search")
+        with pytest.raises(ConfigError, match=r"the bucket or container 'no-such-bucket-for-tuning' does not exist"):
+            host.next()
+        assert service.leases.runs == {}
+    finally:
+        hub.close()
