@@ -51,6 +51,7 @@ from keras_tuner.engine.trial import Trial, TrialStatus
 
 from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.training.checkpoint import Backup
 from stratkit.tuning.devices import own_devices_strategy
 from stratkit.tuning.kt_oracle import KerasTunerPlanner
 from stratkit.tuning.kt_trials import (FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState, resumable,
@@ -245,11 +246,9 @@ class DistributedTuner:
             resumable(callback, lambda path=path: state.upload(lease, path) if state.backups else None)
         backup = None
         if state.backups and getattr(self, "executions_per_trial", 1) == 1:
-            from stratkit.callbacks import Backup
-
             state.prepare_run(lease)
             backup = Backup(state.session.store.backup_path(trial.trial_id), is_chief=True, rank=0,
-                            staging=os.path.join(state.staging, "backups"))
+                            staging=None if state.session.store.local else os.path.join(state.staging, "backups"))
         kwargs["callbacks"] = [LeaseGuard(lease), *callbacks, *([backup] if backup is not None else [])]
         try:
             return super()._build_and_fit_model(trial, *args, **kwargs)  # type: ignore[misc]

@@ -422,7 +422,7 @@ class SearchService:
                 current = self._version
                 state = {"version": STATE_VERSION, "library": self.planner.library, "fingerprint": self.fingerprint,
                          "planner": self.planner.state(), "leases": self.leases.state(), "ended": self.ended,
-                         "handed": self._handed, "done": self.done}
+                         "handed": self._handed, "done": self.done, "final": self._final}
             assert self.store is not None
             self.store.write_state(state)
             self._written = current

@@ -129,7 +129,7 @@ def open_session(planner: Planner, *, store: str, lease_seconds: float | None = 
     connection = protocol.Connection(env.address, env.token, env.tuner, env.label,
                                      connect_seconds=environment.seconds(environment.CONNECT_VAR,
                                                                          environment.CONNECT_SECONDS))
-    client = SearchClient(WireChannel(connection, search), env.tuner)
+    client = SearchClient(WireChannel(connection, search), env.tuner, search_store)
     try:
         search_store.check()
     except ConfigError as exc:

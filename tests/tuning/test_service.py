@@ -386,3 +386,26 @@ def test_a_tuner_that_cannot_reach_the_store_ends_the_search_before_any_trial(st
         assert service.leases.runs == {}
     finally:
         hub.close()
+
+
+def test_a_tuner_that_asks_after_the_host_left_reads_the_end_from_the_store(store):
+    """The host waits (bounded) for every tuner to hear the end, then leaves; a tuner slower than that (a loaded
+    machine) finds nobody to ask: it reads the end the service stored, instead of retrying for its connect time."""
+    service = SearchService(store, tuners=2, lease_seconds=5)
+    hub = _hub(service)
+    connection = protocol.Connection(hub.address, TOKEN, 1, "t1", connect_seconds=120)
+    late = SearchClient(WireChannel(connection), 1, store)
+    late.register(Count(1), store.path)
+    host = SearchClient(LocalChannel(service, 0), 0)
+    host.register_local(service, Count(1))
+    lease = host.next()
+    host.built(lease)
+    host.end(lease, {"score": 0})
+    assert host.next() is None
+    hub.close()  # the host's process ended
+    connection.close()
+    late_connection = protocol.Connection(hub.address, TOKEN, 1, "t1", connect_seconds=120)
+    late = SearchClient(WireChannel(late_connection), 1, store)
+    started = time.monotonic()
+    assert late.next() is None and late.final["summary"]["scores"] == {"0": 0}
+    assert time.monotonic() - started < 10
