@@ -59,6 +59,7 @@ from optuna.trial import TrialState
 
 from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.strategy.server import RUN_DIR_VAR
 from stratkit.tuning import environment
 from stratkit.tuning import optuna_codec as codec
 from stratkit.tuning.devices import own_devices_strategy
@@ -113,13 +114,18 @@ def _seed_trial(seed: int) -> None:
 
 def _default_store(search: int) -> tuple[str, bool]:
     """The store of the process's `search`-th study given none, and whether this process removes it after the
-    search: the run's own, as Optuna's in-memory study lives as long as its process (a restarted chief of the run
-    still finds it: the path comes from the run's token and the study's place in the script)."""
+    search: the run's own, as Optuna's in-memory study lives as long as its process. One process: a temporary
+    directory it removes. A tune run: in the run's private directory, which the engine removes after the run
+    (`STRATKIT_RUN_DIR`: a restarted chief of the launch still finds it; a tuner that heard the end late reads it
+    there); an engine without one: the temporary directory, named after the run's token."""
     env = environment.from_environ()
     if env is None:
         return tempfile.mkdtemp(prefix="stratkit-optuna-"), True
+    run_dir = os.environ.get(RUN_DIR_VAR, "").strip()
+    if run_dir:
+        return os.path.join(run_dir, f"optuna-study-{search}"), False
     digest = hashlib.sha256(f"stratkit-optuna:{env.token}:{search}".encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"stratkit-optuna-{digest}"), env.tuner == 0
+    return os.path.join(tempfile.gettempdir(), f"stratkit-optuna-{digest}"), False
 
 
 def _spec(study: optuna.Study) -> dict[str, Any]:
@@ -186,7 +192,12 @@ class DistributedStudy:
                                 seed=options.seed, retries=options.retries)
         search = next(_SEARCHES)  # every worker runs the same script: its k-th study is theirs
         store, remove = (options.store, False) if options.store is not None else _default_store(search)
-        session = open_session(planner, store=store, lease_seconds=options.lease_seconds)
+        try:
+            session = open_session(planner, store=store, lease_seconds=options.lease_seconds)
+        except BaseException:
+            if remove:
+                shutil.rmtree(store, ignore_errors=True)
+            raise
         planner.plan_ahead = session.role != "alone"  # one process samples as Optuna does: nothing runs beside
         sampler, pruner = self.sampler, self.pruner  # type: ignore[attr-defined]
         planned = PlannedSampler(storage)
@@ -200,7 +211,7 @@ class DistributedStudy:
             storage.client = storage.lease = None
             self.sampler, self.pruner = sampler, pruner  # type: ignore[attr-defined]
             session.close()
-            if remove and session.client.final is not None:  # the search ended: its results are in memory
+            if remove:  # one process's own: no other process resumes from it
                 shutil.rmtree(store, ignore_errors=True)
 
     def _search(self, session: Any, planned: PlannedSampler, func: Callable[[optuna.Trial], Any],
