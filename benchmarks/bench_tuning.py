@@ -1,5 +1,9 @@
 """What a distributed search costs per trial (issue 51's acceptance: at most 1 s beyond the trial's own training).
 
+`--library optuna`: the same for the Optuna example's study (examples/tune_optuna.py's objective and seeded TPE,
+8 trials of 3 epochs, no pruning so that every way trains every trial fully; tasks/tune_optuna_task.py times
+the objective), written to `tuning-optuna.json`.
+
 The example's seeded digits RandomSearch (examples/tune_keras_tuner.py: 8 trials of 3 epochs) runs three ways
 in each round, in an order that rotates: plain KerasTuner in one process (the baseline), `stratkit.tune` in one
 process, and `stratkit launch --tune --workers 2`. Every tuner times its search (wall) and the seconds KerasTuner
@@ -39,16 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TASK = str(Path(__file__).resolve().parent / "tasks" / "tune_task.py")
+TASKS = {"keras_tuner": str(Path(__file__).resolve().parent / "tasks" / "tune_task.py"),
+         "optuna": str(Path(__file__).resolve().parent / "tasks" / "tune_optuna_task.py")}
 WAYS = ("plain", "stratkit", "launch")
 
 
-def _run(way: str, trials: int, epochs: int) -> list[dict]:
+def _run(way: str, trials: int, epochs: int, library: str = "keras_tuner") -> list[dict]:
     """One search one way in a fresh directory: each tuner's TUNE report."""
     workdir = tempfile.mkdtemp(prefix=f"bench-tune-{way}-")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
-    task = [sys.executable, TASK, "--trials", str(trials), "--epochs", str(epochs)]
+    task = [sys.executable, TASKS[library], "--trials", str(trials), "--epochs", str(epochs)]
     argv = {"plain": task + ["--plain"], "stratkit": task,
             "launch": [sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--", *task]}[way]
     try:
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--library", choices=sorted(TASKS), default="keras_tuner")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.trials, args.epochs = 1, 2, 1
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         order = WAYS[round_ % 3:] + WAYS[:round_ % 3]
         for way in order:
             load = os.getloadavg()[0]
-            reports = _run(way, args.trials, args.epochs)
+            reports = _run(way, args.trials, args.epochs, args.library)
             runs[way].append({"reports": reports, "load_before": load, "load_after": os.getloadavg()[0]})
             print(f"round {round_ + 1} {way}: wall {max(r['wall'] for r in reports):.1f} s "
                   f"(load {load:.1f})", flush=True)
@@ -102,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                      "load": f"{min(loads):.1f}-{max(loads):.1f}"})
     print_table(f"{args.trials} trials x {args.epochs} epochs, {args.rounds} rounds (own training per trial in the "
                 f"plain run: {own / args.trials:.2f} s)", rows)
-    name = "tuning-quick" if args.quick else "tuning"
-    write_result(name, {"quick": args.quick, "trials": args.trials, "epochs": args.epochs, "rounds": args.rounds,
+    name = ("tuning" if args.library == "keras_tuner" else "tuning-optuna") + ("-quick" if args.quick else "")
+    write_result(name, {"library": args.library, "quick": args.quick, "trials": args.trials, "epochs": args.epochs, "rounds": args.rounds,
                         "own_training_per_trial_s": own / args.trials, "rows": rows, "runs": runs})
     return 0
 

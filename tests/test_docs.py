@@ -292,6 +292,7 @@ RUN_SAMPLES = {
     "examples/tune_keras_tuner.py": "tests/examples/test_examples.py",
     "spark_jobs/pipeline_job.py": "tests/spark/test_pipeline_job.py",
     "examples/mlflow_train.py": "tests/training/tracking_train.py",
+    "examples/tune_optuna.py": "tests/examples/test_examples.py",
 }
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 

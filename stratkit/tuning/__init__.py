@@ -5,6 +5,10 @@
     tuner.search(x, y, epochs=5, validation_data=(xv, yv))
     model = tuner.get_best_models()[0]
 
+    import optuna, stratkit
+    study = stratkit.tune(optuna.create_study(pruner=optuna.pruners.MedianPruner()))
+    study.optimize(objective, n_trials=8)          # the study's 8 trials, on every worker together
+
 The same script runs as one process (`python search.py`), as N tuners under
 `stratkit launch --tune --workers N -- python search.py`, and inside
 `stratkit.LocalRunner(num_workers=N, tune=True).run(fn)`: with a seed, every
@@ -23,6 +27,9 @@ One job per module:
 | `search_store` | the search's layout on a store URL or directory (state, trial files per run, backups) |
 | `session` | what this process is (alone, host, tuner) and the service/client that go with it |
 | `kt_oracle` / `kt_tuner` | KerasTuner: its oracle as a planner / a user's tuner on the service |
+| `optuna_planner` / `optuna_study` | Optuna: the study on the service as a planner / a user's study on the service |
+| `optuna_storage` / `optuna_codec` | Optuna: a worker's storage, sampler, pruner on the service / the study as JSON |
+| `devices` | the devices a trial trains on (this tuner's own) |
 
 How a tuner library plugs in: a `planner.Planner` over its algorithm, an
 adapter that runs the service's leases (`session.open_session`), and an entry
@@ -47,6 +54,7 @@ from stratkit.tuning.protocol import SearchFailed, SearchUnreachable
 #: (the package a tuner object's class comes from, the adapter module, its function): `tune` picks by the first.
 ADAPTERS: tuple[tuple[str, str, str], ...] = (
     ("keras_tuner", "stratkit.tuning.kt_tuner", "distribute"),
+    ("optuna", "stratkit.tuning.optuna_study", "distribute"),
 )
 
 
@@ -63,6 +71,9 @@ def tune(obj: Any, **options: Any) -> Any:
 
     KerasTuner: `stratkit.tune(keras_tuner.Hyperband(...), store=None, exact=True, backups=True,
     lease_seconds=None)`, see `stratkit.tuning.kt_tuner.distribute`.
+    Optuna: `stratkit.tune(optuna.create_study(...), store=None, seed=0, lease_seconds=None, retries=2)`, then
+    `study.optimize(objective, n_trials=...)` (the study's trials across every worker), see
+    `stratkit.tuning.optuna_study.distribute`.
 
     Raises:
         ConfigError: `obj` is not from a supported library, or the search cannot start (naming why).

@@ -198,12 +198,13 @@ class SearchClient:
         """Stop renewing `lease` (its trial stopped without a result: the lease expires on the service)."""
         lease.ended.set()
 
-    def abort(self, error: str) -> None:
-        """End the search for every tuner with a ConfigError (`error`)."""
-        self.call("abort", error=error)
+    def abort(self, error: str, kind: str = "config") -> None:
+        """End the search for every tuner with `error`: a ConfigError ("config"), or SearchFailed ("failed")."""
+        self.call("abort", error=error, kind=kind)
 
-    def query(self, name: str, **args: Any) -> Any:
-        return self.call("query", name=name, args=args).get("value")
+    def query(self, name: str, *, write: bool = False, **args: Any) -> Any:
+        """The planner's answer to `name` (`planner.query`); `write`: it changes the search (stored first)."""
+        return self.call("query", name=name, args=args, **({"write": True} if write else {})).get("value")
 
     def files_run(self, trial_id: str) -> int | None:
         """The run whose files are the trial's (the one that ended it), or None."""

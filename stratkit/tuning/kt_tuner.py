@@ -52,6 +52,7 @@ from keras_tuner.engine.trial import Trial, TrialStatus
 from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.training.checkpoint import Backup
+from stratkit.tuning.devices import own_devices_strategy
 from stratkit.tuning.kt_oracle import KerasTunerPlanner
 from stratkit.tuning.kt_trials import (FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState, resumable,
                                        to_json)
@@ -284,20 +285,6 @@ def _distributed_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _own_devices_strategy() -> Any:
-    """The strategy a trial trains under on this tuner: Mirrored over its GPUs when it has several (the
-    launcher pinned them: CUDA_VISIBLE_DEVICES), else None: one device trains as Keras does without a
-    strategy (a OneDeviceStrategy computes the same and costs seconds per trial in its input pipeline)."""
-    from stratkit.cluster import detect
-
-    spec = detect()
-    if spec.strategy != "mirrored":
-        return None
-    from stratkit.strategy.factory import make_strategy
-
-    return make_strategy(spec)
-
-
 def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact: bool = True,
                backups: bool = True, lease_seconds: float | None = None) -> Any:
     """Make `tuner` (a KerasTuner tuner) one tuner of stratkit's search; returns the same object.
@@ -335,7 +322,7 @@ def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact
         tuner.project_name = os.path.join(tuner.project_name, f"tuner-{session.tuner}")
     tuner.tuner_id = f"tuner{session.tuner}"
     if getattr(tuner, "distribution_strategy", None) is None and hasattr(tuner, "distribution_strategy"):
-        tuner.distribution_strategy = _own_devices_strategy()
+        tuner.distribution_strategy = own_devices_strategy()
     state = TunerState(tuner, session, planner, backups)
     tuner._stratkit = state
     tuner.oracle = OracleProxy(state)

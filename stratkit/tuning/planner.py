@@ -18,6 +18,12 @@ How a library plugs in:
    with `report`, ending with `end`, and stopping when the lease is lost;
 3. an entry in `stratkit.tuning.ADAPTERS`, so `stratkit.tune(obj)` finds it.
 
+A planner may also have `lost(trial_id, reason) -> bool`: the service calls it
+when a trial's lease is lost (or was running when a restarted service resumed);
+True means the planner runs the trial again its own way (Optuna's: the trial is
+marked failed and a new one with its parameters waits, as Optuna's heartbeat
+retry does), False that the service reruns the same proposal (the default).
+
 Determinism is the planner's: `propose` returns `WAIT` while the next trial
 would depend on results that one process would already have (Hyperband's next
 round, Bayesian optimisation past its random start), so N tuners try the same

@@ -205,6 +205,8 @@ class SearchService:
                 self._check_failed()
             planner.restore(state.get("planner") or {})
             self.leases.restore(state.get("leases") or {})
+            self.leases.queue = [p for p in self.leases.queue if not self._planner_reruns(p.trial_id, "the search "
+                                                                                          "service restarted", planner)]
             self.ended = {str(k): int(v) for k, v in (state.get("ended") or {}).items()}
             self._handed = int(state.get("handed") or 0)
             log.info("resumed the search from %s: %d trial(s) finished, %d to run again", self.store.shown,
@@ -327,16 +329,23 @@ class SearchService:
         return {"accepted": True}
 
     def _op_abort(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
-        """A tuner found the search cannot work (the first trial's model does not build): end it for all."""
-        self.fail("config", str(request.get("error") or "a tuner ended the search"))
+        """End the search for all: it cannot work ("config": the first trial fails), or a trial's error ends it."""
+        kind = "failed" if request.get("kind") == "failed" else "config"
+        self.fail(kind, str(request.get("error") or "a tuner ended the search"))
         return {}
 
     def _op_query(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
+        """A read of the planner's; `write`: a change it makes for a tuner (stored before the reply)."""
+        write = bool(request.get("write"))
         with self._lock:
             if self.planner is None:
                 raise _Refused("protocol", "no planner registered yet")
             planner = self.planner
-            return {"value": self._ask(lambda: planner.query(str(request["name"]), dict(request.get("args") or {})))}
+            value = self._ask(lambda: planner.query(str(request["name"]), dict(request.get("args") or {})))
+            self._version += write
+            version = self._version if write else None
+        self._persist(version)
+        return {"value": value}
 
     @staticmethod
     def _ask(call: Any) -> Any:
@@ -380,8 +389,10 @@ class SearchService:
                 self._persist(version)
 
     def _lost(self, lease: Lease) -> int:
-        """A lease expired: run the trial again, or give it up after too many losses (locked)."""
-        if self.leases.requeue(lease.proposal):
+        """A lease expired: run the trial again (the planner's own way if it has one), or give it up (locked)."""
+        if self._planner_reruns(lease.trial_id, f"its tuner was lost (no heartbeat for {self.lease_seconds:g} s)"):
+            self._first = None if self._first == lease.trial_id else self._first  # its re-run is another trial
+        elif self.leases.requeue(lease.proposal):
             log.warning("tuner %d lost trial %s (run %d: no heartbeat for %g s); it runs again on the next free "
                         "tuner", lease.tuner, lease.trial_id, lease.run, self.lease_seconds)
         else:
@@ -393,6 +404,10 @@ class SearchService:
         self._version += 1
         self._changed.notify_all()
         return self._version
+
+    def _planner_reruns(self, trial_id: str, reason: str, planner: Planner | None = None) -> bool:
+        """Whether the planner reruns the lost trial its own way (its optional `lost`)."""
+        return bool(getattr(planner or self.planner, "lost", lambda *_: False)(trial_id, reason))
 
     def _persist(self, version: int | None) -> None:
         """Write the state at `version` or later to the store (before the caller replies: a reply is durable)."""

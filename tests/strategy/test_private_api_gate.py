@@ -67,6 +67,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("tuner", "_get_checkpoint_fname"): "keras-tuner: which file a trial's best epoch is in (kt_trials: to the store)",
     ("tuner", "_get_build_config_fname"): "keras-tuner: which file a trial's build config is in (the same)",
     ("saver", "_save_model"): "keras-tuner: SaveBestEpoch's save, wrapped to upload each checkpoint (kt_trials)",
+    # optuna (not Keras/TF), behind stratkit/tuning/optuna_study.py's version range (tested on 5.1.0; PRIVATE there)
+    ("study", "_storage"): "optuna: the storage a study keeps its trials in, replaced by the search's "
+                           "(optuna_study.distribute; Optuna has no public setter)",
+    ("study", "_study_id"): "optuna: the study's id in that storage (the same)",
 }
 
 
