@@ -125,7 +125,7 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _workdir() -> str:
+def task_workdir() -> str:
     root = None
     try:  # Spark deletes its per-application files directory when the executor stops
         from pyspark import SparkFiles
@@ -149,7 +149,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         events.append({"event": event, "t": time.time()})
 
     # First, so its TensorFlow import overlaps with everything below.
-    standby, how = _standby_for(plan)
+    standby, how = standby_for(plan)
     note(how)
     events.append({"event": "standby spawned", "t": standby.spawned_at})
     process = None
@@ -165,7 +165,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort,
                        timeout=LOG_CONNECT_SECONDS)
     note("log server connected" if client.connected else "log server unreachable")
-    workdir = _workdir()
+    workdir = task_workdir()
     holder = None
     context_server = None
     lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # kept for the driver when not live
@@ -230,7 +230,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             raise TaskFailed(f"stratkit task {role.label} (rank {rank}) exited with code {code}; "
                              f"its last {len(lines)} lines:\n" + "\n".join(lines) + failure_record(role, code, lines))
         if rank == 0:
-            yield from _result_chunks(rank, process.result_path())
+            yield from result_chunks(rank, process.result_path())
         events.extend(timeline.read(env[timeline.TIMELINE_VAR]))
         note("task end")
         info: dict[str, Any] = {"label": role.label, "pid": process.pid,
@@ -252,7 +252,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     finally:
         if process is not None:
             process.close()
-        _keep_or_close(plan, standby, process)
+        keep_or_close(plan, standby, process)
         if context_server is not None:
             context_server.close()
         if holder is not None:
@@ -319,7 +319,7 @@ def _standby_key(plan: TaskPlan) -> tuple:
     return sys.executable, python_path(), env, plan.preload
 
 
-def _standby_for(plan: TaskPlan) -> tuple[Any, str]:
+def standby_for(plan: TaskPlan) -> tuple[Any, str]:
     """The standby to fork this task's training process from: the worker's when it fits, else a new one."""
     from stratkit.spark.process import Standby
 
@@ -333,7 +333,7 @@ def _standby_for(plan: TaskPlan) -> tuple[Any, str]:
     return Standby.spawn(base, preload=plan.preload), "process spawned"
 
 
-def _keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
+def keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
     """Keep the standby for the next run when it is wanted and idle again (it reported this run's exit)."""
     if plan.standby and standby.alive() and (process is None or process.finished) and "standby" not in _standby:
         _standby["standby"] = standby
@@ -371,7 +371,7 @@ def _visible_devices(plan: TaskPlan, role: TaskRole, context: Any) -> str:
                                   resource_name=plan.gpu_resource_name)
 
 
-def _result_chunks(rank: int, path: str) -> Iterator[tuple[int, int, bytes]]:
+def result_chunks(rank: int, path: str) -> Iterator[tuple[int, int, bytes]]:
     if not os.path.exists(path):
         return
     with open(path, "rb") as handle:
