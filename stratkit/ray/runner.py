@@ -44,6 +44,7 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.ray import elastic, failures
+from stratkit.ray import tune as ray_tune
 from stratkit.ray.failures import RayTrainingError, TaskState
 from stratkit.ray.task import FIX, LAUNCHER, TaskActor
 from stratkit.ray.versions import import_ray
@@ -104,6 +105,11 @@ class RayRunner:
         timeout: seconds for the whole `run()`, retries included (and for placing each attempt's
             placement group; at most 300 s without it); then every task is stopped.
         placement_strategy: Ray's placement group strategy ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD").
+        tune: a hyperparameter search (docs/tuning.md): `run(search_fn)` runs `num_workers` tuners of one
+            search (search_fn wraps its tuner in `stratkit.tune(...)`), one actor each (`cpus_per_worker`,
+            `gpus_per_worker`), with the search service on this driver; no TF_CONFIG; a dead actor or tuner
+            after the search started is a lease that expires, its trial runs again on another tuner. `run`
+            returns the lowest tuner's value (`stratkit.ray.tune`).
 
     `ray.init(...)` must have been called (to start a local Ray or join a cluster).
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
@@ -114,8 +120,9 @@ class RayRunner:
     def __init__(self, num_workers: int = 2, *, num_ps: int = 0, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, cpus_per_worker: float = 1, max_retries: int = 0,
                  min_workers: int | None = None, timeout: float | None = None,
-                 placement_strategy: str = "PACK") -> None:
+                 placement_strategy: str = "PACK", tune: bool = False) -> None:
         arguments.positive_int("num_workers", num_workers)
+        self.tune = arguments.check_tune(tune, num_ps=num_ps, min_workers=min_workers, max_retries=max_retries)
         arguments.positive_int("num_ps", num_ps, minimum=0, example="1")
         self.tasks = _plan(num_workers, num_ps)
         cluster_layout.check_plan(self.tasks, launcher=LAUNCHER, fix=FIX, allow_preset=False)
@@ -136,7 +143,7 @@ class RayRunner:
         self.cpus_per_worker = cpus_per_worker
         self.max_retries = max_retries
         self.placement_strategy = placement_strategy
-        self.last_run: RayRunReport | None = None
+        self.last_run: RayRunReport | ray_tune.SearchReport | None = None
 
     # -- public ---------------------------------------------------------------------------------
     def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -155,6 +162,8 @@ class RayRunner:
             raise ConfigError("RayRunner.run needs a Ray connection: ray.is_initialized() is False. Fix: call "
                               "ray.init(address=\"auto\") to join a running cluster, or ray.init(num_cpus=4, "
                               "include_dashboard=False) for a local one, before run()")
+        if self.tune:
+            return ray_tune.run_search(self, ray, train_fn, args, kwargs, task_devices=task_devices)
         self._check_gpus(ray)
         payload = pickle_payload(train_fn, args, kwargs, where="the Ray actors")
         report = RayRunReport(run_id=f"stratkit-{uuid.uuid4().hex[:12]}", tasks=[t.name for t in self.tasks])
