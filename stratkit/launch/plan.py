@@ -34,8 +34,8 @@ from stratkit.launch.checks import (
     check_task_limit,
 )
 from stratkit.launch.isolation import is_loopback
+from stratkit.launch.tuneplan import TunePlan, check_groups, check_tune
 from stratkit.process.ports import address_family, hold_port
-from stratkit.tuning import environment as tune_env
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
 LAUNCHER = "launch"
@@ -205,26 +205,6 @@ class GpuRequest:
                            share=self.share, spelling=self.spelling)
 
 
-@dataclass(frozen=True)
-class TunePlan:
-    """A tune run (`--tune`, `LocalRunner(tune=True)`): every task a tuner of one search, no TF_CONFIG.
-
-    `host_task` runs the search service beside its own tuner on the port the attempt holds for it (the
-    launcher: worker 0); None: the service runs at `address` (`LocalRunner`'s driver). A tuner other than
-    the host that dies after the search started (`markers`) is a lost lease, not the attempt's failure.
-    """
-
-    token: str
-    engine: str
-    markers: str
-    host_task: str | None = "worker:0"
-    address: tuple[str, int] | None = None
-
-    def markers_for(self, attempt: int) -> str:
-        """Each attempt's own markers (a restarted host starts its search's start again) when a task hosts."""
-        return os.path.join(self.markers, f"attempt-{attempt}") if self.host_task else self.markers
-
-
 @dataclass
 class LaunchPlan:
     """`launch()`'s arguments, checked: what the supervisor runs (see `launch()` for each field)."""
@@ -292,8 +272,9 @@ class LaunchPlan:
 
     @property
     def serving(self) -> list[Task]:
-        """The tasks that need a port, in task order (a tune run: the task hosting the search service)."""
-        if self.tune is not None:
+        """The tasks that need a port, in task order (a tune run of one worker per trial: the task hosting the
+        search service; of groups: every worker, the service's port is the attempt's own)."""
+        if self.tune is not None and self.tune.workers_per_trial == 1:
             return [t for t in self.tasks if t.name == self.tune.host_task]
         return [t for t in self.tasks if t.serves]
 
@@ -301,12 +282,8 @@ class LaunchPlan:
         """The complete environment of `task` in attempt number `attempt` (0-based) of `cluster`."""
         env = dict(self.env)
         env.pop("TF_CONFIG", None)
-        if self.tune is not None:  # each tuner trains alone on its own devices: no cluster
-            tune = self.tune
-            address = tune.address or tune_env.parse_address(cluster["service"][0], "the service's address")
-            env.update(tune_env.task_env(address, tune.token, task.index, len(self.tasks),
-                                         serve=task.name == tune.host_task, markers=tune.markers_for(attempt),
-                                         engine=tune.engine))
+        if self.tune is not None:  # each tuner trains alone on its own devices (a group: on its own cluster)
+            env.update(self.tune.task_env(cluster, task, attempt, len(self.tasks)))
         else:
             env["TF_CONFIG"] = task_tf_config(cluster, task, env)
         env[LAUNCHER_VAR] = LAUNCHER
@@ -336,6 +313,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         check_tune(chief=chief, ps=ps, evaluator=evaluator, share_gpus=share_gpus, machines=machines)
     if machines is None:  # (--nnodes resolved it per node)
         workers = resolve_workers(workers, base_env, others=int(bool(chief)) + int(bool(evaluator)))
+    if tune is not None:
+        check_groups(workers, tune.workers_per_trial)
     tasks = plan_tasks(workers, chief, ps, evaluator)
     gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
                      gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
@@ -377,24 +356,3 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
         extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal, tune=tune)
-
-
-def check_tune(*, chief: bool, ps: int, evaluator: bool, share_gpus: bool,
-               machines: Sequence[Sequence[layout.Task]] | None) -> None:
-    """A tune run's layout: N tuners (`--workers N`, or `gpu`: one per GPU), each trial on its own devices.
-
-    Raises:
-        ConfigError: naming the flag that has no meaning in a tune run, and the fix.
-    """
-    for given, flag in ((chief, "--chief"), (ps, "--ps"), (evaluator, "--evaluator")):
-        if given:
-            raise ConfigError(f"{flag} does not go with --tune: a tune run is N tuners (--workers N), each training "
-                              f"its trials alone on its own devices; worker 0 also runs the search. Fix: drop {flag}")
-    if share_gpus:
-        raise ConfigError("--share-gpus does not go with --tune: two trials on one GPU would compete for its memory "
-                          "and time (and train differently than alone). Fix: drop --share-gpus; --workers gpu runs one "
-                          "tuner per GPU, or give each tuner several with --gpus-per-worker")
-    if machines is not None:
-        raise ConfigError("--tune with --nnodes is not supported yet: a tune run is the tuners of one machine. Fix: "
-                          "run `stratkit launch --tune --workers N` on one machine, or use a Spark/Ray/Slurm search "
-                          "(docs/tuning.md)")

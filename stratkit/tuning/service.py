@@ -208,6 +208,10 @@ class SearchService:
         if self.store is None:
             named.check()
             self.store, self.nonce = named, named.write_handshake()
+        elif named.path != self.store.path and self.done:  # a driver's service hosts one search per run
+            raise _Refused("config", f"tuner {tuner} starts another search (in {named.shown!r}) after this run's "
+                           f"search (in {self.store.shown!r}) ended: a run hosts one search. Fix: run each search "
+                           "in a run of its own (runner.run(search_fn) per search)")
         elif named.path != self.store.path:
             self._fail_locked("config", f"tuner {tuner} keeps the search in {named.shown!r}, the search service in "
                               f"{self.store.shown!r}. Fix: give every tuner the same store (the same directory and "
