@@ -178,6 +178,7 @@ LONGEST_FIRST = (
     "tests/examples/test_examples.py",
     "tests/strategy/test_custom_loop.py",
     "tests/storage/test_store_paths_multiworker.py",
+    "tests/storage/test_store_urls_one_process.py",
 )
 
 

@@ -107,6 +107,12 @@ def seeded_search(kind: str, store: str | None = None, *, trials: int = 8, epoch
             "tuner": tuner._stratkit.session.tuner, "timings": timings}
 
 
+def seeded_searches(store: str, kinds: tuple[str, ...] = KINDS, **options) -> dict:
+    """Each search of `kinds` in turn, from `store` as the working directory (a run may search several times)."""
+    os.chdir(store)
+    return {kind: seeded_search(kind, store, **options) for kind in kinds}
+
+
 def compare(result: dict, reference: dict, tolerance: float = 1e-5) -> list[str]:
     """What differs between two searches' trials (ids, hyperparameters, statuses, scores within `tolerance`)."""
     problems = []
@@ -161,9 +167,7 @@ def shared_reference(tmp_path_factory) -> dict:
 
 
 if __name__ == "__main__":  # python engine_searches.py STORE KIND... [--tracking MODE]: one process, or a tuner
-    os.chdir(sys.argv[1])
     argv = sys.argv[2:]
     options = {"tracking": argv[argv.index("--tracking") + 1]} if "--tracking" in argv else {}
-    kinds = [arg for arg in argv if arg in KINDS]
-    out = {kind: seeded_search(kind, sys.argv[1], tune_options=options) for kind in kinds}
+    out = seeded_searches(sys.argv[1], tuple(arg for arg in argv if arg in KINDS), tune_options=options)
     print("RESULT " + json.dumps(out, sort_keys=True), flush=True)

@@ -375,9 +375,11 @@ class S3Server(StoreServer):
             iam = boto3.client("iam", endpoint_url=self.client_endpoint, region_name="us-east-1",
                                aws_access_key_id=self.key, aws_secret_access_key=self.secret)
             iam.create_user(UserName="stratkit-reader")
+            # moto 5.2 checks the operation's own name for a listing and a HEAD (s3:ListObjectsV2, s3:HeadObject),
+            # where AWS checks s3:ListBucket and s3:GetObject: both names, or the reader may not read
             policy = iam.create_policy(PolicyName="read-only", PolicyDocument=json.dumps(
                 {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*", "Action": [
-                    "s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation"]}]}))
+                    "s3:GetObject", "s3:ListBucket", "s3:GetBucketLocation", "s3:ListObjectsV2", "s3:HeadObject"]}]}))
             iam.attach_user_policy(UserName="stratkit-reader", PolicyArn=policy["Policy"]["Arn"])
             key = iam.create_access_key(UserName="stratkit-reader")["AccessKey"]
             self._reader = (key["AccessKeyId"], key["SecretAccessKey"])

@@ -288,6 +288,7 @@ RUN_SAMPLES = {
     "examples/spark_train.py": "tests/examples/test_examples.py",
     "examples/callback_state.py": "tests/examples/test_examples.py",
     "examples/check_exact.py": "tests/examples/test_examples.py",
+    "examples/tune_keras_tuner.py": "tests/examples/test_examples.py",
     "spark_jobs/pipeline_job.py": "tests/spark/test_pipeline_job.py",
     "examples/mlflow_train.py": "tests/training/tracking_train.py",
 }

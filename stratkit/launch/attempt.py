@@ -267,7 +267,7 @@ class AttemptRunner:
             # A task that saved its backup on a preemption notice and exited 75: the cluster's tasks stop at the
             # same step, so every other one is saving and exiting too (a crash among them ranks first).
             return ("preempted" if is_preempted(culprit.returncode) else "failed"), culprit, chief_done
-        if not running and self.lost and not tune_env.marked(self._markers, tune_env.DONE):
+        if not running and self.lost and not tune_env.ended(self._markers):
             culprit = self.lost[0]  # a tune run whose tuners all died before the search ended
             culprit.join_output()
             return "failed", culprit, chief_done

@@ -47,10 +47,10 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from stratkit.errors import ConfigError
-from stratkit.launch.plan import (DEFAULT_EXIT_GRACE, DEFAULT_HOST, DEFAULT_STOP_GRACE, TunePlan, plan_launch,
-                                  reserve_ports)
+from stratkit.launch.plan import DEFAULT_EXIT_GRACE, DEFAULT_HOST, DEFAULT_STOP_GRACE, plan_launch, reserve_ports
 from stratkit.launch.results import LaunchResult
 from stratkit.launch.supervisor import Supervisor
+from stratkit.launch.tune import TunePlan
 from stratkit.process.ports import listening_ports
 from stratkit.strategy.server import RUN_DIR_VAR
 from stratkit.tuning.environment import new_token

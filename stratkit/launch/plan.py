@@ -34,8 +34,8 @@ from stratkit.launch.checks import (
     check_task_limit,
 )
 from stratkit.launch.isolation import is_loopback
-from stratkit.launch.tuneplan import TunePlan, check_groups, check_tune
 from stratkit.process.ports import address_family, hold_port
+from stratkit.launch.tune import TunePlan, check_groups, check_tune, check_tuner_gpus
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
 LAUNCHER = "launch"
@@ -318,6 +318,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     tasks = plan_tasks(workers, chief, ps, evaluator)
     gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
                      gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
+    if tune is not None:
+        check_tuner_gpus(len(tasks), gpu.visible, gpus_per_worker)
     for group in machines or [tasks]:
         gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)

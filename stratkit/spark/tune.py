@@ -257,7 +257,7 @@ def _finish(search: DriverSearch, server: LogServer, state: AttemptState, rows: 
     if state.failure is not None:
         raise explain(error or RuntimeError("a tuner failed"), state, server, roles, 1, 1, timeout)
     if error is not None:
-        if search.service.done:
+        if search.ended:
             raise SparkTrainingError(f"the search ended (its results are on its store), but the Spark job failed, "
                                      f"so the tuners' return values are lost: {str(error).splitlines()[0]}",
                                      attempt=1) from None

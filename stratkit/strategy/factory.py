@@ -102,10 +102,14 @@ def make_strategy(spec: ClusterSpec | str | None = None, *, strategy: str | None
         keras_compat.apply(result)  # also guards the user's own model.fit (callbacks, verbose, ...)
         keras_compat.guard_inputs(result)  # the datasets it distributes: auto-shard policy, Python's tensors copied
     elif spec.strategy == "one_device":
-        keras_compat.apply_one_device()  # a model without call() (Keras's GAN/VAE examples) builds as without one
+        keras_compat.apply_one_device()  # a model without call() builds as without one; paths routed as on N workers
     elif spec.strategy == "parameter_server":
         # Keras's own fit/evaluate/predict and metrics are wrong under PS: refuse them up front.
         keras_compat.install_fit_guards()
+    if spec.strategy in ("one_device", "mirrored", "multi_worker_mirrored"):
+        from stratkit.strategy.keras_compat import ownership
+
+        ownership.adopt(result)  # its models' paths (store URLs) are routed on one process as on N workers
     compression.configure(result, spec.strategy, gradient_compression)
     timeline.mark("strategy ready")  # multi-worker: every worker connected (TF waits for them)
     return result

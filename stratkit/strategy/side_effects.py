@@ -5,9 +5,11 @@ workers), but only the chief's files land where the user asked: on the other
 workers, file writers write into private scratch directories
 (`stratkit.strategy.scratch`, removed however the worker ends) and the progress
 bar is off. Both layers apply these rules: `stratkit.Trainer.fit` (training) and
-the guard for a plain `model.fit` under `make_strategy()` (`keras_compat.fit_guards`),
-so they live here, in the higher of the two. Keras is imported with this module:
-the guard imports it at its first multi-worker call, not with `stratkit`.
+the guard for a plain `model.fit` under `make_strategy()` (`keras_compat.fit_guards`;
+which models: `keras_compat.ownership`, one process too: there the one process is the
+chief, and a store URL is staged and uploaded as on N workers), so they live here, in
+the higher of the two. Keras is imported with this module: the guard imports it at its
+first routed call, not with `stratkit`.
 
 The user's own callback object trains on every worker, so after `fit` it holds
 what it holds on one process (`ModelCheckpoint.best`, `EarlyStopping.stopped_epoch`,

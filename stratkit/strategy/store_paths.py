@@ -2,8 +2,9 @@
 
 Keras 3 sends any ``scheme://`` path through ``tf.io.gfile``, which in
 TensorFlow 2.21 reaches ``gs://`` (and ``ram://``) only. Where stratkit
-writes a user's path itself (`model.save` & co. under its save guards on
-several workers, the callbacks it routes), the one rule is:
+writes a user's path itself (`model.save` & co. under its save guards, the
+callbacks it routes: for a model under a stratkit strategy, at any world size),
+the one rule is:
 
 * a local path, or ``file://`` + an absolute path: the local disk (a path
   that reads as a URL missing a slash, ``s3:/bucket``, is refused: it would

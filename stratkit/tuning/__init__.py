@@ -42,6 +42,7 @@ import importlib
 from typing import Any
 
 from stratkit.errors import ConfigError
+from stratkit.tuning.protocol import SearchFailed, SearchUnreachable
 
 #: (the package a tuner object's class comes from, the adapter module, its function): `tune` picks by the first.
 ADAPTERS: tuple[tuple[str, str, str], ...] = (
@@ -75,4 +76,4 @@ def tune(obj: Any, **options: Any) -> Any:
                       f"tuner of a supported library ({supported}), e.g. stratkit.tune(keras_tuner.RandomSearch(...))")
 
 
-__all__ = ["ADAPTERS", "tune"]
+__all__ = ["ADAPTERS", "SearchFailed", "SearchUnreachable", "tune"]

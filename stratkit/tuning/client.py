@@ -51,13 +51,23 @@ class LocalChannel:
 
 
 class WireChannel:
-    """Requests over an authenticated connection (`protocol.Connection`)."""
+    """Requests to search number `search` of the run, over an authenticated connection (`protocol.Connection`);
+    a search its host has not reached yet ("retry") is asked again, for the connection's connect time."""
 
-    def __init__(self, connection: protocol.Connection) -> None:
+    def __init__(self, connection: protocol.Connection, search: int = 0) -> None:
         self.connection = connection
+        self.search = search
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        return self.connection.request(op, **fields)
+        deadline = time.monotonic() + self.connection.connect_seconds
+        while True:
+            reply = self.connection.request(op, search=self.search, **fields)
+            if reply.get("kind") != "retry":
+                return reply
+            if time.monotonic() > deadline:
+                raise protocol.SearchUnreachable(f"{reply.get('error')} after {self.connection.connect_seconds:g} "
+                                                 "s: the host's script does not start this search")
+            time.sleep(0.2)
 
     def close(self) -> None:
         self.connection.close()

@@ -1,23 +1,25 @@
-"""A search whose service runs on the engine's driver: what SparkRunner and RayRunner (`tune=True`) share.
+"""The searches of an engine run hosted on its driver: what SparkRunner and RayRunner (`tune=True`) share.
 
 An engine that starts its tuners from a driver process (Spark's driver, Ray's
-driver) hosts the search service there, beside its own bookkeeping, and hands
-each tuner process its part (`stratkit.tuning.environment`):
+driver) hosts the run's searches there, as `LocalRunner(tune=True)` does: one
+listener for the run (`stratkit.tuning.hub.SearchHub`: the run's token), each
+search made when its first tuner asks (its store and planner come with that
+tuner's registration; a script may search several times). It hands each tuner
+process its part (`stratkit.tuning.environment`):
 
-1. `DriverSearch(tuners, engine=..., host=...)`: the service (no store yet:
-   the first tuner to register names it, with the planner), listening on
-   `host` with a fresh token; `task_env(tuner, advertise=...)` is what one
-   tuner process gets (the address the tuners reach the driver at may differ
-   from the one it binds: Spark's `spark.driver.host` vs `bindAddress`);
+1. `DriverSearch(tuners, engine=..., host=...)`: the hub listening on `host`
+   with a fresh token; `task_env(tuner, advertise=...)` is what one tuner
+   process gets (the address the tuners reach the driver at may differ from
+   the one it binds: Spark's `spark.driver.host` vs `bindAddress`);
 2. while the tuners run, `judge(code)` says what a tuner's end means:
-   `"ok"` (it returned), `"lost"` (it died after the search started: its
+   `"ok"` (it returned), `"lost"` (it died after a search started: its
    lease expires and its trial runs again on another tuner, so the run goes
-   on) or `"failed"` (it died before the start: a configuration problem, the
-   run's failure); `check()` raises the search's own failure (a ConfigError:
-   the same on every tuner, e.g. a build function that fails on the first
-   hyperparameters);
-3. at the end, `outcome(returned)`: the lowest tuner's return value when the
-   search ended, else `None` with why (every tuner was lost before the end).
+   on) or `"failed"` (it died before any search started: a configuration
+   problem, the run's failure); `check()` raises a search's own failure (a
+   ConfigError: the same on every tuner, e.g. a build function that fails on
+   the first hyperparameters);
+3. at the end, `outcome(returned)`: the lowest tuner's return value when every
+   search that started ended, else why not (every tuner was lost before).
 
 The tuner ids an engine gives need not be 0..N-1: a tuner an engine starts
 again (Spark retrying a lost task) gets a new id, so it never inherits a lease
@@ -37,22 +39,23 @@ from typing import Any
 from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.tuning import environment, protocol
+from stratkit.tuning.hub import SearchHub
 from stratkit.tuning.service import SearchService
 
 log = status.logger(__name__)
 
 
 class DriverSearch:
-    """The search service of one engine run, hosted in this process (see the module's docstring).
+    """The searches of one engine run, hosted in this process (see the module's docstring).
 
     Args:
-        tuners: how many tuners the search waits for before its first trial.
+        tuners: how many tuners each search waits for before its first trial.
         engine: who started the tuners, for their messages ("SparkRunner(tune=True)").
-        host: the address the service listens on (loopback unless the tuners run on other machines).
+        host: the address the hub listens on (loopback unless the tuners run on other machines).
         environ: where STRATKIT_TUNE_LEASE_SECONDS / STRATKIT_TUNE_START_SECONDS are read (default: os.environ).
 
     Raises:
-        ConfigError: the service cannot listen on `host`, or a variable is malformed.
+        ConfigError: the hub cannot listen on `host`, or a variable is malformed.
     """
 
     def __init__(self, tuners: int, *, engine: str, host: str = environment.DEFAULT_HOST,
@@ -60,19 +63,26 @@ class DriverSearch:
         env = os.environ if environ is None else environ
         self.tuners = tuners
         self.engine = engine
+        lease = environment.seconds(environment.LEASE_VAR, environment.LEASE_SECONDS, env)
+        start = environment.seconds(environment.START_VAR, environment.START_SECONDS, env)
         self.markers = tempfile.mkdtemp(prefix="stratkit-tune-")
         self.token = environment.new_token()
-        self.service = SearchService(
-            None, tuners=tuners, markers=self.markers,
-            lease_seconds=environment.seconds(environment.LEASE_VAR, environment.LEASE_SECONDS, env),
-            start_seconds=environment.seconds(environment.START_VAR, environment.START_SECONDS, env))
+        self.services: list[SearchService] = []
+
+        def create(search: int) -> SearchService:
+            service = SearchService(None, tuners=tuners, lease_seconds=lease, start_seconds=start,
+                                    markers=self.markers, search=search)
+            self.services.append(service)
+            return service
+
         try:
-            self.address = self.service.listen(host, 0, self.token)
+            self.hub = SearchHub(host, 0, self.token, tuners=tuners, create=create)
         except OSError as exc:
-            self.close()
+            shutil.rmtree(self.markers, ignore_errors=True)
             raise ConfigError(f"{engine}: the search service cannot listen on {host!r} ({exc.strerror or exc}). "
                               f"Fix: set {environment.HOST_VAR} to an address of this machine the tuners reach"
                               ) from None
+        self.address = self.hub.address
 
     def task_env(self, tuner: int, advertise: str | None = None) -> dict[str, str]:
         """The variables tuner `tuner` gets; `advertise`: the host the tuners dial (default: the bound one)."""
@@ -81,53 +91,49 @@ class DriverSearch:
 
     @property
     def started(self) -> bool:
-        """Whether the search handed out its first trial (every tuner registered, the store checked)."""
+        """Whether a search handed out its first trial (every tuner registered, the store checked)."""
         return environment.started(self.markers)
 
     @property
     def ended(self) -> bool:
-        """Whether the search ended (its last trial reported) or failed."""
-        return self.service.done or self.service.failure is not None
+        """Whether every search that started ended, or a search failed."""
+        return environment.ended(self.markers) or self._failure() is not None
+
+    def _failure(self) -> tuple[str, str] | None:
+        return next((s.failure for s in list(self.services) if s.failure is not None), None)
 
     def judge(self, code: int | None) -> str:
-        """What a tuner's end means to the run: "ok", "lost" (after the start) or "failed" (before it)."""
+        """What a tuner's end means to the run: "ok", "lost" (after a search started) or "failed" (before)."""
         if code == 0:
             return "ok"
-        return "lost" if self.started and self.service.failure is None else "failed"
+        return "lost" if self.started and self._failure() is None else "failed"
 
     def check(self) -> None:
-        """Raise the search's own failure, if it had one (the error every tuner raised too).
+        """Raise a search's own failure, if one had one (the error every tuner raised too).
 
         Raises:
-            ConfigError: a tuner found the search cannot work (its store, its build function, another search).
-            SearchFailed: the planner itself failed.
+            ConfigError: a tuner found a search cannot work (its store, its build function, another search).
+            SearchFailed: a planner itself failed.
         """
-        failure = self.service.failure
-        if failure is None:
-            return
-        kind, message = failure
-        protocol.raise_for({"error": message, "kind": kind})
-
-    def wait(self, timeout: float) -> bool:
-        """Wait (at most `timeout` s) for the search to end; whether it did."""
-        return self.service.wait_done(timeout)
+        failure = self._failure()
+        if failure is not None:
+            protocol.raise_for({"error": failure[1], "kind": failure[0]})
 
     def outcome(self, returned: Mapping[int, Any]) -> tuple[bool, Any]:
-        """(the search ended, the lowest tuner's return value), from each tuner that returned; raises `check`'s
-        failure first."""
+        """(every search that started ended, the lowest tuner's return value), from each tuner that returned
+        (`{tuner: value}`); raises `check`'s failure first."""
         self.check()
-        if not self.service.done:
+        if not environment.ended(self.markers):
             return False, None
         if not returned:
             return True, None
         return True, returned[min(returned)]
 
     def close(self) -> None:
-        """Stop the service (its state is on the store), log what a tracked search queued (bounded: MLflow,
-        `stratkit.tuning.tracked`), remove the markers."""
-        service = getattr(self, "service", None)
-        if service is not None:
-            service.close()
+        """Stop the hub and every search's lease clock (their states are on their stores), log what a tracked
+        search queued (bounded: MLflow, `stratkit.tuning.tracked`), remove the markers."""
+        self.hub.close()
+        for service in list(self.services):
             close = getattr(service.planner, "close", None)
             if close is not None:
                 close(error=service.failure[1] if service.failure is not None else None)

@@ -25,8 +25,9 @@ What an engine must do, in order:
 3. no TF_CONFIG: each tuner trains its trials alone on its own devices;
 4. a tuner's death is not the search's failure (its lease expires and its
    trial runs again elsewhere): only the process hosting the service is
-   vital; `started(markers)` says whether the search got past its start
-   (before it, a dead tuner is a configuration problem: fail the run).
+   vital; `started(markers)` says whether a search got past its start
+   (before it, a dead tuner is a configuration problem: fail the run), and
+   `ended(markers)` whether every search that started also ended.
 
 Imports no TensorFlow.
 """
@@ -43,7 +44,7 @@ from stratkit import files
 from stratkit.errors import ConfigError
 
 ADDRESS_VAR = "STRATKIT_TUNE_ADDRESS"
-TOKEN_VAR = "STRATKIT_TUNE_TOKEN"
+TUNE_TOKEN_VAR = "STRATKIT_TUNE_TOKEN"
 #: This tuner's id: a whole number; the processes of one multi-worker trial group share it.
 TUNER_VAR = "STRATKIT_TUNE_TUNER"
 #: How many tuners the search waits for before its first trial (each registers once).
@@ -71,7 +72,7 @@ CONNECT_SECONDS = 600.0
 START_SECONDS = 300.0
 MIN_TOKEN = 16
 
-#: Marker files in the MARKERS directory.
+#: Marker files in the MARKERS directory, per search of the run (`started_name(k)`, `done_name(k)`).
 STARTED = "started"
 DONE = "done"
 
@@ -134,11 +135,11 @@ def from_environ(environ: Mapping[str, str] | None = None) -> TuneEnv | None:
     env = os.environ if environ is None else environ
     if not env.get(ADDRESS_VAR, "").strip():
         return None
-    token = env.get(TOKEN_VAR, "")
+    token = env.get(TUNE_TOKEN_VAR, "")
     if len(token) < MIN_TOKEN or not token.isascii() or not token.isprintable() or " " in token:
-        raise ConfigError(f"{TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces (got "
-                          f"{len(token)}). It is set by the engine that started this tuner with {ADDRESS_VAR}. Fix: "
-                          "start the search with `stratkit launch --tune` or LocalRunner(tune=True)")
+        raise ConfigError(f"{TUNE_TOKEN_VAR} must be at least {MIN_TOKEN} printable ASCII characters without spaces "
+                          f"(got {len(token)}). It is set by the engine that started this tuner with {ADDRESS_VAR}. "
+                          "Fix: start the search with `stratkit launch --tune` or LocalRunner(tune=True)")
     return TuneEnv(address=parse_address(env[ADDRESS_VAR]), token=token, tuner=_int(env, TUNER_VAR, 0),
                    tuners=_int(env, TUNERS_VAR, 1), serve=env.get(SERVE_VAR, "").strip() == "1",
                    markers=env.get(MARKERS_VAR) or None, engine=env.get(ENGINE_VAR) or "the engine",
@@ -160,7 +161,8 @@ def task_env(address: tuple[str, int], token: str, tuner: int, tuners: int, *, s
              markers: str | None = None, engine: str = "", group: tuple[int, int] = (0, 1)) -> dict[str, str]:
     """The variables one tuner process gets (merge them into its environment); `group`: its (rank, size) in a
     multi-worker trial group (the group shares `tuner`)."""
-    env = {ADDRESS_VAR: format_address(*address), TOKEN_VAR: token, TUNER_VAR: str(tuner), TUNERS_VAR: str(tuners),
+    env = {ADDRESS_VAR: format_address(*address), TUNE_TOKEN_VAR: token, TUNER_VAR: str(tuner),
+           TUNERS_VAR: str(tuners),
            SERVE_VAR: "1" if serve else "0"}
     if group[1] > 1:
         env[GROUP_VAR] = f"{group[0]}/{group[1]}"
@@ -191,18 +193,35 @@ def service_host(environ: Mapping[str, str] | None = None) -> str:
     return (os.environ if environ is None else environ).get(HOST_VAR, "").strip() or DEFAULT_HOST
 
 
+def started_name(search: int) -> str:
+    return f"{STARTED}-{int(search)}"
+
+
+def done_name(search: int) -> str:
+    return f"{DONE}-{int(search)}"
+
+
 def mark(markers: str | None, name: str) -> None:
-    """Write the marker `name` (STARTED, DONE) for the engine, if it asked for markers."""
+    """Write the marker `name` (`started_name(k)`, `done_name(k)`) for the engine, if it asked for markers."""
     if markers:
         os.makedirs(markers, exist_ok=True)
         files.write_bytes(os.path.join(markers, name), b"")
 
 
-def marked(markers: str | None, name: str) -> bool:
-    """Whether the marker `name` was written."""
-    return bool(markers) and os.path.exists(os.path.join(markers, name))  # type: ignore[arg-type]
+def _names(markers: str | None) -> set[str]:
+    try:
+        return set(os.listdir(markers)) if markers else set()
+    except OSError:
+        return set()
 
 
 def started(markers: str | None) -> bool:
-    """Whether the search handed out its first trial (every tuner registered, the store checked)."""
-    return marked(markers, STARTED)
+    """Whether a search of the run handed out its first trial (every tuner registered, the store checked)."""
+    return any(name.startswith(STARTED + "-") for name in _names(markers))
+
+
+def ended(markers: str | None) -> bool:
+    """Whether every search of the run that started also ended (its results are final)."""
+    names = _names(markers)
+    searches = [name[len(STARTED) + 1:] for name in names if name.startswith(STARTED + "-")]
+    return bool(searches) and all(f"{DONE}-{k}" in names for k in searches)

@@ -36,7 +36,6 @@ Imports TensorFlow through the coordination store only when a group runs.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 from stratkit import status
@@ -44,7 +43,7 @@ from stratkit.errors import ConfigError
 
 log = status.logger(__name__)
 
-#: Key prefix of a search's messages in the group's store; each `stratkit.tune` in a process is the next search.
+#: Key prefix of a search's messages in the group's store (then the search's number in the run).
 PREFIX = "stratkit/tune"
 #: Seconds between a follower's checks while it waits for the chief (the store's own get blocks in between).
 POLL = 5.0
@@ -52,17 +51,6 @@ POLL = 5.0
 _OWN = {"beat": {"alive": True}, "built": {}, "report": {"alive": True, "reply": {}}, "end": {"accepted": True},
         "abort": {}, "bye": {}}
 _PUBLISHED = ("next", "query", "files")
-
-_searches = {"count": 0}
-_count_lock = threading.Lock()
-
-
-def next_search() -> int:
-    """This process's next search's number (the same on every worker of a group: they run the same script)."""
-    with _count_lock:
-        _searches["count"] += 1
-        return _searches["count"]
-
 
 def store_of(strategy: Any) -> Any:
     """The group's channel: its MultiWorkerMirrored strategy's key-value store.
@@ -129,4 +117,4 @@ class FollowerChannel:
         pass
 
 
-__all__ = ["FollowerChannel", "LeaderChannel", "next_search", "store_of"]
+__all__ = ["FollowerChannel", "LeaderChannel", "PREFIX", "store_of"]

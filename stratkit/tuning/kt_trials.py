@@ -226,4 +226,5 @@ def resumable(saver: Any, uploaded: Any) -> bool:
     return True
 
 
-__all__ = ["EpochReports", "FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState", "resumable", "to_json"]
+__all__ = ["EpochReports", "FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState",
+           "resumable", "to_json"]

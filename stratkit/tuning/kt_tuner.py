@@ -342,8 +342,8 @@ def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact
             build different searches, or (before any trial) another tuner found one of these.
     """
     if not isinstance(tuner, keras_tuner.engine.base_tuner.BaseTuner):
-        raise ConfigError(f"stratkit.tune() got a {type(tuner).__name__}, not a KerasTuner tuner. Fix: "
-                          "stratkit.tune(keras_tuner.RandomSearch(...)) (or Hyperband, BayesianOptimization, GridSearch)")
+        raise ConfigError(f"stratkit.tune() got a {type(tuner).__name__}, not a KerasTuner tuner. Fix: stratkit.tune("
+                          "keras_tuner.RandomSearch(...)) (or Hyperband, BayesianOptimization, GridSearch)")
     if isinstance(tuner, DistributedTuner):
         return tuner
     check_version()

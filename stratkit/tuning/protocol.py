@@ -47,7 +47,7 @@ class SearchUnreachable(StratkitError, RuntimeError):
 
 
 class SearchFailed(StratkitError, RuntimeError):
-    """The search ended with an error (a tuner's bad configuration, the planner's own error): the same on every tuner."""
+    """The search ended with an error (the planner's own), the same on every tuner; or one request failed."""
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -138,13 +138,7 @@ class Connection:
             try:
                 sock = socket.create_connection(self.address, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(self._hello)
-                reply = b""
-                while not reply.endswith(b"\n") and len(reply) < 8:
-                    data = sock.recv(1)
-                    if not data:
-                        break
-                    reply += data
+                reply = listener.greet(sock, self._hello)
                 if reply == listener.OK:
                     sock.settimeout(self.reply_seconds)
                     self._sock = sock

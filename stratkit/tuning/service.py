@@ -1,10 +1,12 @@
 """The search service: the one place a distributed search is decided, on the chief or the driver.
 
-It runs where the engine puts it (`stratkit launch --tune`: a thread of worker
-0 beside its own tuner; `LocalRunner(tune=True)`: the driver; one process: the
-same process) and serves every tuner through `stratkit.tuning.protocol` on an
-`AuthListener` (the run's token; loopback unless the engine names the
-cluster's interface). What it decides:
+It runs where the engine puts it (`stratkit launch --tune`: beside worker 0's
+own tuner; `LocalRunner(tune=True)`: the driver; one process: the same
+process) and answers every tuner's requests (`stratkit.tuning.protocol`),
+which reach it through the run's listener (`stratkit.tuning.hub`: the run's
+token; loopback unless the engine names the cluster's interface), or directly
+in the process that hosts it. One service per search (a script may search
+several times). What it decides:
 
 * **the start**: no trial before every expected tuner registered (each proved
   it reaches the store and builds the same search: `register`), or
@@ -39,14 +41,13 @@ Imports no TensorFlow (the planner brings its library).
 from __future__ import annotations
 
 import base64
-import socket
+import json
 import threading
 import time
 from typing import Any
 
 from stratkit import status
 from stratkit.errors import ConfigError
-from stratkit.process import listener as listener_lib
 from stratkit.tuning import environment, protocol
 from stratkit.tuning.leases import Lease, Leases
 from stratkit.tuning.planner import DONE, WAIT, Planner, Proposal
@@ -71,17 +72,19 @@ class SearchService:
         tuners: how many tuners register before the first trial.
         lease_seconds: a lease's life without a heartbeat (tuners beat every lease_seconds / 6).
         start_seconds: how long the first trial waits for every tuner to register.
-        markers: a local directory for the engine's `started` / `done` markers (or None).
+        markers: a local directory for the engine's `started-<search>` / `done-<search>` markers (or None).
+        search: this search's number in its run (a script may search several times, `hub.SearchHub`).
     """
 
     def __init__(self, store: SearchStore | None, *, tuners: int = 1, lease_seconds: float = environment.LEASE_SECONDS,
                  start_seconds: float = environment.START_SECONDS, markers: str | None = None,
-                 max_losses: int | None = None) -> None:
+                 max_losses: int | None = None, search: int = 0) -> None:
         self.store = store
         self.tuners = max(1, int(tuners))
         self.lease_seconds = float(lease_seconds)
         self.heartbeat = max(0.05, self.lease_seconds / 6)
         self.markers = markers
+        self.search = int(search)
         self.leases = Leases(self.lease_seconds, **({} if max_losses is None else {"max_losses": max_losses}))
         self.planner: Planner | None = None
         self.fingerprint: dict[str, Any] | None = None
@@ -104,47 +107,22 @@ class SearchService:
         self._start_deadline = self._started_at + float(start_seconds)
         self.nonce = store.write_handshake() if store is not None else None
         self._closing = threading.Event()
-        self._listener: listener_lib.AuthListener | None = None
-        self.address: tuple[str, int] | None = None
         self._ticker = threading.Thread(target=self._tick, name="stratkit-search-leases", daemon=True)
         self._ticker.start()
 
-    # -- the network ------------------------------------------------------------------------------
-    def listen(self, host: str, port: int, token: str) -> tuple[str, int]:
-        """Serve tuners at (host, port) (0: a free port) for clients with `token`; returns the address."""
-        self._listener = listener_lib.AuthListener(host, port, token.encode("ascii"), self._admit,
-                                                   on_fatal=lambda why: self.fail("failed", f"the search service "
-                                                                                  f"stopped listening: {why}"))
-        self.address = (host, self._listener.port)
-        return self.address
-
-    @property
-    def rejected(self) -> int:
-        """Connections refused (a wrong token, a bad HELLO)."""
-        return self._listener.rejected if self._listener is not None else 0
-
-    def _admit(self, conn: socket.socket, tuner: int, label: str, rest: bytes) -> None:
+    # -- connections (counted by the hub that routes them: `stratkit.tuning.hub`) -------------------
+    def connected(self, tuner: int) -> None:
+        """A connection of `tuner` sent its first request to this search."""
         with self._lock:
-            if sum(self._connections.values()) >= 4 * self.tuners + 16:
-                busy = True
-            else:
-                busy = False
-                self._connections[tuner] = self._connections.get(tuner, 0) + 1
-        if busy:
-            self._listener.reject(conn, listener_lib.BUSY)  # type: ignore[union-attr]
-            return
+            self._connections[tuner] = self._connections.get(tuner, 0) + 1
 
-        def run() -> None:
-            try:
-                protocol.serve(conn, rest, lambda request: self.handle(tuner, request), self._closing)
-            finally:
-                with self._lock:
-                    self._connections[tuner] -= 1
-                    if self._connections[tuner] == 0:
-                        self.leases.disconnected(tuner, time.monotonic())
-                        self._changed.notify_all()
-
-        threading.Thread(target=run, name=f"stratkit-search-{label}", daemon=True).start()
+    def disconnected(self, tuner: int) -> None:
+        """A connection of `tuner` closed; the last one: its lease lives only `leases.RECONNECT_GRACE` s more."""
+        with self._lock:
+            self._connections[tuner] = max(0, self._connections.get(tuner, 0) - 1)
+            if self._connections[tuner] == 0:
+                self.leases.disconnected(tuner, time.monotonic())
+                self._changed.notify_all()
 
     # -- requests ---------------------------------------------------------------------------------
     def handle(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
@@ -174,15 +152,16 @@ class SearchService:
         error = request.get("error")
         if error:
             self.fail("config", str(error))
+        planner = request.get("planner_object")
+        if planner is None and request.get("planner") is not None and self.planner is None:
+            planner = _unpickle(request["planner"])  # outside the lock: it may import the library (and Keras)
         with self._lock:
             self._check_failed()
-            fingerprint = request.get("fingerprint") or {}
+            fingerprint = json.loads(json.dumps(request.get("fingerprint") or {}))
             self._use_store(tuner, request.get("store"))
             if self.planner is None:
-                blob = request.get("planner")
-                if blob is None and "planner_object" not in request:
+                if planner is None:
                     return {"need_planner": True}
-                planner = request.get("planner_object") or _unpickle(blob)
                 self._adopt(planner, fingerprint)
             elif fingerprint != self.fingerprint:
                 self._fail_locked("config", _mismatch(tuner, fingerprint, self.fingerprint or {}))
@@ -208,10 +187,6 @@ class SearchService:
         if self.store is None:
             named.check()
             self.store, self.nonce = named, named.write_handshake()
-        elif named.path != self.store.path and self.done:  # a driver's service hosts one search per run
-            raise _Refused("config", f"tuner {tuner} starts another search (in {named.shown!r}) after this run's "
-                           f"search (in {self.store.shown!r}) ended: a run hosts one search. Fix: run each search "
-                           "in a run of its own (runner.run(search_fn) per search)")
         elif named.path != self.store.path:
             self._fail_locked("config", f"tuner {tuner} keeps the search in {named.shown!r}, the search service in "
                               f"{self.store.shown!r}. Fix: give every tuner the same store (the same directory and "
@@ -292,7 +267,7 @@ class SearchService:
         lease = self.leases.hand_out(proposal, tuner, now, first=first)
         if first:
             self._first = proposal.trial_id
-            environment.mark(self.markers, environment.STARTED)
+            environment.mark(self.markers, environment.started_name(self.search))
         self._version += 1
         return lease
 
@@ -321,7 +296,7 @@ class SearchService:
             if self.leases.current(trial_id, run) is None:
                 return {"alive": False}
             self.leases.beat(trial_id, run, time.monotonic())
-            reply = self.planner.report(trial_id, dict(request.get("data") or {}))  # type: ignore[union-attr]
+            reply = self._ask(lambda: self.planner.report(trial_id, dict(request.get("data") or {})))  # type: ignore
             self._version += 1
             version = self._version
         self._persist(version)
@@ -354,7 +329,17 @@ class SearchService:
         with self._lock:
             if self.planner is None:
                 raise _Refused("protocol", "no planner registered yet")
-            return {"value": self.planner.query(str(request["name"]), dict(request.get("args") or {}))}
+            planner = self.planner
+            return {"value": self._ask(lambda: planner.query(str(request["name"]), dict(request.get("args") or {})))}
+
+    @staticmethod
+    def _ask(call: Any) -> Any:
+        """A planner call whose error is its caller's alone (a report without the objective, an unknown trial):
+        that tuner's request fails (its trial, as KerasTuner would have it), the search goes on."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - told to the one tuner that asked
+            raise _Refused("request", f"{type(exc).__name__}: {exc}") from None
 
     def _op_files(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
         """The run whose files are the trial's (the one that ended it), or None."""
@@ -427,7 +412,7 @@ class SearchService:
             self.store.write_state(state)
             self._written = current
         if self.done:
-            environment.mark(self.markers, environment.DONE)
+            environment.mark(self.markers, environment.done_name(self.search))
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Block until the search ended (or failed); False on timeout."""
@@ -451,10 +436,8 @@ class SearchService:
                 self._changed.wait(0.2)
 
     def close(self) -> None:
-        """Stop serving (the state is already on the store)."""
+        """Stop the lease clock (the state is already on the store)."""
         self._closing.set()
-        if self._listener is not None:
-            self._listener.close()
         with self._lock:
             self._changed.notify_all()
 

@@ -4,16 +4,20 @@
 with its planner and the search's store; it reads the engine's environment
 (`stratkit.tuning.environment`) and returns the `Session`:
 
-| this process | the service | the client |
-|---|---|---|
-| alone (`python search.py`: no STRATKIT_TUNE_* variables) | here, no listener | direct calls |
-| the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0) | here, listening on `STRATKIT_TUNE_ADDRESS` | direct calls |
-| a tuner | elsewhere (the host, or the engine's driver) | the wire, with the token |
+* alone (`python search.py`: no STRATKIT_TUNE_* variables): the service here,
+  no listener; the client calls it directly;
+* the host (`STRATKIT_TUNE_SERVE=1`: the launcher's worker 0): the service
+  here, behind the run's listener (`hub`) on `STRATKIT_TUNE_ADDRESS`; direct calls;
+* a tuner: the service elsewhere (the host, or the engine's driver); the wire,
+  with the token.
 
 An srun step of several tasks is a search of its own kind: its tasks learn
-their parts from Slurm's variables (`stratkit.tuning.slurm`: task 0 hosts).
+their parts from Slurm's variables (`stratkit.tuning.slurm`: task 0 hosts);
+a multi-worker trial group's workers other than its chief follow it
+(`stratkit.tuning.groups`).
 
-Every tuner checks the store before it registers (`SearchStore.check`: the
+Each call is the process's next search (0, 1, ...: a script may search
+several times, the same in every tuner). Every tuner checks the store before it registers (`SearchStore.check`: the
 store answers and takes writes) and after (it sees the handshake the service
 wrote: a local path that is not shared between machines is refused). A tuner
 whose check fails tells the service, and the search ends with that ConfigError
@@ -37,9 +41,14 @@ from stratkit.errors import ConfigError
 from stratkit.tuning import environment, groups, protocol
 from stratkit.tuning import slurm as tune_slurm
 from stratkit.tuning.client import LocalChannel, SearchClient, WireChannel
+from stratkit.tuning.hub import SearchHub
 from stratkit.tuning.planner import Planner
 from stratkit.tuning.search_store import SearchStore
 from stratkit.tuning.service import SearchService
+
+#: This process's searches so far (each `open_session` is the next: every tuner runs the same script), and the
+#: run's listener when this process hosts (worker 0 of `stratkit launch --tune`).
+_PROCESS: dict[str, Any] = {"searches": 0, "hub": None}
 
 
 @dataclass
@@ -93,6 +102,18 @@ def _refuse_cluster() -> None:
                           "LocalRunner(num_workers=N, tune=True), or run `python search.py` for one process")
 
 
+def _hub(env: environment.TuneEnv) -> SearchHub:
+    """The run's listener in this (host) process, made at its first search on the address the engine held."""
+    if _PROCESS["hub"] is None:
+        try:
+            _PROCESS["hub"] = SearchHub(env.address[0], env.address[1], env.token, tuners=env.tuners)
+        except OSError as exc:
+            raise ConfigError(f"the search service cannot listen on {environment.format_address(*env.address)} "
+                              f"({exc.strerror or exc}; {environment.ADDRESS_VAR}, set by {env.engine}). Fix: a free "
+                              "port on an address of this machine") from None
+    return _PROCESS["hub"]
+
+
 def open_session(planner: Planner, *, store: str, lease_seconds: float | None = None,
                  strategy: Any = None) -> Session:
     """Join (or host) the search this process belongs to, with `planner` and the search's `store`.
@@ -106,29 +127,32 @@ def open_session(planner: Planner, *, store: str, lease_seconds: float | None = 
         SearchUnreachable: the service could not be reached within STRATKIT_TUNE_CONNECT_SECONDS.
     """
     env = environment.from_environ() or tune_slurm.from_slurm()  # an engine's variables, else an srun step's
+    search = _PROCESS["searches"]
+    _PROCESS["searches"] += 1
     lease = lease_seconds if lease_seconds is not None else environment.seconds(environment.LEASE_VAR,
                                                                                  environment.LEASE_SECONDS)
     search_store = SearchStore(store)
     if env is not None and env.group[1] > 1:
-        return _in_group(env, planner, search_store, lease, strategy)
-    return _open(env, planner, search_store, lease)
+        return _in_group(env, planner, search_store, lease, strategy, search)
+    return _open(env, planner, search_store, lease, search)
 
 
 def _in_group(env: environment.TuneEnv, planner: Planner, search_store: SearchStore, lease: float,
-              strategy: Any) -> Session:
+              strategy: Any, search: int) -> Session:
     """A multi-worker trial group's worker: its chief joins the search and publishes, the others follow."""
-    kv, search = groups.store_of(strategy), groups.next_search()
+    kv = groups.store_of(strategy)
     if env.group[0] > 0:
         client = SearchClient(groups.FollowerChannel(kv, search, env.label), env.tuner)
         client.config = client.call("register")
         return Session("follower", client, search_store, None, env)
-    session = _open(env, planner, search_store, lease)
+    session = _open(env, planner, search_store, lease, search)
     session.client.channel = groups.LeaderChannel(session.client.channel, kv, search)
     kv.insert(f"{groups.PREFIX}/{search}/config", json.dumps({"ok": session.client.config}))
     return session
 
 
-def _open(env: environment.TuneEnv | None, planner: Planner, search_store: SearchStore, lease: float) -> Session:
+def _open(env: environment.TuneEnv | None, planner: Planner, search_store: SearchStore, lease: float,
+          search: int) -> Session:
     if env is None:
         _refuse_cluster()
         search_store.check()
@@ -138,22 +162,18 @@ def _open(env: environment.TuneEnv | None, planner: Planner, search_store: Searc
         return Session("alone", client, search_store, service)
     if env.serve:
         search_store.check()
+        hub = _hub(env)
         service = SearchService(search_store, tuners=env.tuners, lease_seconds=lease, markers=env.markers,
-                                start_seconds=environment.seconds(environment.START_VAR, environment.START_SECONDS))
-        try:
-            service.listen(env.address[0], env.address[1], env.token)
-        except OSError as exc:
-            service.close()
-            raise ConfigError(f"the search service cannot listen on {environment.format_address(*env.address)} "
-                              f"({exc.strerror or exc}; {environment.ADDRESS_VAR}, set by {env.engine}). Fix: a free "
-                              "port on an address of this machine") from None
+                                start_seconds=environment.seconds(environment.START_VAR, environment.START_SECONDS),
+                                search=search)
+        hub.add(search, service)
         client = SearchClient(LocalChannel(service, env.tuner), env.tuner)
         client.register_local(service, planner)
         return Session("host", client, search_store, service, env)
     connection = protocol.Connection(env.address, env.token, env.tuner, env.label,
                                      connect_seconds=environment.seconds(environment.CONNECT_VAR,
                                                                          environment.CONNECT_SECONDS))
-    client = SearchClient(WireChannel(connection), env.tuner)
+    client = SearchClient(WireChannel(connection, search), env.tuner)
     try:
         search_store.check()
     except ConfigError as exc:

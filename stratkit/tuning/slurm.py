@@ -61,14 +61,14 @@ def from_slurm(environ: Mapping[str, str] | None = None) -> environment.TuneEnv 
         host = named
     elif len(hosts) == 1:  # every tuner on this node: loopback only
         host = environment.DEFAULT_HOST
-    token = env.get(environment.TOKEN_VAR, "")
+    token = env.get(environment.TUNE_TOKEN_VAR, "")
     if len(token) < environment.MIN_TOKEN:
         raise ConfigError(f"this search runs as task {rank} of an srun step of {len(workers)} tasks, a tuner each, "
-                          f"and needs {environment.TOKEN_VAR} (at least {environment.MIN_TOKEN} characters: the "
+                          f"and needs {environment.TUNE_TOKEN_VAR} (at least {environment.MIN_TOKEN} characters: the "
                           f"secret task 0's search service checks; got {len(token)}). Fix: before srun, "
                           f"{MAKE_TOKEN}; or run `python search.py` without srun for one process")
     return environment.from_environ({environment.ADDRESS_VAR: environment.format_address(host, port),
-                                     environment.TOKEN_VAR: token, environment.TUNER_VAR: str(rank),
+                                     environment.TUNE_TOKEN_VAR: token, environment.TUNER_VAR: str(rank),
                                      environment.TUNERS_VAR: str(len(workers)),
                                      environment.SERVE_VAR: "1" if rank == 0 else "0",
                                      environment.ENGINE_VAR: ENGINE})

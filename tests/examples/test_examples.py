@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -101,3 +102,18 @@ def test_the_callback_state_sample_counts_every_step_once_across_a_crash(tmp_pat
     output = _quickstart([sys.executable, sample], tmp_path)
     assert "resumed from" in output and "at epoch 2 + 1 steps" in output  # the backup of step 21
     assert "steps counted: 50" in output and not (tmp_path / "backup").exists()
+
+
+# -- examples/tune_keras_tuner.py (docs/tuning.md) -------------------------------------------------
+
+@pytest.mark.multiworker
+def test_the_tuning_example_runs_on_two_tuners_under_launch(tmp_path):
+    """The example's seeded search on 2 tuners under `stratkit launch --tune`: every tuner ends with the same
+    trials, scores and best model (the equality with one process and LocalRunner: tests/tuning)."""
+    launched = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--",
+                            sys.executable, str(EXAMPLES / "tune_keras_tuner.py"), "--trials", "3", "--epochs", "1"],
+                           tmp_path)
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{.*\})$", launched, re.M))
+    assert set(reports) == {"worker:0", "worker:1"}, launched[-6000:]
+    first = json.loads(reports["worker:0"])
+    assert json.loads(reports["worker:1"]) == first and len(first["trials"]) == 3 and first["accuracy"] > 0.3

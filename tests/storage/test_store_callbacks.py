@@ -158,7 +158,7 @@ def test_uploads_that_fail_warn_during_training_and_raise_at_its_end(s3, tmp_pat
     assert storage.open_store(url + "/logs").read_bytes("log.csv") == b"epoch\n0\n"
 
 
-def test_one_process_trainer_fit_and_save_to_gcs_and_keras_own_save_left_alone(use_store, capsys):
+def test_one_process_trainer_fit_and_save_to_gcs_and_keras_own_save_too(use_store, capsys):
     import numpy as np
 
     import stratkit
@@ -182,7 +182,8 @@ def test_one_process_trainer_fit_and_save_to_gcs_and_keras_own_save_left_alone(u
     assert f"saving model to {url}/ckpt/m-2.weights.h5" in said, said   # the URL, not the staging directory
     assert checkpoint.filepath == url + "/ckpt/m-{epoch}.weights.h5"
     assert trainer.save(model, url + "/model.keras") == url + "/model.keras"
-    assert storage.open_store(url).list() == ["ckpt/m-1.weights.h5", "ckpt/m-2.weights.h5", "model.keras"]
-    # One process: Keras's own model.save is Keras's (tf.io.gfile, which has no s3://), as without stratkit.
-    with pytest.raises(Exception, match="File system scheme 's3' not implemented"):
-        model.save("s3://bucket/model.keras")
+    # One process: Keras's own model.save of a model under stratkit's strategy goes through the store layer too,
+    # as on N workers (issue 49; before, tf.io.gfile's own GCS client)
+    model.save(url + "/keras.keras")
+    assert storage.open_store(url).list() == ["ckpt/m-1.weights.h5", "ckpt/m-2.weights.h5", "keras.keras",
+                                              "model.keras"]

@@ -32,7 +32,7 @@ The modules, one responsibility each:
 * :mod:`.parameter_server`: what the PS loop needs of Keras, and its refusals;
 * :mod:`.all_reduce`: the gradient all-reduce hook ``gradient_compression`` uses;
 * :mod:`.variable_scalars`: ``float()``/``int()`` of Keras variables holding distributed values;
-* :mod:`.save_guards`: every MWMS worker's ``model.save``/``export`` to one path (chief atomic, others private);
+* :mod:`.save_guards`: ``model.save``/``export`` under a stratkit strategy (:mod:`.ownership` decides whose);
 * :mod:`.distributed_input`: every dataset a Mirrored/MWMS strategy distributes gets its auto-shard policy
   (:mod:`.sharding`: exact DATA unless FILE was chosen, FILE checked against the files) and a copy of the
   tensors Python made (:mod:`.dataset_graph` reads the pipeline);
@@ -268,26 +268,23 @@ def apply(strategy: Any = None) -> str:
 
 
 def apply_one_device() -> bool:
-    """The one fix one device needs: models without ``call()`` (Keras's DCGAN/VAE examples) train as without a strategy.
+    """What one device needs: a model without ``call()`` (Keras's DCGAN/VAE examples) trains as without a strategy,
+    and the user's paths (store URLs) are routed as on N workers.
 
     Keras builds every model under a strategy by calling it, which a model with
     only a ``train_step`` cannot do (see :mod:`.trainer_patches`). ``make_strategy``
-    calls this for its one-device choice; it installs the trainer fixes (inert on
-    one device but for that build) on a tested Keras only, and changes nothing
-    otherwise: one device is never refused for an untested Keras. Not under
-    ``STRATKIT_KERAS_COMPAT=force`` either: :func:`apply` would then take the
-    installed fixes for an upstream fix and skip the rest of the patches.
+    calls this for its one-device choice. The trainer fixes (inert on one device
+    but for that build) go in on a tested Keras only: one device is never refused
+    for an untested Keras, nor forced (:func:`apply` would take them for an
+    upstream fix). The guards on ``fit`` and ``save`` go in as :func:`apply` installs them.
 
     Returns:
-        True when the fix is in place.
+        True when the trainer fixes are in place.
     """
-    mode = _mode()
-    version = installed_keras_version()
-    if mode == "off" or version not in TESTED_KERAS_VERSIONS:
+    if not install_fit_guards():    # off, Keras 2, another backend: nothing is installed
         return False
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
+    _save_guards.install()
+    if installed_keras_version() not in TESTED_KERAS_VERSIONS:
         return False
     with _lock:
         _install()

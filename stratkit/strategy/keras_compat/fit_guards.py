@@ -6,7 +6,7 @@ place every such call passes: the Keras 3 TensorFlow trainer's ``fit``,
 ``evaluate`` and ``predict``. The wrappers read only the public surface of
 those calls (their ``callbacks`` and ``verbose`` arguments, the model's
 ``distribute_strategy``). Installed by ``keras_compat.apply`` (and by
-``make_strategy`` for parameter-server strategies):
+``make_strategy`` for one-device and parameter-server strategies):
 
 * ParameterServerStrategy: Keras 3 has no coordinator path, so refuse up front
   instead of failing deep inside Keras.
@@ -14,18 +14,22 @@ those calls (their ``callbacks`` and ``verbose`` arguments, the model's
   (:func:`check_steps_per_execution`), as ``Trainer.build`` does; the same for a
   stateful RNN layer (:func:`check_stateful_rnn`) and for ``jit_compile=True``
   on CPU replicas (:func:`check_jit_compile`).
-* Multi-worker MWMS (:func:`stratkit.strategy.side_effects.route_side_effects`):
-  on non-chief workers, file-writing Keras callbacks write to private
-  temporary directories and the progress bar is off unless the call passes
-  ``verbose=``; on every worker, callbacks whose files cannot be moved are
-  refused, and the workers check they resume a ``BackupAndRestore`` at the
-  same epoch; and ``fit`` returns on every worker only once every worker's
+* The file-writing Keras callbacks of a model whose strategy stratkit routes
+  (:func:`.ownership.routes_files`: one ``make_strategy`` built, on one process
+  or N workers; :func:`stratkit.strategy.side_effects.route_side_effects`): a
+  store URL staged locally and uploaded on the worker that writes the run's
+  files (one process: that process); callbacks whose files cannot be moved
+  are refused. On the non-chief workers of a multi-worker MWMS, those
+  callbacks write to private temporary directories and the progress bar is
+  off unless the call passes ``verbose=``; the workers check they resume a
+  ``BackupAndRestore`` at the same epoch; and ``fit`` returns on every worker only once every worker's
   callbacks have finished (one scalar collective after Keras's ``fit``), so
   the chief's checkpoint files are complete when any worker reads them;
   arrays and PyDataset batches ``fit`` shuffles take the chief's order on every worker (:mod:`.array_shuffle`).
 * ``train_on_batch``/``test_on_batch``/``predict_on_batch`` on N > 1 replicas: each replica its share of
   the batch (:mod:`.on_batch`).
-  One process, or one worker, is left exactly as Keras does it.
+  Otherwise one process, or one worker, is left exactly as Keras does it; a model without a stratkit
+  strategy too (plain Keras in the same process).
 
 A second guard catches Keras metrics updated in a parameter-server step
 (:mod:`.metric_guard`).
@@ -49,7 +53,7 @@ from stratkit.errors import ConfigError
 from stratkit.strategy import replica_check
 from stratkit.strategy.collectives import chief_ints, leave_together, min_over_workers
 from stratkit.strategy.keras_compat import (array_shuffle, batchnorm, global_gradient, metric_guard, on_batch,
-                                            replica_state, synced_logs)
+                                            ownership, replica_state, synced_logs)
 from stratkit.strategy.keras_compat.parameter_server import PS_FIX, is_parameter_server, parameter_server_refusal
 from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective, _trainer_module
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK, TESTED_KERAS_VERSIONS, _major
@@ -213,15 +217,15 @@ def _guarded(name: str, original: Any, like: Any = None) -> Any:
         check_stateful_rnn(self, strategy)
         check_jit_compile(self, strategy)
         temps: list[str] = []
-        if _is_multi_worker_collective(strategy):
-            from stratkit.strategy import side_effects  # imports Keras: not before a multi-worker call
+        if ownership.routes_files(strategy):   # one process or N workers: the same rule
+            from stratkit.strategy import side_effects  # imports Keras: not before a routed call
 
             is_chief = _is_chief(strategy)
             bound = signature.bind(self, *args, **kwargs)
             given = bound.arguments.get("callbacks")
             if isinstance(given, (list, tuple)):
-                bound.arguments["callbacks"], temps = side_effects.route_side_effects(given, is_chief=is_chief,
-                                                                                      multi_worker=True)
+                bound.arguments["callbacks"], temps = side_effects.route_side_effects(
+                    given, is_chief=is_chief, multi_worker=_is_multi_worker_collective(strategy))
             if "verbose" not in bound.arguments and not is_chief:  # an explicit verbose= wins
                 bound.arguments["verbose"] = side_effects.default_verbose(is_chief=False)
             args, kwargs = bound.args[1:], bound.kwargs

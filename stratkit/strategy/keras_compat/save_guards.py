@@ -1,9 +1,9 @@
-"""Every MWMS worker calling ``model.save``/``save_weights``/``export`` on the same path: no race.
+"""``model.save``/``save_weights``/``export`` of a model under a stratkit strategy: whole files, store URLs.
 
-Measured (TF 2.21, Keras 3.15.1, 2 workers, one shared directory): the chief
-crashed in MergeV2Checkpoints in 3 of 6 runs, h5py could not lock the file,
-once a SavedModel did not load. TF's own advice is that every worker calls
-save (a save can read synchronised variables), so each still writes, but:
+Measured (TF 2.21, Keras 3.15.1, 2 MWMS workers, one shared directory): the
+chief crashed in MergeV2Checkpoints in 3 of 6 runs, h5py could not lock the
+file, once a SavedModel did not load. TF's own advice is that every worker
+calls save (a save can read synchronised variables), so each still writes, but:
 
 every worker writes the path it was given, atomically: a file through
 ``files.write_with`` (a private temporary, fsync, rename), an export directory
@@ -12,24 +12,27 @@ one after the other (their models are the same). A non-chief worker is not
 redirected: TensorFlow's tutorials have it save to its own temporary path and
 load that back.
 
-Only under multi-worker MWMS (one process, Mirrored, one worker: Keras's own
-method, untouched), and only for a path (not ``overwrite=False``, not a sharded
-or unzipped save: Keras's own method).
+For every model whose strategy stratkit routes (:func:`.ownership.routes_files`:
+one ``make_strategy`` built, on one process as on N workers; one process is its
+own chief), and only for a path (not ``overwrite=False``, not a sharded or
+unzipped save: Keras's own method). A model without a stratkit strategy (plain
+Keras in the same process) gets Keras's own method, untouched.
 
 A store URL (``s3://``, ``gs://``, ``az://``, ...; `stratkit.strategy.store_paths`
-decides) never becomes a local directory named after its scheme: the chief
-saves to a local temporary and uploads it whole through `stratkit.storage`
-(after a probe: a missing bucket or refused credentials are a `ConfigError`
-before anything is written); the other workers save to a private directory
-that is removed, so nothing of theirs reaches the store. A URL that only
-``tf.io.gfile`` reaches (``gs://`` without gcsfs) is Keras's own save, on every
-worker, as plain Keras does it.
+decides) never becomes a local directory named after its scheme, and never
+reaches ``tf.io.gfile`` (which knows no ``s3://``): the chief saves to a local
+temporary and uploads it whole through `stratkit.storage` (after a probe: a
+missing bucket or refused credentials are a `ConfigError` before anything is
+written); the other workers save to a private directory that is removed, so
+nothing of theirs reaches the store. A URL that only ``tf.io.gfile`` reaches
+(``gs://`` without gcsfs) is Keras's own save, on every worker, as plain Keras
+does it.
 What Keras prints while it writes (``export``'s "Saved artifact at '...'")
 named the private temporary a user then looked for; it is held back while
 Keras writes, and printed once the path is in place, naming the path the user
 gave (:func:`_said_after`; Keras's ``io_utils.print_msg``, swapped for the
 writing thread while it writes).
-Wraps the public methods of ``keras.Model``; installed by ``keras_compat.apply``.
+Wraps the public methods of ``keras.Model``; installed by ``keras_compat.apply`` and ``apply_one_device``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from collections.abc import Iterator
 import threading
 from typing import Any
 
-from stratkit.strategy.keras_compat.trainer_patches import _is_chief, _is_multi_worker_collective
+from stratkit.strategy.keras_compat import ownership
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief
 from stratkit.strategy.keras_compat.versions import _PATCH_MARK
 
 _METHODS = ("save", "save_weights", "export")
@@ -76,9 +80,10 @@ def _atomic(name: str, path: str, kwargs: dict[str, Any]) -> bool:
 def _guarded(name: str, original: Any) -> Any:
     @functools.wraps(original)
     def method(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside, "active", False) or not isinstance(filepath, (str, os.PathLike)):
+            return original(self, filepath, *args, **kwargs)
         strategy = getattr(self, "distribute_strategy", None)
-        if (getattr(_inside, "active", False) or not isinstance(filepath, (str, os.PathLike))
-                or strategy is None or not _is_multi_worker_collective(strategy)):
+        if not ownership.routes_files(strategy):     # plain Keras: Keras's own save
             return original(self, filepath, *args, **kwargs)
         from stratkit.strategy import store_paths
 
@@ -123,7 +128,7 @@ def _written(write: Any, path: str, save: Any) -> Any:
 
 
 def _to_store(name: str, original: Any, model: Any, url: str, strategy: Any, args: tuple, kwargs: dict) -> Any:
-    """A save to a store URL on several workers: the chief uploads it whole, the others save privately.
+    """A save to a store URL: the chief (one process: itself) uploads it whole, the other workers save privately.
 
     Every worker still saves (a save may read synchronised variables); only the
     chief's file reaches the store, as one object (a SavedModel or a sharded

@@ -1,11 +1,23 @@
-"""A tune run's plan (`stratkit launch --tune`, `LocalRunner(tune=True)`): its tuners, their groups, its checks.
+"""A tune run of the launcher (`stratkit launch --tune`, `LocalRunner(tune=True)`): its plan and its refusals.
 
-A tune run is N tuners of one search instead of a TF_CONFIG cluster
-(`stratkit.tuning.environment` says what each gets); with `--workers-per-trial K`
-each K workers are one tuner that trains its trials as a MultiWorkerMirrored
-cluster of its own (`stratkit.tuning.groups`; the groups' tasks are
-`stratkit.cluster.layout`'s `trial_group`). `stratkit.launch.plan` holds the
-rest of the launch's plan and calls this for a tune run's tasks.
+Every task is a tuner of one hyperparameter search (`stratkit.tuning`): no
+TF_CONFIG (each trial trains alone on its tuner's own devices), the service's
+address and the run's token in each task's environment
+(`stratkit.tuning.environment.task_env`, written by `LaunchPlan.task_env`),
+and the service on worker 0 (`host_task`, on the port the attempt holds for
+it, as a TF server's) or on the driver (`LocalRunner`: `address`). With
+`--workers-per-trial K` each K workers are one tuner that trains its trials
+as a MultiWorkerMirrored cluster of its own (`stratkit.tuning.groups`; the
+groups' tasks are `stratkit.cluster.layout`'s `trial_group`): every worker
+then holds a TF port, and the service's port is the attempt's own.
+
+How a tune run treats a task that ends badly (`launch/attempt.py`
+`_lost_tuner`): the host's failure is the run's (restarted with
+--max-restarts: the new host resumes from the search's store); another
+tuner's, once the search started (`markers`), is a lost lease: said once, the
+run goes on, its trial runs again on another tuner; before the start, it is
+the run's failure (a tuner that cannot run is a bad configuration). A run
+whose tuners all died is a failure unless every search that started ended.
 
 Imports no TensorFlow.
 """
@@ -94,4 +106,12 @@ def check_groups(workers: int, per_trial: int) -> None:
                           f"{per_trial} workers trains one trial at a time, as one MultiWorkerMirrored cluster)")
 
 
-__all__ = ["TunePlan", "check_groups", "check_tune"]
+def check_tuner_gpus(tuners: int, visible: Sequence[str], gpus_per_worker: int | None) -> None:
+    """Never two trials on one GPU: more tuners than GPUs (unless they search on the CPU) is refused."""
+    if visible and gpus_per_worker != 0 and tuners > len(visible):
+        raise ConfigError(f"--workers {tuners} tuners but this host shows {len(visible)} GPU(s): a trial trains on "
+                          "its tuner's own GPU, never two on one. Fix: --workers gpu (one tuner per GPU), "
+                          f"--workers {len(visible)}, or --gpus-per-worker 0 to search on the CPU")
+
+
+__all__ = ["TunePlan", "check_groups", "check_tune", "check_tuner_gpus"]

@@ -1,0 +1,103 @@
+"""What a distributed search costs per trial (issue 51's acceptance: at most 1 s beyond the trial's own training).
+
+The example's seeded digits RandomSearch (examples/tune_keras_tuner.py: 8 trials of 3 epochs) runs three ways
+in each round, in an order that rotates: plain KerasTuner in one process (the baseline), `stratkit.tune` in one
+process, and `stratkit launch --tune --workers 2`. Every tuner times its search (wall) and the seconds KerasTuner
+spends building and fitting its trials (`Tuner._build_and_fit_model`, timed around the call: the trial's own
+training; under stratkit it includes the trial's per-epoch backups, which are stratkit's cost, so the rows below
+compare against the plain run's own training instead). Reported, mean (min-max) over the rounds:
+
+* `wall`: the search's wall time;
+* `per trial beyond training`: (the tuners' wall seconds summed - the plain run's own training) / trials: what
+  each trial costs beyond what plain KerasTuner spends training it (for the plain run: KerasTuner's own
+  bookkeeping; for 2 tuners it includes a tuner's waits: the start until both registered, the end while the
+  other finishes its last trial);
+* the scores of every trial, which must be the same through `stratkit.tune` in one process and on 2 tuners
+  (compared: a difference fails the run). Plain KerasTuner tries the same hyperparameters but seeds no trial, so
+  its scores differ: it times the training, it is not the reference for the scores.
+
+The 1-minute load average is recorded before and after each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = str(Path(__file__).resolve().parent / "tasks" / "tune_task.py")
+WAYS = ("plain", "stratkit", "launch")
+
+
+def _run(way: str, trials: int, epochs: int) -> list[dict]:
+    """One search one way in a fresh directory: each tuner's TUNE report."""
+    workdir = tempfile.mkdtemp(prefix=f"bench-tune-{way}-")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    task = [sys.executable, TASK, "--trials", str(trials), "--epochs", str(epochs)]
+    argv = {"plain": task + ["--plain"], "stratkit": task,
+            "launch": [sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--", *task]}[way]
+    try:
+        proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if proc.returncode:
+        raise RuntimeError(f"{way} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return [json.loads(line.split("TUNE ", 1)[1]) for line in proc.stdout.splitlines() if "TUNE " in line]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2 trials of 1 epoch, 1 round: the machinery only")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.trials, args.epochs = 1, 2, 1
+    runs: dict[str, list[dict]] = {way: [] for way in WAYS}
+    for round_ in range(args.rounds):
+        order = WAYS[round_ % 3:] + WAYS[:round_ % 3]
+        for way in order:
+            load = os.getloadavg()[0]
+            reports = _run(way, args.trials, args.epochs)
+            runs[way].append({"reports": reports, "load_before": load, "load_after": os.getloadavg()[0]})
+            print(f"round {round_ + 1} {way}: wall {max(r['wall'] for r in reports):.1f} s "
+                  f"(load {load:.1f})", flush=True)
+    scores = [r["scores"] for way in ("stratkit", "launch") for run in runs[way] for r in run["reports"]]
+    if any(s != scores[0] for s in scores):
+        raise SystemExit(f"the trials scored differently: {scores}")
+    plain_own = [run["reports"][0]["own"] for run in runs["plain"]]
+    own = sum(plain_own) / len(plain_own)
+    rows = []
+    for way in WAYS:
+        walls = [max(r["wall"] for r in run["reports"]) for run in runs[way]]
+        beyond = [(sum(r["wall"] for r in run["reports"]) - own) / args.trials for run in runs[way]]
+        loads = [run["load_before"] for run in runs[way]] + [run["load_after"] for run in runs[way]]
+        rows.append({"way": way, "tuners": len(runs[way][0]["reports"]), "wall_s": _spread(walls),
+                     "per_trial_beyond_training_s": _spread(beyond),
+                     "load": f"{min(loads):.1f}-{max(loads):.1f}"})
+    print_table(f"{args.trials} trials x {args.epochs} epochs, {args.rounds} rounds (own training per trial in the "
+                f"plain run: {own / args.trials:.2f} s)", rows)
+    name = "tuning-quick" if args.quick else "tuning"
+    write_result(name, {"quick": args.quick, "trials": args.trials, "epochs": args.epochs, "rounds": args.rounds,
+                        "own_training_per_trial_s": own / args.trials, "rows": rows, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
