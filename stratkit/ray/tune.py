@@ -205,7 +205,7 @@ def _watch(ray: Any, actors: Sequence[Any], states: Sequence[TaskState], search:
         if deadline is not None and now > deadline:
             raise failures.timed_out(list(states), timeout, 1, 1)
         search.check()
-        if search.ended:
+        if search.ended and returned:  # (a tuner that returned ran the script's last search; see spark/tune.py)
             ended_at = ended_at or now
             if now - ended_at > STOP_GRACE:  # hung tuners: stop them (their poll then answers with the exit)
                 for i in set(pending.values()):

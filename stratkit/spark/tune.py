@@ -211,8 +211,8 @@ def _log_server(bind_host: str, on_exit: Callable[[TaskLog], None], tuners: int)
 
 def _watch(search: DriverSearch, server: LogServer, state: AttemptState, deadline: float | None, spark: Any,
            sc: Any, tag: str) -> None:
-    """Stop the tuners at the run's deadline, and those still running `STOP_GRACE` s after the search ended
-    (a hung tuner: its lease expired and its trial ran elsewhere, but it never hears the end)."""
+    """Stop the tuners at the run's deadline, and those still running `STOP_GRACE` s after the searches ended and
+    a tuner returned (a hung tuner: its lease expired and its trial ran elsewhere, but it never hears the end)."""
     ended_at = None
     while True:
         with state.lock:
@@ -225,7 +225,9 @@ def _watch(search: DriverSearch, server: LogServer, state: AttemptState, deadlin
             server.abort_all("the run's timeout passed")
             cancel(spark, sc, tag)
             return
-        if search.ended:
+        # A tuner that returned ran its script's last search: once every search that started ended too, the
+        # others have STOP_GRACE s to return (between two searches of a script, none has returned yet).
+        if search.ended and any(t.exit_code == 0 for t in server.tasks.values()):
             ended_at = ended_at or now
             if now - ended_at > STOP_GRACE:
                 running = [t.label for t in server.tasks.values() if t.exit_code is None]
