@@ -126,6 +126,8 @@ def _format_host(host: str) -> str:
 
 
 def task_workdir() -> str:
+    """A fresh directory for one run's payload and result, as an absolute path: Spark's file root is "." on a
+    cluster's executors, and the training process may change its working directory (a search's function does)."""
     root = None
     try:  # Spark deletes its per-application files directory when the executor stops
         from pyspark import SparkFiles
@@ -133,7 +135,8 @@ def task_workdir() -> str:
         root = SparkFiles.getRootDirectory()
     except Exception:  # noqa: BLE001
         root = None
-    return tempfile.mkdtemp(prefix="stratkit-task-", dir=root if root and os.path.isdir(root) else None)
+    made = tempfile.mkdtemp(prefix="stratkit-task-", dir=root if root and os.path.isdir(root) else None)
+    return os.path.abspath(made)
 
 
 def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:

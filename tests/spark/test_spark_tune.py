@@ -22,7 +22,7 @@ from spark_helpers import shared_session
 from stratkit.errors import ConfigError
 from stratkit.spark import SparkRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.spark]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.spark]
 
 cloudpickle.register_pickle_by_value(engine_searches)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -47,7 +47,7 @@ def test_a_seeded_random_search_and_hyperband_on_two_executors_equal_the_one_pro
     seconds = time.monotonic() - started
     out = capsys.readouterr().out
     for kind in engine_searches.KINDS:
-        assert engine_searches.compare(result[kind], reference[kind]) == [], kind
+        assert engine_searches.compare(result[kind], reference[kind]) == [], (kind, out[-6000:])
     tuners = {line.split(" TUNER ")[1].split()[0] for line in out.splitlines() if " TUNER " in line}
     assert len(tuners) == 2, out[-3000:]  # both executors ran trials
     assert runner.last_run.lost == [] and set(runner.last_run.exit_codes.values()) == {0}
@@ -115,3 +115,14 @@ def test_tune_refuses_the_arguments_that_mean_nothing_to_tuners():
             SparkRunner(num_workers=2, tune=True, **kwargs)
 
 
+
+
+def change_directory_and_return(value):
+    os.chdir("/")  # a search function does (tests/engine_searches.py), and so may any train_fn
+    return value
+
+
+def test_a_function_that_changes_its_working_directory_still_returns_its_value(spark):
+    """The task's working directory (payload, result) is absolute: Spark's file root is "." on a cluster's
+    executors, and a relative result path broke once the function left that directory (a search's did)."""
+    assert SparkRunner(num_workers=2).run(change_directory_and_return, 7) == 7
