@@ -9,7 +9,7 @@ hyperparameters, the search's wall time, this tuner's id, and how long each
 trial this tuner ran spent inside `fit` (the rest of the search's time on
 this tuner is what its trials cost beyond their own training: `overhead`).
 
-Every epoch of a trial prints `TRIAL <id> RUN <run> EPOCH <epoch> TUNER <tuner> PID <pid>` (the tests kill
+Every epoch of a trial prints `TRIAL <id> RUN <run> EPOCH <epoch> TUNER <tuner> PID <pid> HOST <host>` (the tests kill
 and stop tuners by these lines); with `slow`, each epoch sleeps that long (room to kill a tuner mid-trial).
 Two more behaviours, from the environment (a script under `stratkit launch --tune` has no arguments per tuner):
 `SEARCH_FAIL_TRIAL=<id>` fails that trial (KerasTuner's FailedTrialError at its first epoch), and
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -65,7 +66,7 @@ def seeded_search(kind: str, store: str | None = None, *, trials: int = 8, epoch
             state = tuner_box[0]._stratkit
             lease = state.current.lease
             print(f"TRIAL {lease.trial_id} RUN {lease.run} EPOCH {epoch} TUNER {state.session.tuner} "
-                  f"PID {os.getpid()}", flush=True)
+                  f"PID {os.getpid()} HOST {socket.gethostname()}", flush=True)
             if slow:
                 time.sleep(slow)
             if lease.trial_id == os.environ.get("SEARCH_FAIL_TRIAL"):
@@ -113,18 +114,23 @@ def seeded_searches(store: str, kinds: tuple[str, ...] = KINDS, **options) -> di
     return {kind: seeded_search(kind, store, **options) for kind in kinds}
 
 
-def compare(result: dict, reference: dict, tolerance: float = 1e-5) -> list[str]:
-    """What differs between two searches' trials (ids, hyperparameters, statuses, scores within `tolerance`)."""
+def compare(result: dict, reference: dict, tolerance: float = 1e-5, partial: bool = False) -> list[str]:
+    """What differs between two searches' trials (ids, hyperparameters, statuses, scores within `tolerance`).
+
+    `partial`: `result` is a shorter RandomSearch of the same seed (its trial k is the reference's trial k):
+    only its trials are compared, not the best.
+    """
     problems = []
-    if set(result["trials"]) != set(reference["trials"]):
-        return [f"trial ids {sorted(result['trials'])} != {sorted(reference['trials'])}"]
-    for trial_id, (values, score, status) in sorted(reference["trials"].items()):
+    wanted = {k: v for k, v in reference["trials"].items() if not partial or k in result["trials"]}
+    if set(result["trials"]) != set(wanted):
+        return [f"trial ids {sorted(result['trials'])} != {sorted(wanted)}"]
+    for trial_id, (values, score, status) in sorted(wanted.items()):
         got_values, got_score, got_status = result["trials"][trial_id]
         if got_values != values or got_status != status:
             problems.append(f"trial {trial_id}: {got_values} {got_status} != {values} {status}")
         elif (score is None) != (got_score is None) or (score is not None and abs(got_score - score) > tolerance):
             problems.append(f"trial {trial_id}: score {got_score} != {score}")
-    if result["best"] != reference["best"]:
+    if not partial and result["best"] != reference["best"]:
         problems.append(f"best {result['best']} != {reference['best']}")
     return problems
 
@@ -166,8 +172,10 @@ def shared_reference(tmp_path_factory) -> dict:
         return json.loads(path.read_text())
 
 
-if __name__ == "__main__":  # python engine_searches.py STORE KIND... [--tracking MODE]: one process, or a tuner
+if __name__ == "__main__":  # python engine_searches.py STORE KIND... [--tracking MODE] [--trials N]: a process
     argv = sys.argv[2:]
     options = {"tracking": argv[argv.index("--tracking") + 1]} if "--tracking" in argv else {}
-    out = seeded_searches(sys.argv[1], tuple(arg for arg in argv if arg in KINDS), tune_options=options)
+    trials = int(argv[argv.index("--trials") + 1]) if "--trials" in argv else 8
+    out = seeded_searches(sys.argv[1], tuple(arg for arg in argv if arg in KINDS), tune_options=options,
+                          trials=trials)
     print("RESULT " + json.dumps(out, sort_keys=True), flush=True)

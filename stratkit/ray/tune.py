@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -39,10 +38,9 @@ from stratkit import status
 from stratkit.cluster.layout import Task
 from stratkit.errors import ConfigError
 from stratkit.process.payload import pickle_payload
-from stratkit.process.pump import prefixed
+from stratkit.ray import actors as actors_lib
 from stratkit.ray import failures
 from stratkit.ray.failures import RayTrainingError, TaskState
-from stratkit.ray.task import TaskActor
 from stratkit.training.tracking import handoff
 from stratkit.tuning import environment
 from stratkit.tuning.driver import DriverSearch, lost_message
@@ -51,8 +49,6 @@ from stratkit.tuning.service import STOP_GRACE
 log = status.logger(__name__)
 
 ENGINE = "RayRunner(tune=True)"
-#: Seconds to wait for the placement group when `timeout` is None.
-PLACEMENT_WAIT = 300.0
 
 
 @dataclass
@@ -106,9 +102,6 @@ def run_search(runner: Any, ray: Any, fn: Callable[..., Any], args: tuple, kwarg
                task_devices: Callable[..., list[str]]) -> Any:
     """`runner.run(fn, ...)` for a `RayRunner(tune=True)` (see the module's docstring); `task_devices` is the
     runner's rule for each task's GPUs (`stratkit.ray.runner.task_devices`)."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     called = time.monotonic()
     check_room(ray, runner)
     payload = pickle_payload(fn, args, kwargs, where="the Ray actors")
@@ -120,32 +113,27 @@ def run_search(runner: Any, ray: Any, fn: Callable[..., Any], args: tuple, kwarg
     bundle = {"CPU": runner.cpus_per_worker, **({"GPU": runner.gpus_per_worker} if runner.gpus_per_worker else {})}
     search = DriverSearch(n, engine=ENGINE, host=service_host(ray))
     report.service = search.address
-    group = placement_group([dict(bundle) for _ in range(n)], strategy=runner.placement_strategy)
-    actors: list[Any] = []
+    group, actors = None, []
+
+    def get(refs: list[Any]) -> list[Any]:
+        return actors_lib.get_before(ray, refs, deadline, lambda: RayTrainingError(
+            f"the tuners' actors did not start within timeout={runner.timeout}s; every tuner was stopped. Fix: "
+            "raise timeout, or check that the Ray nodes can start workers (ray status)", attempt=1, timed_out=True))
+
     try:
-        wait = PLACEMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.0)
-        ready, _ = ray.wait([group.ready()], timeout=wait)
-        if not ready:
-            raise ConfigError(f"Ray could not place the {n} tuner(s) of this search (one bundle each: {bundle}, "
-                              f"placement_strategy={runner.placement_strategy!r}) within {wait:g} s; free now: "
-                              f"{ray.available_resources()}. Fix: fewer tuners (num_workers), smaller "
-                              "cpus_per_worker/gpus_per_worker, or placement_strategy=\"PACK\"")
-        remote = ray.remote(TaskActor)
-        for rank, label in enumerate(labels):
-            actors.append(remote.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-            ).remote(label))
-        where = _get(ray, [a.where.remote() for a in actors], deadline, runner.timeout)
-        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
-        states = [TaskState(label, rank, addresses.get(w["node_id"], "?"), node_id=w["node_id"])
-                  for rank, (label, w) in enumerate(zip(labels, where))]
+        group, actors = actors_lib.place(
+            ray, labels, [dict(bundle) for _ in range(n)], runner.placement_strategy,
+            actors_lib.placement_wait(deadline), what=f"the {n} tuner(s) of this search",
+            fix="fewer tuners (num_workers), smaller cpus_per_worker/gpus_per_worker, or placement_strategy=\"PACK\"")
+        where = get([a.where.remote() for a in actors])
+        states = [TaskState(label, rank, node, node_id=w["node_id"])
+                  for rank, (label, w, node) in enumerate(zip(labels, where, actors_lib.node_addresses(ray, where)))]
         visible = task_devices([Task("worker", i) for i in range(n)], [w["gpus"] for w in where],
                                runner.gpus_per_worker)
         handed = handoff.hand_over()
         advertise = search.address[0]
-        replies = _get(ray, [a.start_tuner.remote(search.task_env(rank, advertise), payload, devices, handed)
-                             for rank, (a, devices) in enumerate(zip(actors, visible))], deadline, runner.timeout)
+        replies = get([a.start_tuner.remote(search.task_env(rank, advertise), payload, devices, handed)
+                       for rank, (a, devices) in enumerate(zip(actors, visible))])
         for state, reply, w in zip(states, replies, where):
             state.pid = reply.get("pid")
             report.pids[state.label] = state.pid
@@ -158,36 +146,22 @@ def run_search(runner: Any, ray: Any, fn: Callable[..., Any], args: tuple, kwarg
                  ", ".join(sorted({s.node for s in states})), environment.format_address(*search.address))
         returned = _watch(ray, actors, states, search, report, deadline, runner.timeout)
         ended, rank = search.outcome(returned)
-        if not ended:
-            raise RayTrainingError(f"the search did not end: its tuners all ended before it ({', '.join(report.lost)}"
-                                   " lost after the start). Its state is on its store: a new run resumes it",
-                                   attempt=1)
+        if not ended or not returned:  # every tuner was lost: the searches' states are on their stores
+            cause = failures.task_failed(next(s for s in states if s.exit_code != 0), states, 1, 1)
+            raise RayTrainingError(f"no tuner ran its search function to its end (each was lost: "
+                                   f"{', '.join(report.lost)}); a new run resumes the searches from their stores. "
+                                   f"The first lost: {cause}", task=cause.task, rank=cause.rank,
+                                   exit_code=cause.exit_code, node=cause.node, lines=cause.lines, attempt=1,
+                                   lost=cause.lost)
         report.succeeded = True
         if rank is None:
             return None
         value = ray.get(actors[rank].result.remote())
         return None if value is None else pickle.loads(value)
     finally:
-        for actor in actors:
-            try:
-                ray.get(actor.stop.remote(), timeout=15)
-            except Exception as exc:  # noqa: BLE001 - a lost actor cannot stop; its process died with it
-                log.debug("could not stop an actor: %s", exc)
-            ray.kill(actor)
-        remove_placement_group(group)
+        actors_lib.release(ray, group, actors)
         search.close()
         report.seconds = time.monotonic() - called
-
-
-def _get(ray: Any, refs: list[Any], deadline: float | None, timeout: float | None) -> list[Any]:
-    from ray.exceptions import GetTimeoutError
-
-    try:
-        return ray.get(refs, timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
-    except GetTimeoutError:
-        raise RayTrainingError(f"the tuners' actors did not start within timeout={timeout}s; every tuner was "
-                               "stopped. Fix: raise timeout, or check that the Ray nodes can start workers "
-                               "(ray status)", attempt=1, timed_out=True) from None
 
 
 def _watch(ray: Any, actors: Sequence[Any], states: Sequence[TaskState], search: DriverSearch,
@@ -220,18 +194,13 @@ def _watch(ray: Any, actors: Sequence[Any], states: Sequence[TaskState], search:
             try:
                 reply = ray.get(ref)
             except RayActorError as exc:
-                state.lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                state.lost = actors_lib.lost_reason(exc)
                 _ended(state, None, states, search, report)
                 continue
-            for text in reply["lines"]:
-                print(prefixed(state.label, text), file=sys.stdout, flush=True)
-            state.lines = (state.lines + reply["lines"])[-50:]
             cursors[i] = reply["cursor"]
-            if reply["exit"] is None:
+            if not actors_lib.follow(state, reply):
                 pending[actors[i].poll.remote(cursors[i])] = i
                 continue
-            state.exit_code = reply["exit"]
-            state.exception = tuple(reply["exception"])
             if _ended(state, state.exit_code, states, search, report) == "ok":
                 returned[state.rank] = state.rank
     search.check()

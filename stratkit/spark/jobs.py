@@ -1,8 +1,9 @@
 """The Spark jobs a run submits: tagged, so the driver can cancel them (classic Spark and Spark Connect).
 
 `SparkRunner`'s barrier stage and a search's tuner tasks (`stratkit.spark.tune`)
-run inside `job_tag`; `cancel` stops every job with the tag (job tags; job groups
-before Spark 3.5; `interruptTag` over Spark Connect, which has no SparkContext).
+run as `collect_rows` inside `job_tag`; `cancel` stops every job with the tag (job
+tags; job groups before Spark 3.5; `interruptTag` over Spark Connect, which has no
+SparkContext).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from stratkit import status
+from stratkit.spark.task import ROWS
 
 log = status.logger(__name__)
 
@@ -58,4 +60,18 @@ def cancel(spark: Any, sc: Any, tag: str) -> None:
         log.debug("could not cancel Spark jobs tagged %s: %s", tag, exc)
 
 
-__all__ = ["cancel", "job_tag"]
+def collect_rows(spark: Any, sc: Any, stage: str, tasks: int, arrow_function: Any, rdd_function: Any, *,
+                 barrier: bool) -> list[tuple[int, int, bytes]]:
+    """Run one task per partition of `tasks` and collect their `(rank, seq, chunk)` rows (`task.ROWS`): through
+    `DataFrame.mapInArrow` (stage "mapInArrow"; Spark Connect has only it) or an RDD's `mapPartitions`, as a
+    barrier stage (a training cluster) or not (a search's tuners)."""
+    if stage == "mapInArrow":
+        frame = spark.range(0, tasks, 1, tasks)
+        frame = frame.mapInArrow(arrow_function, ROWS, barrier=True) if barrier else \
+            frame.mapInArrow(arrow_function, ROWS)
+        return [(row["rank"], row["seq"], bytes(row["chunk"])) for row in frame.collect()]
+    rdd = sc.parallelize(range(tasks), tasks)
+    return list((rdd.barrier() if barrier else rdd).mapPartitions(rdd_function).collect())
+
+
+__all__ = ["cancel", "collect_rows", "job_tag"]

@@ -39,7 +39,7 @@ from stratkit.spark import data as data_module
 from stratkit.spark import elastic, layout, slots, staging
 from stratkit.spark import tune as tune_module
 from stratkit.spark.layout import TaskRole
-from stratkit.spark.jobs import cancel, job_tag
+from stratkit.spark.jobs import cancel, collect_rows, job_tag
 from stratkit.spark.confs import (
     STANDBY_CONF,
     check_ssl,
@@ -412,12 +412,8 @@ def _with_log_server(plan: TaskPlan, server: LogServer, exchange: Rendezvous) ->
 
 
 def _collect(spark: Any, sc: Any, stage: str, plan: TaskPlan) -> list[tuple[int, int, bytes]]:
-    n = plan.num_tasks
-    if stage == "mapInArrow":
-        frame = spark.range(0, n, 1, n).mapInArrow(arrow_partition_function(plan), "rank int, seq int, chunk binary",
-                                                   barrier=True)
-        return [(row["rank"], row["seq"], bytes(row["chunk"])) for row in frame.collect()]
-    return list(sc.parallelize(range(n), n).barrier().mapPartitions(rdd_partition_function(plan)).collect())
+    return collect_rows(spark, sc, stage, plan.num_tasks, arrow_partition_function(plan), rdd_partition_function(plan),
+                        barrier=True)
 
 
 def _take_task_info(rows: list[tuple[int, int, bytes]], report: RunReport, server: LogServer) -> None:

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,8 @@ from stratkit.spark.layout import TaskRole
 from stratkit.spark.logprotocol import SETUP_FAILED, TAIL_LINES, LogClient
 from stratkit.strategy.server import RUN_DIR_VAR
 
+#: The rows every task yields (its rank, a sequence number, a chunk of bytes), as a Spark schema.
+ROWS = "rank int, seq int, chunk binary"
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).
 CHUNK_BYTES = 1 << 20
 #: The `seq` of the one row every task yields about itself (JSON: its timeline, and its last lines when the
@@ -364,14 +366,20 @@ def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:
 
 
 def _visible_devices(plan: TaskPlan, role: TaskRole, context: Any) -> str:
+    return context_devices(context, role, use_gpu=plan.use_gpu, count=plan.gpu_counts[role.rank],
+                           resource_name=plan.gpu_resource_name)
+
+
+def context_devices(context: Any, role: TaskRole, *, use_gpu: bool, count: int | None, resource_name: str) -> str:
+    """A Spark task's training process's CUDA_VISIBLE_DEVICES: the GPUs Spark gave the task (`context`), by
+    `layout.visible_devices`' rule (a barrier task's and a search's tuner's alike)."""
     owned = None
-    if plan.use_gpu:
+    if use_gpu:
         resources = context.resources()
-        if plan.gpu_resource_name in resources:
-            owned = list(resources[plan.gpu_resource_name].addresses)
-    return layout.visible_devices(role, use_gpu=plan.use_gpu, owned=owned, count=plan.gpu_counts[role.rank],
-                                  preset=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                  resource_name=plan.gpu_resource_name)
+        if resource_name in resources:
+            owned = list(resources[resource_name].addresses)
+    return layout.visible_devices(role, use_gpu=use_gpu, owned=owned, count=count,
+                                  preset=os.environ.get("CUDA_VISIBLE_DEVICES"), resource_name=resource_name)
 
 
 def result_chunks(rank: int, path: str) -> Iterator[tuple[int, int, bytes]]:
@@ -398,18 +406,24 @@ def rdd_partition_function(plan: TaskPlan):
     return barrier_task
 
 
+def arrow_rows(batches: Iterator[Any], rows: Callable[[], Iterator[tuple[int, int, bytes]]]) -> Iterator[Any]:
+    """A `mapInArrow` task's body: drain the input (its rows only place one task per partition), then each of
+    `rows()`'s `(rank, seq, chunk)` as a record batch of `ROWS` (a barrier task's and a search's tuner's)."""
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    schema = pa.schema([("rank", pa.int32()), ("seq", pa.int32()), ("chunk", pa.binary())])
+    for rank, seq, chunk in rows():
+        yield pa.RecordBatch.from_pydict({"rank": [rank], "seq": [seq], "chunk": [chunk]}, schema=schema)
+
+
 def arrow_partition_function(plan: TaskPlan):
     """The function for `DataFrame.mapInArrow(..., barrier=True)`: yields record batches of (rank, seq, chunk)."""
 
     def barrier_task(batches: Iterator[Any]) -> Iterator[Any]:
-        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
-        for _ in batches:  # the input rows only place one task per partition
-            pass
-        for rank, seq, chunk in run_task(plan, BarrierTaskContext.get()):
-            yield pa.RecordBatch.from_pydict({"rank": [rank], "seq": [seq], "chunk": [chunk]},
-                                             schema=pa.schema([("rank", pa.int32()), ("seq", pa.int32()),
-                                                               ("chunk", pa.binary())]))
+        yield from arrow_rows(batches, lambda: run_task(plan, BarrierTaskContext.get()))
 
     return barrier_task

@@ -49,7 +49,7 @@ from stratkit.spark import slots
 from stratkit.spark.confs import (STANDBY_CONF, check_ssl, choose_stage, conf_bool, read_confs, spark_context,
                                   task_gpu_amount)
 from stratkit.spark.failures import AttemptState, SparkTrainingError, explain
-from stratkit.spark.jobs import cancel, job_tag
+from stratkit.spark.jobs import cancel, collect_rows, job_tag
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logserver import LogServer, TaskLog
 from stratkit.spark.task import INFO_SEQ
@@ -240,11 +240,7 @@ def _watch(search: DriverSearch, server: LogServer, state: AttemptState, deadlin
 
 def _collect(spark: Any, sc: Any, stage: str, plan: TunerPlan) -> list[tuple[int, int, bytes]]:
     """One non-barrier task per tuner: its rows (result chunks and its info row)."""
-    n = plan.num_tasks
-    if stage == "mapInArrow":
-        frame = spark.range(0, n, 1, n).mapInArrow(arrow_function(plan), "rank int, seq int, chunk binary")
-        return [(row["rank"], row["seq"], bytes(row["chunk"])) for row in frame.collect()]
-    return list(sc.parallelize(range(n), n).mapPartitions(rdd_function(plan)).collect())
+    return collect_rows(spark, sc, stage, plan.num_tasks, arrow_function(plan), rdd_function(plan), barrier=False)
 
 
 def _finish(search: DriverSearch, server: LogServer, state: AttemptState, rows: list[tuple[int, int, bytes]],
@@ -275,11 +271,13 @@ def _finish(search: DriverSearch, server: LogServer, state: AttemptState, rows: 
             chunks.setdefault(partition, []).append((seq, chunk))
     returned = {info["tuner"]: partition for partition, info in infos.items() if info["exit"] == 0}
     ended, partition = search.outcome(returned)
-    if not ended:
-        last = report.lost[-1] if report.lost else "every tuner"
-        raise SparkTrainingError(f"the search did not end: its tuners all ended before it ({', '.join(report.lost)}"
-                                 f" lost after the start; the last was {last}). Its state is on its store: a new "
-                                 "run resumes it", attempt=1)
+    if not ended or not returned:  # every tuner was lost: the searches' states are on their stores
+        state.failure = next((t for t in server.tasks.values() if t.exit_code != 0), None)
+        cause = explain(error or RuntimeError("every tuner was lost"), state, server, roles, 1, 1, timeout)
+        raise SparkTrainingError(f"no tuner ran its search function to its end (each was lost: "
+                                 f"{', '.join(report.lost) or 'none reported'}); a new run resumes the searches from "
+                                 f"their stores. The first lost: {cause}", task=cause.task, rank=cause.rank,
+                                 exit_code=cause.exit_code, lines=cause.lines, attempt=1)
     if partition is None or partition not in chunks:
         return None
     import cloudpickle

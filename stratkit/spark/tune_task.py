@@ -38,16 +38,15 @@ from stratkit import status
 from stratkit.process.children import passing_on_notices
 from stratkit.process.report import signal_name
 from stratkit.spark import child as child_module
-from stratkit.spark import layout
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.logprotocol import SETUP_FAILED, LogClient
-from stratkit.spark.task import (INFO_SEQ, LOG_CONNECT_SECONDS, NOTICES, keep_or_close, result_chunks, standby_for,
-                                 task_workdir)
+from stratkit.spark.task import (INFO_SEQ, LOG_CONNECT_SECONDS, NOTICES, arrow_rows, context_devices, keep_or_close,
+                                 result_chunks, standby_for, task_workdir)
 from stratkit.tuning import environment
 
 #: Variables of the executor's environment a tuner must not inherit (the search's own come from the plan).
-_DROPPED = ("TF_CONFIG", environment.ADDRESS_VAR, environment.TOKEN_VAR, environment.TUNER_VAR,
-            environment.TUNERS_VAR, environment.SERVE_VAR, environment.MARKERS_VAR)
+_DROPPED = ("TF_CONFIG", environment.ADDRESS_VAR, environment.TUNE_TOKEN_VAR, environment.TUNER_VAR,
+            environment.TUNERS_VAR, environment.SERVE_VAR, environment.MARKERS_VAR, environment.GROUP_VAR)
 
 
 @dataclass(frozen=True)
@@ -83,17 +82,6 @@ class TunerPlan:
                 child_module.RESULT_VAR: "1"}
 
 
-def _visible_devices(plan: TunerPlan, partition: int, context: Any) -> str:
-    owned = None
-    if plan.use_gpu:
-        resources = context.resources()
-        if plan.gpu_resource_name in resources:
-            owned = list(resources[plan.gpu_resource_name].addresses)
-    return layout.visible_devices(TaskRole(partition, "worker", partition), use_gpu=plan.use_gpu, owned=owned,
-                                  count=plan.gpu_count, preset=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                  resource_name=plan.gpu_resource_name)
-
-
 def run_tuner(plan: TunerPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     """The tuner task's body; yields `(partition, seq, chunk)`: its pickled result, then one info row."""
     partition = context.partitionId()
@@ -114,7 +102,9 @@ def run_tuner(plan: TunerPlan, context: Any) -> Iterator[tuple[int, int, bytes]]
     code: int = SETUP_FAILED
     try:
         env = {k: v for k, v in os.environ.items() if k not in _DROPPED}
-        env["CUDA_VISIBLE_DEVICES"] = _visible_devices(plan, partition, context)
+        env["CUDA_VISIBLE_DEVICES"] = context_devices(context, TaskRole(partition, "worker", partition),
+                                                      use_gpu=plan.use_gpu, count=plan.gpu_count,
+                                                      resource_name=plan.gpu_resource_name)
         env.update(plan.env(partition, tuner))
         with open(os.path.join(workdir, child_module.PAYLOAD), "wb") as handle:
             handle.write(plan.payload)
@@ -164,14 +154,9 @@ def arrow_function(plan: TunerPlan):
     """The function for `DataFrame.mapInArrow` (also over Spark Connect): record batches of (rank, seq, chunk)."""
 
     def tuner_task(batches: Iterator[Any]) -> Iterator[Any]:
-        import pyarrow as pa
         from pyspark import TaskContext
 
-        for _ in batches:  # the input rows only place one task per partition
-            pass
-        schema = pa.schema([("rank", pa.int32()), ("seq", pa.int32()), ("chunk", pa.binary())])
-        for rank, seq, chunk in run_tuner(plan, TaskContext.get()):
-            yield pa.RecordBatch.from_pydict({"rank": [rank], "seq": [seq], "chunk": [chunk]}, schema=schema)
+        yield from arrow_rows(batches, lambda: run_tuner(plan, TaskContext.get()))
 
     return tuner_task
 

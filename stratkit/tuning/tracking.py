@@ -1,18 +1,28 @@
 """A search in MLflow: one parent run for the search, one child run per trial, logged by the search service.
 
 The service sees every trial's start, end and status, and the tuners send it
-each epoch's metrics (`client.track`), so it is the one writer: the tuners
+each epoch's metrics (an epoch report), so it is the one writer: the tuners
 need no MLflow (Spark executors, Ray workers), a trial that ran on two tuners
 is one child run, and nothing is logged twice:
 
-| what | when | how it is logged once |
-|---|---|---|
-| the parent run | the first tuner registers | the run handed over by the engine's driver (`with mlflow.start_run(): runner.run(...)`), or active in a one-process search; else (`tracking="mlflow"`) a new run, kept in the search's state (a resumed search continues it) and found again by its tag `stratkit.search` |
-| a child run per trial | the trial is first handed out | tags `mlflow.parentRunId` and `stratkit.trial`: a trial that runs again, or a resumed search, finds its child on the server before it would make one |
-| its hyperparameters | with the child | params already on the run are not logged again |
-| each epoch's metrics | the tuner reports the epoch (`step` = the epoch) | a (metric, step) the run holds is skipped: a run that takes over a lost trial re-trains only the epochs after its backup, one without a backup all of them |
-| its status | the trial ends | FINISHED; a pruned trial KILLED with tag `stratkit.trial_status=pruned`; a failed one (its error, or its tuner lost too often) FAILED with tag `stratkit.error`; a resumed search ends a trial whose end was not logged yet |
-| the parent's end | the search ends | FINISHED (FAILED with the search's error) when the search made the run; a handed-over run is its owner's |
+* the parent run, when the first tuner registers: the run the engine's driver
+  handed over (`with mlflow.start_run(): runner.run(...)`), or the one active
+  in a one-process search; else (`tracking="mlflow"`) a new run, kept in the
+  search's state (a resumed search continues it) and found again by its tag
+  `stratkit.search`;
+* a child run per trial, when it is first handed out, tagged
+  `mlflow.parentRunId` and `stratkit.trial`: a trial that runs again, or a
+  resumed search, finds its child on the server before it would make one;
+* its hyperparameters, with the child (params the run has are not logged again);
+* each epoch's metrics, as the tuner reports the epoch (step: the epoch): a
+  (metric, step) the run holds is skipped (a run that takes over a lost trial
+  re-trains only the epochs after its backup, one without a backup all of them);
+* its status, when the trial ends: FINISHED; a pruned trial KILLED with tag
+  `stratkit.trial_status=pruned`; a failed one (its error, or its tuner lost
+  too often) FAILED with tag `stratkit.error`; a resumed search ends a trial
+  whose end was not logged yet;
+* the parent's end, when the search ends: FINISHED (FAILED with the search's
+  error) when the search made the run; a handed-over run is its owner's.
 
 How a tuner library's search gets here: `stratkit.tuning.tracked`.
 

@@ -21,7 +21,7 @@ from ray_helpers import local_ray, needs_ray
 from stratkit.errors import ConfigError
 from stratkit.ray.runner import RayRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, needs_ray]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.ray, needs_ray]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_seeded_random_search_and_hyperband_on_two_ray_workers_equal_the_one_p
     seconds = time.monotonic() - started
     out = capsys.readouterr().out
     for kind in engine_searches.KINDS:
-        assert engine_searches.compare(result[kind], reference[kind]) == [], kind
+        assert engine_searches.compare(result[kind], reference[kind]) == [], (kind, out[-6000:])
     assert {line.split(" TUNER ")[1].split()[0] for line in out.splitlines() if " TUNER " in line} == {"0", "1"}
     assert runner.last_run.lost == [] and set(runner.last_run.exit_codes.values()) == {0}
     with capsys.disabled():

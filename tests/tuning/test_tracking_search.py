@@ -18,7 +18,7 @@ import mlflow_server
 import pytest
 from procs import REPO_ROOT, child_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiworker, mlflow_server.needs_mlflow]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.multiworker, mlflow_server.needs_mlflow]
 
 
 @pytest.fixture(scope="module")
