@@ -29,8 +29,9 @@ log = status.logger(__name__)
 
 
 class Channel(Protocol):
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """The reply to one request (raw: {"ok": ...} or an error)."""
+    def request(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
+        """The reply to one request (raw: {"ok": ...} or an error); `fallback()` may answer while the service
+        cannot be reached (`protocol.Connection.request`)."""
 
     def close(self) -> None: ...
 
@@ -42,7 +43,7 @@ class LocalChannel:
         self.service = service
         self.tuner = tuner
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
         request = json.loads(json.dumps({"op": op, **fields}))
         return json.loads(json.dumps(self.service.handle(self.tuner, request)))
 
@@ -58,10 +59,10 @@ class WireChannel:
         self.connection = connection
         self.search = search
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
         deadline = time.monotonic() + self.connection.connect_seconds
         while True:
-            reply = self.connection.request(op, search=self.search, **fields)
+            reply = self.connection.request(op, fallback=fallback, search=self.search, **fields)
             if reply.get("kind") != "retry":
                 return reply
             if time.monotonic() > deadline:
@@ -90,15 +91,27 @@ class Lease:
 class SearchClient:
     """One tuner's requests to the search service (see the module's docstring)."""
 
-    def __init__(self, channel: Channel, tuner: int) -> None:
+    def __init__(self, channel: Channel, tuner: int, store: Any = None) -> None:
         self.channel = channel
         self.tuner = tuner
+        #: The search's `SearchStore`: where a tuner reads the end when the host ended the search and left.
+        self.store = store
         self.config: dict[str, Any] = {}
         #: The search's results once it ended ({"summary": planner.summary(), "ended": {trial: run}}).
         self.final: dict[str, Any] | None = None
 
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        return protocol.raise_for(self.channel.request(op, **fields))
+    def call(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
+        return protocol.raise_for(self.channel.request(op, fallback, **fields))
+
+    def _stored_end(self) -> dict[str, Any] | None:
+        """The search's end as the service stored it, when it ended (its host may have left since)."""
+        try:
+            state = self.store.read_state() if self.store is not None else None
+        except Exception:  # noqa: BLE001 - a store that does not answer now: keep trying the service
+            return None
+        if state and state.get("done") and state.get("final") is not None:
+            return {"ok": {"stop": state["final"]}}
+        return None
 
     def register_local(self, service: Any, planner: Planner) -> dict[str, Any]:
         """Join a service in this process with its planner (no pickling)."""
@@ -130,7 +143,7 @@ class SearchClient:
     def next(self) -> Lease | None:
         """The next trial to run (waiting as long as the search needs), or None when the search ended."""
         while True:
-            reply = self.call("next")
+            reply = self.call("next", fallback=self._stored_end)
             if "stop" in reply:
                 self.final = reply["stop"]
                 return None
@@ -151,6 +164,8 @@ class SearchClient:
             except Exception as exc:  # noqa: BLE001 - unreachable, or the search failed: judged below
                 log.debug("heartbeat for trial %s failed: %s", lease.trial_id, exc)
                 alive = time.monotonic() - last_ok < 6 * lease.heartbeat  # the lease's life on the service
+            if not alive and lease.ended.is_set():
+                return  # a beat that crossed this lease's end: the lease ended, it was not lost
             if not alive:
                 log.warning("trial %s (run %d) was taken back by the search service (its lease expired): this "
                             "tuner stops it, another runs it", lease.trial_id, lease.run)
@@ -173,10 +188,8 @@ class SearchClient:
 
     def end(self, lease: Lease, data: dict[str, Any]) -> bool:
         """End the trial with its result; False when the lease was lost (the result is another run's now)."""
-        try:
-            accepted = bool(self.call("end", trial=lease.trial_id, run=lease.run, data=data).get("accepted"))
-        finally:
-            lease.ended.set()
+        lease.ended.set()  # no heartbeat after this: one that crossed the end must not call the lease lost
+        accepted = bool(self.call("end", trial=lease.trial_id, run=lease.run, data=data).get("accepted"))
         if not accepted:
             lease.lost.set()
         return accepted
@@ -199,13 +212,6 @@ class SearchClient:
         else:
             run = self.call("files", trial=trial_id).get("run")
         return None if run is None else int(run)
-
-    def bye(self) -> None:
-        """Tell the service this tuner heard the end (best effort)."""
-        try:
-            self.call("bye")
-        except Exception:  # noqa: BLE001 - the host may be gone already
-            pass
 
     def close(self) -> None:
         self.channel.close()

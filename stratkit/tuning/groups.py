@@ -78,8 +78,8 @@ class LeaderChannel:
         self.prefix = f"{PREFIX}/{search}"
         self.counts: dict[str, int] = {}
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        reply = self.inner.request(op, **fields)
+    def request(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
+        reply = self.inner.request(op, fallback, **fields)
         ok = reply.get("ok") if isinstance(reply.get("ok"), dict) else None
         if op in _PUBLISHED and not (op == "next" and ok is not None and ok.get("wait")):
             number = self.counts[op] = self.counts.get(op, 0) + 1
@@ -105,7 +105,7 @@ class FollowerChannel:
             if value is not None:
                 return json.loads(value)
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, fallback: Any = None, **fields: Any) -> dict[str, Any]:
         if op == "register":
             return self._read("config")
         if op in _PUBLISHED:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -105,7 +106,15 @@ class TunerState:
         self.building: RunningTrial | None = None
         #: The oracle that answers once the search ended (the service's, or this tuner's copy of the results).
         self.final_oracle: Any = None
-        self.staging = tempfile.mkdtemp(prefix=f"stratkit-tune-{os.getpid()}-")
+        self._staging: str | None = None
+
+    @property
+    def staging(self) -> str:
+        """This tuner's own directory for backups on their way to a store URL (tuners of one machine must not
+        share one: `Backup`'s default is per run and rank, the same for every tuner)."""
+        if self._staging is None:
+            self._staging = tempfile.mkdtemp(prefix=f"stratkit-tune-{os.getpid()}-")
+        return self._staging
 
     @property
     def client(self) -> Any:
@@ -191,7 +200,10 @@ class TunerState:
                 log.debug("could not remove older runs of trial %s: %s", trial.trial_id, exc)
 
     def finished(self) -> None:
-        """The search ended: answer queries from its results from now on."""
+        """The search ended: answer queries from its results from now on (and drop the backups' staging)."""
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
         if self.session.service is not None:
             self.final_oracle = self.planner.oracle
         else:

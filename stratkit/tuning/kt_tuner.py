@@ -51,6 +51,7 @@ from keras_tuner.engine.trial import Trial, TrialStatus
 
 from stratkit import status
 from stratkit.errors import ConfigError
+from stratkit.training.checkpoint import Backup
 from stratkit.tuning.kt_oracle import KerasTunerPlanner
 from stratkit.tuning import environment
 from stratkit.tuning import tracking as tracking_lib
@@ -248,11 +249,9 @@ class DistributedTuner:
         backup = None
         rank, size = state.session.group
         if state.backups and getattr(self, "executions_per_trial", 1) == 1:
-            from stratkit.callbacks import Backup
-
             state.prepare_run(lease)
             backup = Backup(state.session.store.backup_path(trial.trial_id), is_chief=rank == 0, rank=rank,
-                            staging=os.path.join(state.staging, "backups"))
+                            staging=None if state.session.store.local else os.path.join(state.staging, "backups"))
         extra = [backup] if backup is not None else []
         if isinstance(state.planner, TrackedPlanner) and state.session.writes:  # each epoch to its MLflow run
             extra.append(EpochReports(state.client, lease))

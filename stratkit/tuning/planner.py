@@ -73,6 +73,9 @@ class Planner(Protocol):
 
     #: The library's name ("keras_tuner", "optuna"), in messages and in the stored state.
     library: str
+    #: The search's seed: every tuner derives its trials' seeds from it (`trial_seed`), whatever seed its own
+    #: copy of the search drew.
+    seed: int
 
     def fingerprint(self) -> dict[str, Any]:
         """What must be equal on every tuner of one search (the space, the objective, the algorithm's

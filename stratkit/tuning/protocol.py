@@ -100,6 +100,12 @@ def serve(conn: socket.socket, rest: bytes, handle: Callable[[dict[str, Any]], d
 
 
 # -- the tuner's end ------------------------------------------------------------------------------
+class _Answered(Exception):
+    def __init__(self, reply: dict[str, Any]) -> None:
+        super().__init__("answered without the service")
+        self.reply = reply
+
+
 class Connection:
     """One tuner's connection to the service: requests in order, reconnecting for at most `connect_seconds`.
 
@@ -131,7 +137,7 @@ class Connection:
         host, port = self.address
         return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float, fallback: Callable[[], dict[str, Any] | None] | None = None) -> None:
         delay = 0.05
         last = "no attempt"
         while not self._closed:
@@ -156,6 +162,9 @@ class Connection:
                 if exc.errno not in (None, errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT,
                                      errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNABORTED, errno.EPIPE):
                     last = f"{last} (errno {exc.errno})"
+            answer = fallback() if fallback is not None else None
+            if answer is not None:
+                raise _Answered(answer)
             if time.monotonic() + delay > deadline:
                 raise SearchUnreachable(
                     f"could not reach the search service at {self.where} for {self.connect_seconds:g} s ({last}). "
@@ -171,8 +180,13 @@ class Connection:
             self._sock.close()
         self._sock, self._lines = None, None
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, *, fallback: Callable[[], dict[str, Any] | None] | None = None,
+                **fields: Any) -> dict[str, Any]:
         """Send one request and return its reply (resent after a lost connection, for `connect_seconds`).
+
+        `fallback()`, asked after each failed attempt to reach the service, may answer instead (a reply
+        dict): a tuner asking for its next trial after the host ended the search and left reads the end
+        from the search's store.
 
         Raises:
             SearchUnreachable: the service could not be reached in time.
@@ -183,7 +197,10 @@ class Connection:
             deadline = time.monotonic() + self.connect_seconds
             while True:
                 if self._sock is None:
-                    self._connect(deadline)
+                    try:
+                        self._connect(deadline, fallback)
+                    except _Answered as answered:
+                        return answered.reply
                 assert self._sock is not None and self._lines is not None
                 try:
                     self._sock.sendall(message)

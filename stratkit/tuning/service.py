@@ -29,7 +29,7 @@ several times). What it decides:
   resumes from it (trials that were running run again; a finished one never).
 
 Requests (`protocol`): register, next, beat, built, report, end, abort, query,
-files, bye. Each may be repeated after a lost connection and gets the same answer.
+files. Each may be repeated after a lost connection and gets the same answer.
 
 Size: one class whose lock and condition every request shares (the leases, the
 gate, the end, the persisted state must change together); the lease table and
@@ -214,8 +214,14 @@ class SearchService:
 
     def _gate(self, now: float) -> bool:
         """Whether trials may start: every tuner registered (or the start bound passed), the first one built."""
-        if len(self.registered) < self.tuners and now < self._start_deadline:
-            return False
+        if len(self.registered) < self.tuners:
+            if now < self._start_deadline:
+                return False
+            if not self._handed:
+                missing = sorted(set(range(self.tuners)) - self.registered)
+                log.warning("the search starts with %d of %d tuners: tuner(s) %s did not register within %g s (%s)",
+                            len(self.registered), self.tuners, ", ".join(map(str, missing)),
+                            self._start_deadline - self._started_at, environment.START_VAR)
         if self._first is not None:
             return False
         return True
@@ -346,12 +352,6 @@ class SearchService:
         with self._lock:
             return {"run": self.ended.get(str(request["trial"]))}
 
-    def _op_bye(self, tuner: int, request: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            self._heard_stop.add(tuner)
-            self._changed.notify_all()
-        return {}
-
     # -- failures, expiry, the end ------------------------------------------------------------------
     def fail(self, kind: str, message: str) -> None:
         """End the search with an error every tuner raises ("config": a ConfigError)."""
@@ -407,7 +407,7 @@ class SearchService:
                 current = self._version
                 state = {"version": STATE_VERSION, "library": self.planner.library, "fingerprint": self.fingerprint,
                          "planner": self.planner.state(), "leases": self.leases.state(), "ended": self.ended,
-                         "handed": self._handed, "done": self.done}
+                         "handed": self._handed, "done": self.done, "final": self._final}
             assert self.store is not None
             self.store.write_state(state)
             self._written = current

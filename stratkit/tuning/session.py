@@ -44,7 +44,7 @@ from stratkit.tuning.client import LocalChannel, SearchClient, WireChannel
 from stratkit.tuning.hub import SearchHub
 from stratkit.tuning.planner import Planner
 from stratkit.tuning.search_store import SearchStore
-from stratkit.tuning.service import STOP_GRACE, SearchService
+from stratkit.tuning.service import SearchService
 
 #: This process's searches so far (each `open_session` is the next: every tuner runs the same script), and the
 #: run's listener when this process hosts (worker 0 of `stratkit launch --tune`).
@@ -81,13 +81,9 @@ class Session:
 
     def finish(self) -> None:
         """After this tuner heard the end: the host waits (bounded) until every other tuner heard it too, so
-        none is left asking a service that is gone; a tuner says goodbye (a group's follower says nothing)."""
+        none is left asking a service that is gone. A tuner asks nothing more (the host may be gone already); nor does a group's follower."""
         if self.service is not None and self.role == "host":
-            # as long as a lease lives: a tuner that just ended its last trial may take seconds (a loaded host,
-            # its trial's teardown) to ask; a host gone before it did leaves it retrying an absent service
-            self.service.wait_heard(max(STOP_GRACE, self.service.lease_seconds))
-        elif self.role == "tuner":
-            self.client.bye()
+            self.service.wait_heard()
 
     def close(self) -> None:
         self.client.close()
@@ -175,7 +171,7 @@ def _open(env: environment.TuneEnv | None, planner: Planner, search_store: Searc
     connection = protocol.Connection(env.address, env.token, env.tuner, env.label,
                                      connect_seconds=environment.seconds(environment.CONNECT_VAR,
                                                                          environment.CONNECT_SECONDS))
-    client = SearchClient(WireChannel(connection, search), env.tuner)
+    client = SearchClient(WireChannel(connection, search), env.tuner, search_store)
     try:
         search_store.check()
     except ConfigError as exc:

@@ -149,13 +149,13 @@ def test_a_dead_tuners_trial_runs_again_on_another_and_its_late_result_is_refuse
 def test_a_silent_tuner_loses_its_lease_a_beating_one_keeps_it(store):
     """SIGSTOP in miniature: a lease nobody renews expires after lease_seconds; one whose heartbeats go on
     outlives it; after max_losses the trial is given up and the search still ends."""
-    service = SearchService(store, tuners=1, lease_seconds=0.6, max_losses=2)
+    service = SearchService(store, tuners=1, lease_seconds=2.0, max_losses=2)
     client = SearchClient(LocalChannel(service, 0), 0)
     client.register_local(service, Count(2, serial=True))
     try:
         kept = client.next()  # its heartbeat thread renews it every lease_seconds / 6
         client.built(kept)
-        time.sleep(1.5)
+        time.sleep(3.0)
         assert client.end(kept, {"score": 0}) and not kept.lost.is_set()
         for run in (1, 2):
             lease = client.next()
@@ -361,3 +361,51 @@ def test_the_tune_environment_is_checked():
     parsed = environment.from_environ(env)
     assert (parsed.address, parsed.tuner, parsed.tuners, parsed.serve) == (("127.0.0.1", 5), 1, 2, False)
     assert environment.from_environ({}) is None
+
+
+def test_a_tuner_that_cannot_reach_the_store_ends_the_search_before_any_trial(store, store_server, monkeypatch):
+    """The real tuner's path (`session.open_session` with the engine's variables): its store check fails (a
+    bucket missing on S3, moto), and the host's first `next` gets the same ConfigError."""
+    from stratkit.tuning import session
+
+    s3 = store_server("s3")
+    service = SearchService(store, tuners=2, lease_seconds=5)
+    hub = SearchHub("127.0.0.1", 0, TOKEN, tuners=2)
+    hub.add(session._PROCESS["searches"], service)  # the search number this process's next session takes
+    try:
+        host = SearchClient(LocalChannel(service, 0), 0)
+        host.register_local(service, Count(3))
+        for key, value in {**s3.env, **environment.task_env(hub.address, TOKEN, 1, 2, engine="a test")}.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("STRATKIT_STORE_TIMEOUT", "20")
+        with pytest.raises(ConfigError, match=r"tuner 1: store='s3://no-such-bucket-for-tuning/search': the bucket "
+                                              r"or container 'no-such-bucket-for-tuning' does not exist"):
+            session.open_session(Count(3), store="s3://no-such-bucket-for-tuning/search")
+        with pytest.raises(ConfigError, match=r"the bucket or container 'no-such-bucket-for-tuning' does not exist"):
+            host.next()
+        assert service.leases.runs == {}
+    finally:
+        hub.close()
+
+
+def test_a_tuner_that_asks_after_the_host_left_reads_the_end_from_the_store(store):
+    """The host waits (bounded) for every tuner to hear the end, then leaves; a tuner slower than that (a loaded
+    machine) finds nobody to ask: it reads the end the service stored, instead of retrying for its connect time."""
+    service = SearchService(store, tuners=2, lease_seconds=5)
+    hub = _hub(service)
+    connection = protocol.Connection(hub.address, TOKEN, 1, "t1", connect_seconds=120)
+    late = SearchClient(WireChannel(connection), 1, store)
+    late.register(Count(1), store.path)
+    host = SearchClient(LocalChannel(service, 0), 0)
+    host.register_local(service, Count(1))
+    lease = host.next()
+    host.built(lease)
+    host.end(lease, {"score": 0})
+    assert host.next() is None
+    hub.close()  # the host's process ended
+    connection.close()
+    late_connection = protocol.Connection(hub.address, TOKEN, 1, "t1", connect_seconds=120)
+    late = SearchClient(WireChannel(late_connection), 1, store)
+    started = time.monotonic()
+    assert late.next() is None and late.final["summary"]["scores"] == {"0": 0}
+    assert time.monotonic() - started < 10
