@@ -2,7 +2,8 @@
 plain KerasTuner (`--plain`) or through `stratkit.tune`; prints one `TUNE {...}` line: this tuner's search wall
 time, the seconds spent building and fitting its trials (KerasTuner's `Tuner._build_and_fit_model`, timed
 around the call), the part of those that was stratkit's own inside a fit (the trial's `Backup` hooks and the
-checkpoint uploads, each timed around the call), and the trials it ran."""
+checkpoint uploads, each timed around the call), and the trials it ran. `report` is the same as a function, for
+the engines' tuners (benchmarks/tasks/tune_engines.py ships it to Spark and Ray)."""
 
 from __future__ import annotations
 
@@ -12,34 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-import keras_tuner
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import tune_keras_tuner as example  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--plain", action="store_true")
-parser.add_argument("--trials", type=int, default=8)
-parser.add_argument("--epochs", type=int, default=3)
-args = parser.parse_args()
 
-own: list[float] = []
-real = keras_tuner.Tuner._build_and_fit_model
-
-
-def timed(self, trial, *fit_args, **fit_kwargs):
-    started = time.perf_counter()
-    try:
-        return real(self, trial, *fit_args, **fit_kwargs)
-    finally:
-        own.append(time.perf_counter() - started)
-
-
-keras_tuner.Tuner._build_and_fit_model = timed
-inside: list[float] = []
-
-
-def timing(cls, name):
+def _timed(cls, name: str, into: list[float]) -> None:
+    """Time every call of `cls.name` into `into`."""
     original = getattr(cls, name)
 
     def run(*call_args, **call_kwargs):
@@ -47,29 +26,47 @@ def timing(cls, name):
         try:
             return original(*call_args, **call_kwargs)
         finally:
-            inside.append(time.perf_counter() - started)
+            into.append(time.perf_counter() - started)
 
     setattr(cls, name, run)
 
 
-if not args.plain:
-    from stratkit.training.checkpoint.callback import Backup
-    from stratkit.tuning.kt_trials import TunerState
+def report(trials: int, epochs: int, plain: bool = False) -> dict:
+    """Run the search as this process's tuner; print and return its `TUNE` report."""
+    import keras_tuner
 
-    for hook in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_epoch_end", "on_train_end",
-                 "release"):
-        timing(Backup, hook)
-    timing(TunerState, "upload")
-digits = example.load_digits()
-x, y = (digits.data / 16).astype("float32"), digits.target
-tuner = keras_tuner.RandomSearch(example.build_model, objective="val_accuracy", max_trials=args.trials, seed=1,
-                                 directory="tuning", project_name="digits")
-if not args.plain:
-    import stratkit
+    own: list[float] = []
+    inside: list[float] = []
+    _timed(keras_tuner.Tuner, "_build_and_fit_model", own)
+    if not plain:
+        from stratkit.training.checkpoint.callback import Backup
+        from stratkit.tuning.kt_trials import TunerState
 
-    tuner = stratkit.tune(tuner)
-started = time.perf_counter()
-tuner.search(x[:1400], y[:1400], epochs=args.epochs, validation_data=(x[1400:], y[1400:]), verbose=0)
-wall = time.perf_counter() - started
-print("TUNE " + json.dumps({"wall": wall, "own": sum(own), "inside": sum(inside), "trials": len(own),
-                            "scores": {t.trial_id: t.score for t in tuner.oracle.trials.values()}}), flush=True)
+        for hook in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_epoch_end", "on_train_end",
+                     "release"):
+            _timed(Backup, hook, inside)
+        _timed(TunerState, "upload", inside)
+    digits = example.load_digits()
+    x, y = (digits.data / 16).astype("float32"), digits.target
+    tuner = keras_tuner.RandomSearch(example.build_model, objective="val_accuracy", max_trials=trials, seed=1,
+                                     directory="tuning", project_name="digits")
+    if not plain:
+        import stratkit
+
+        tuner = stratkit.tune(tuner)
+    started = time.perf_counter()
+    tuner.search(x[:1400], y[:1400], epochs=epochs, validation_data=(x[1400:], y[1400:]), verbose=0)
+    wall = time.perf_counter() - started
+    out = {"wall": wall, "own": sum(own), "inside": sum(inside), "trials": len(own),
+           "scores": {t.trial_id: t.score for t in tuner.oracle.trials.values()}}
+    print("TUNE " + json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    report(args.trials, args.epochs, args.plain)

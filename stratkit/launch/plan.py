@@ -35,8 +35,7 @@ from stratkit.launch.checks import (
 )
 from stratkit.launch.isolation import is_loopback
 from stratkit.process.ports import address_family, hold_port
-from stratkit.launch.tune import TunePlan, check_tune, check_tuner_gpus
-from stratkit.tuning import environment as tune_env
+from stratkit.launch.tune import TunePlan, check_groups, check_tune, check_tuner_gpus
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
 LAUNCHER = "launch"
@@ -273,8 +272,9 @@ class LaunchPlan:
 
     @property
     def serving(self) -> list[Task]:
-        """The tasks that need a port, in task order (a tune run: the task hosting the search service)."""
-        if self.tune is not None:
+        """The tasks that need a port, in task order (a tune run of one worker per trial: the task hosting the
+        search service; of groups: every worker, the service's port is the attempt's own)."""
+        if self.tune is not None and self.tune.workers_per_trial == 1:
             return [t for t in self.tasks if t.name == self.tune.host_task]
         return [t for t in self.tasks if t.serves]
 
@@ -282,12 +282,8 @@ class LaunchPlan:
         """The complete environment of `task` in attempt number `attempt` (0-based) of `cluster`."""
         env = dict(self.env)
         env.pop("TF_CONFIG", None)
-        if self.tune is not None:  # each tuner trains alone on its own devices: no cluster
-            tune = self.tune
-            address = tune.address or tune_env.parse_address(cluster["service"][0], "the service's address")
-            env.update(tune_env.task_env(address, tune.token, task.index, len(self.tasks),
-                                         serve=task.name == tune.host_task, markers=tune.markers_for(attempt),
-                                         engine=tune.engine))
+        if self.tune is not None:  # each tuner trains alone on its own devices (a group: on its own cluster)
+            env.update(self.tune.task_env(cluster, task, attempt, len(self.tasks)))
         else:
             env["TF_CONFIG"] = task_tf_config(cluster, task, env)
         env[LAUNCHER_VAR] = LAUNCHER
@@ -317,6 +313,8 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
         check_tune(chief=chief, ps=ps, evaluator=evaluator, share_gpus=share_gpus, machines=machines)
     if machines is None:  # (--nnodes resolved it per node)
         workers = resolve_workers(workers, base_env, others=int(bool(chief)) + int(bool(evaluator)))
+    if tune is not None:
+        check_groups(workers, tune.workers_per_trial)
     tasks = plan_tasks(workers, chief, ps, evaluator)
     gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
                      gpus.FLAGS if machines is None else NODE_GPU_FLAGS)

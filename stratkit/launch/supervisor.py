@@ -124,7 +124,7 @@ class Supervisor:
     def _open_network(self) -> PrivateNetwork | None:
         """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
         wanted, host = self.plan.private_network, self.plan.host
-        if self.plan.tune is not None and not wanted:
+        if self.plan.tune is not None and self.plan.tune.workers_per_trial == 1 and not wanted:
             self.console.say("a tune run starts no TensorFlow server (each tuner trains alone; the search service "
                              "listens on loopback and takes only the run's token): the tasks use this machine's "
                              "network (--private-network isolates them anyway)")

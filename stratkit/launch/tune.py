@@ -5,7 +5,11 @@ TF_CONFIG (each trial trains alone on its tuner's own devices), the service's
 address and the run's token in each task's environment
 (`stratkit.tuning.environment.task_env`, written by `LaunchPlan.task_env`),
 and the service on worker 0 (`host_task`, on the port the attempt holds for
-it, as a TF server's) or on the driver (`LocalRunner`: `address`).
+it, as a TF server's) or on the driver (`LocalRunner`: `address`). With
+`--workers-per-trial K` each K workers are one tuner that trains its trials
+as a MultiWorkerMirrored cluster of its own (`stratkit.tuning.groups`; the
+groups' tasks are `stratkit.cluster.layout`'s `trial_group`): every worker
+then holds a TF port, and the service's port is the attempt's own.
 
 How a tune run treats a task that ends badly (`launch/attempt.py`
 `_lost_tuner`): the host's failure is the run's (restarted with
@@ -21,11 +25,12 @@ Imports no TensorFlow.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stratkit.cluster import layout
 from stratkit.errors import ConfigError
+from stratkit.tuning import environment as tune_env
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,27 @@ class TunePlan:
     markers: str
     host_task: str | None = "worker:0"
     address: tuple[str, int] | None = None
+    #: Workers per trial (`--workers-per-trial K`): each group of K is one tuner, a cluster of its own.
+    workers_per_trial: int = 1
 
     def markers_for(self, attempt: int) -> str:
         """Each attempt's own markers (a restarted host starts its search's start again) when a task hosts."""
         return os.path.join(self.markers, f"attempt-{attempt}") if self.host_task else self.markers
+
+    def task_env(self, cluster: Mapping[str, Sequence[str]], task: layout.Task, attempt: int,
+                 tasks: int) -> dict[str, str]:
+        """A tuner's variables in attempt `attempt` of a run of `tasks` tasks: its part of the search
+        (`stratkit.tuning.environment`); in a multi-worker trial group (`workers_per_trial` > 1), its tuner is
+        its group's and its TF_CONFIG is its group's cluster (`cluster["worker"]`: every worker's address)."""
+        per = self.workers_per_trial
+        address = self.address or tune_env.parse_address(cluster["service"][0], "the service's address")
+        group, place = layout.trial_group(task, per)
+        env = tune_env.task_env(address, self.token, group, tasks // per, serve=task.name == self.host_task,
+                                markers=self.markers_for(attempt), engine=self.engine, group=(place.index, per))
+        if per > 1:
+            env["TF_CONFIG"] = layout.tf_config_json(layout.group_cluster(cluster["worker"], group, per),
+                                                     place.role, place.index)
+        return env
 
 
 def check_tune(*, chief: bool, ps: int, evaluator: bool, share_gpus: bool,
@@ -69,6 +91,21 @@ def check_tune(*, chief: bool, ps: int, evaluator: bool, share_gpus: bool,
                           "(docs/tuning.md)")
 
 
+def check_groups(workers: int, per_trial: int) -> None:
+    """`--workers` is a whole number of trial groups of `--workers-per-trial` (each group trains one trial).
+
+    Raises:
+        ConfigError: naming both flags and the fix.
+    """
+    if isinstance(per_trial, bool) or not isinstance(per_trial, int) or per_trial < 1:
+        raise ConfigError(f"--workers-per-trial must be a whole number >= 1: got {per_trial!r}. Fix: e.g. "
+                          "--workers-per-trial 2 (each trial trains on 2 workers), or drop it (one per worker)")
+    if workers % per_trial:
+        raise ConfigError(f"--workers {workers} is not a whole number of trial groups of --workers-per-trial "
+                          f"{per_trial}. Fix: --workers {per_trial * max(1, workers // per_trial)} (each group of "
+                          f"{per_trial} workers trains one trial at a time, as one MultiWorkerMirrored cluster)")
+
+
 def check_tuner_gpus(tuners: int, visible: Sequence[str], gpus_per_worker: int | None) -> None:
     """Never two trials on one GPU: more tuners than GPUs (unless they search on the CPU) is refused."""
     if visible and gpus_per_worker != 0 and tuners > len(visible):
@@ -77,4 +114,4 @@ def check_tuner_gpus(tuners: int, visible: Sequence[str], gpus_per_worker: int |
                           f"--workers {len(visible)}, or --gpus-per-worker 0 to search on the CPU")
 
 
-__all__ = ["TunePlan", "check_tune", "check_tuner_gpus"]
+__all__ = ["TunePlan", "check_groups", "check_tune", "check_tuner_gpus"]

@@ -51,6 +51,8 @@ TUNER_VAR = "STRATKIT_TUNE_TUNER"
 TUNERS_VAR = "STRATKIT_TUNE_TUNERS"
 #: "1": this process hosts the service at ADDRESS beside its own tuner.
 SERVE_VAR = "STRATKIT_TUNE_SERVE"
+#: "<rank>/<size>": this process is worker <rank> of a multi-worker trial group of <size> (`stratkit.tuning.groups`).
+GROUP_VAR = "STRATKIT_TUNE_GROUP"
 #: A directory on this machine where the host writes `started` and `done` (the launcher reads them).
 MARKERS_VAR = "STRATKIT_TUNE_MARKERS"
 #: Who started the tuners, for messages ("stratkit launch --tune", "LocalRunner", ...).
@@ -86,11 +88,14 @@ class TuneEnv:
     serve: bool
     markers: str | None
     engine: str
+    #: This process's place in its tuner's multi-worker trial group: (rank, size); (0, 1) alone.
+    group: tuple[int, int] = (0, 1)
 
     @property
     def label(self) -> str:
         """How messages name this tuner."""
-        return f"tuner {self.tuner}"
+        rank, size = self.group
+        return f"tuner {self.tuner}" + (f" (worker {rank} of its {size})" if size > 1 else "")
 
 
 def new_token() -> str:
@@ -137,14 +142,30 @@ def from_environ(environ: Mapping[str, str] | None = None) -> TuneEnv | None:
                           "Fix: start the search with `stratkit launch --tune` or LocalRunner(tune=True)")
     return TuneEnv(address=parse_address(env[ADDRESS_VAR]), token=token, tuner=_int(env, TUNER_VAR, 0),
                    tuners=_int(env, TUNERS_VAR, 1), serve=env.get(SERVE_VAR, "").strip() == "1",
-                   markers=env.get(MARKERS_VAR) or None, engine=env.get(ENGINE_VAR) or "the engine")
+                   markers=env.get(MARKERS_VAR) or None, engine=env.get(ENGINE_VAR) or "the engine",
+                   group=_group(env))
+
+
+def _group(env: Mapping[str, str]) -> tuple[int, int]:
+    text = env.get(GROUP_VAR, "").strip()
+    if not text:
+        return 0, 1
+    rank, _, size = text.partition("/")
+    if not (rank.isdigit() and size.isdigit() and int(rank) < int(size)):
+        raise ConfigError(f"{GROUP_VAR}={text!r} is not <rank>/<size> with rank < size. It is set by the engine "
+                          "that started this tuner (stratkit launch --tune --workers-per-trial K)")
+    return int(rank), int(size)
 
 
 def task_env(address: tuple[str, int], token: str, tuner: int, tuners: int, *, serve: bool = False,
-             markers: str | None = None, engine: str = "") -> dict[str, str]:
-    """The variables one tuner process gets (merge them into its environment)."""
-    env = {ADDRESS_VAR: format_address(*address), TUNE_TOKEN_VAR: token, TUNER_VAR: str(tuner), TUNERS_VAR: str(tuners),
+             markers: str | None = None, engine: str = "", group: tuple[int, int] = (0, 1)) -> dict[str, str]:
+    """The variables one tuner process gets (merge them into its environment); `group`: its (rank, size) in a
+    multi-worker trial group (the group shares `tuner`)."""
+    env = {ADDRESS_VAR: format_address(*address), TUNE_TOKEN_VAR: token, TUNER_VAR: str(tuner),
+           TUNERS_VAR: str(tuners),
            SERVE_VAR: "1" if serve else "0"}
+    if group[1] > 1:
+        env[GROUP_VAR] = f"{group[0]}/{group[1]}"
     if markers:
         env[MARKERS_VAR] = markers
     if engine:

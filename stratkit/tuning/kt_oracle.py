@@ -181,5 +181,24 @@ class KerasTunerPlanner:
     def summary(self) -> dict[str, Any]:
         return self.state()
 
+    # -- what a tracked search logs (`stratkit.tuning.tracked`) ---------------------------------------
+    def trial_ids(self) -> list[str]:
+        return list(self.oracle.trials)
+
+    def trial_params(self, trial_id: str) -> dict[str, Any]:
+        """The trial's hyperparameters (Hyperband's own `tuner/...` values too: which bracket and round)."""
+        return _json(self.oracle.trials[trial_id].hyperparameters.values)
+
+    def trial_outcome(self, trial_id: str) -> tuple[str, str | None, float | None] | None:
+        """("finished" | "failed", its error, its score) once the trial ended; None while it runs."""
+        from keras_tuner.engine.trial import TrialStatus
+
+        trial = self.oracle.trials.get(trial_id)
+        if trial is None or trial.status in (TrialStatus.RUNNING, TrialStatus.IDLE):
+            return None
+        if trial.status == TrialStatus.COMPLETED:
+            return "finished", None, None if trial.score is None else float(trial.score)
+        return "failed", trial.message or f"KerasTuner ended the trial {trial.status}", None
+
 
 __all__ = ["PRIVATE", "KerasTunerPlanner", "initial_points", "needs_results"]

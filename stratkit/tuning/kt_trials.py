@@ -36,6 +36,7 @@ from stratkit import status
 from stratkit.tuning.kt_oracle import KerasTunerPlanner
 from stratkit.tuning.planner import trial_seed
 from stratkit.tuning.session import Session
+from stratkit.tuning.tracked import epoch_report
 
 #: A trial's local marker: which run's files its directory holds.
 FILES_MARKER = "stratkit-files.json"
@@ -68,6 +69,19 @@ class LeaseGuard(keras.callbacks.Callback):
             raise LeaseLost(f"trial {self.lease.trial_id} (run {self.lease.run}): the lease was taken back")
 
     on_epoch_begin = on_train_batch_begin = on_test_batch_begin = _check
+
+
+class EpochReports(keras.callbacks.Callback):
+    """Sends each epoch's metrics of a trial to the search (its MLflow run: `stratkit.tuning.tracked`)."""
+
+    def __init__(self, client: Any, lease: Any) -> None:
+        super().__init__()
+        self.client = client
+        self.lease = lease
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.lease.lost.is_set():
+            self.client.report(self.lease, epoch_report(epoch, logs))
 
 
 @dataclass
@@ -155,8 +169,9 @@ class TunerState:
                 os.remove(path)
 
     def upload(self, lease: Any, path: str) -> None:
-        """One of this run's files to the store (a checkpoint as SaveBestEpoch writes it, the build config)."""
-        if os.path.exists(path):
+        """One of this run's files to the store (a checkpoint as SaveBestEpoch writes it, the build config); a
+        multi-worker trial group's chief uploads them, its followers hold the same."""
+        if os.path.exists(path) and self.session.writes:
             self.session.store.upload(lease.trial_id, lease.run, path)
 
     def prepare_run(self, lease: Any) -> None:
@@ -173,7 +188,7 @@ class TunerState:
         if current is None or current.trial.trial_id != trial.trial_id:
             raise RuntimeError(f"end_trial({trial.trial_id}) outside the trial this tuner runs")
         lease = current.lease
-        if lease.lost.is_set():
+        if lease.lost.is_set() or not self.session.writes:  # (a group's follower: its chief ends the trial)
             return
         for path in self._files(trial.trial_id):
             self.upload(lease, path)
@@ -223,5 +238,5 @@ def resumable(saver: Any, uploaded: Any) -> bool:
     return True
 
 
-__all__ = ["FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState", "resumable",
-           "to_json"]
+__all__ = ["EpochReports", "FILES_MARKER", "FirstBuildFailed", "LeaseGuard", "LeaseLost", "RunningTrial", "TunerState",
+           "resumable", "to_json"]

@@ -54,9 +54,12 @@ from stratkit.errors import ConfigError
 from stratkit.training.checkpoint import Backup
 from stratkit.tuning.devices import own_devices_strategy
 from stratkit.tuning.kt_oracle import KerasTunerPlanner
-from stratkit.tuning.kt_trials import (FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState, resumable,
-                                       to_json)
+from stratkit.tuning import environment
+from stratkit.tuning import tracking as tracking_lib
+from stratkit.tuning.kt_trials import (EpochReports, FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState,
+                                       resumable, to_json)
 from stratkit.tuning.session import open_session
+from stratkit.tuning.tracked import TrackedPlanner
 
 #: KerasTuner releases this adapter ran on; below the floor is refused, above the newest a warning.
 TESTED = ((1, 4, 8),)
@@ -245,11 +248,17 @@ class DistributedTuner:
             path = getattr(callback, "filepath", None)
             resumable(callback, lambda path=path: state.upload(lease, path) if state.backups else None)
         backup = None
+        rank, size = state.session.group
         if state.backups and getattr(self, "executions_per_trial", 1) == 1:
             state.prepare_run(lease)
-            backup = Backup(state.session.store.backup_path(trial.trial_id), is_chief=True, rank=0,
+            backup = Backup(state.session.store.backup_path(trial.trial_id), is_chief=rank == 0, rank=rank,
                             staging=None if state.session.store.local else os.path.join(state.staging, "backups"))
-        kwargs["callbacks"] = [LeaseGuard(lease), *callbacks, *([backup] if backup is not None else [])]
+        extra = [backup] if backup is not None else []
+        if isinstance(state.planner, TrackedPlanner) and state.session.writes:  # each epoch to its MLflow run
+            extra.append(EpochReports(state.client, lease))
+        # A group's trial is not stopped mid-trial (its chief alone would stop): the service refuses its end.
+        guard = [LeaseGuard(lease)] if size == 1 else []
+        kwargs["callbacks"] = [*guard, *callbacks, *extra]
         try:
             return super()._build_and_fit_model(trial, *args, **kwargs)  # type: ignore[misc]
         finally:
@@ -286,7 +295,7 @@ def _distributed_class(cls: type) -> type:
 
 
 def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact: bool = True,
-               backups: bool = True, lease_seconds: float | None = None) -> Any:
+               backups: bool = True, lease_seconds: float | None = None, tracking: str = "auto") -> Any:
     """Make `tuner` (a KerasTuner tuner) one tuner of stratkit's search; returns the same object.
 
     Args:
@@ -302,6 +311,9 @@ def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact
             last epoch on another (`executions_per_trial` > 1: the trial starts over).
         lease_seconds: how long a trial stays its tuner's without a heartbeat (default 30, or
             STRATKIT_TUNE_LEASE_SECONDS).
+        tracking: MLflow (`stratkit.tuning.tracking`): "auto" logs each trial as a child run of the run the
+            engine's driver handed over (`with mlflow.start_run(): runner.run(...)`) or the run active here,
+            if any; "mlflow" always (a new parent run for the search when none); "off" never.
 
     Raises:
         ConfigError: not a KerasTuner tuner, an unsupported keras-tuner, the store cannot be used, the tuners
@@ -315,14 +327,23 @@ def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact
     check_version()
     if isinstance(getattr(tuner, "oracle", None), OracleProxy):
         return tuner
-    planner = KerasTunerPlanner(tuner.oracle, exact=exact)
+    planner: Any = KerasTunerPlanner(tuner.oracle, exact=exact)
     path = os.fspath(store) if store is not None else os.path.join(os.path.abspath(tuner.project_dir), "stratkit")
-    session = open_session(planner, store=path, lease_seconds=lease_seconds)
-    if session.distributed:  # tuners on one machine must not share KerasTuner's working files
-        tuner.project_name = os.path.join(tuner.project_name, f"tuner-{session.tuner}")
-    tuner.tuner_id = f"tuner{session.tuner}"
+    tracked = tracking_lib.options(tracking, run_name=f"search {tuner.project_name}",
+                                   params={"oracle": type(tuner.oracle).__name__, "max_trials": tuner.oracle.max_trials,
+                                           "objective": getattr(tuner.oracle.objective, "name", tuner.oracle.objective),
+                                           "seed": tuner.oracle.seed})
+    if tracked is not None:
+        planner = TrackedPlanner(planner, tracked, key=path)
+    env = environment.from_environ()
+    group = env.group if env is not None else (0, 1)
     if getattr(tuner, "distribution_strategy", None) is None and hasattr(tuner, "distribution_strategy"):
-        tuner.distribution_strategy = own_devices_strategy()
+        tuner.distribution_strategy = own_devices_strategy(group)  # before any TensorFlow op (a group's MWMS)
+    session = open_session(planner, store=path, lease_seconds=lease_seconds, strategy=tuner.distribution_strategy)
+    if session.distributed:  # tuners on one machine must not share KerasTuner's working files
+        worker = f"-worker-{group[0]}" if group[0] else ""
+        tuner.project_name = os.path.join(tuner.project_name, f"tuner-{session.tuner}{worker}")
+    tuner.tuner_id = f"tuner{session.tuner}"
     state = TunerState(tuner, session, planner, backups)
     tuner._stratkit = state
     tuner.oracle = OracleProxy(state)

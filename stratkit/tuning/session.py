@@ -11,6 +11,11 @@ with its planner and the search's store; it reads the engine's environment
 * a tuner: the service elsewhere (the host, or the engine's driver); the wire,
   with the token.
 
+An srun step of several tasks is a search of its own kind: its tasks learn
+their parts from Slurm's variables (`stratkit.tuning.slurm`: task 0 hosts);
+a multi-worker trial group's workers other than its chief follow it
+(`stratkit.tuning.groups`).
+
 Each call is the process's next search (0, 1, ...: a script may search
 several times, the same in every tuner). Every tuner checks the store before it registers (`SearchStore.check`: the
 store answers and takes writes) and after (it sees the handshake the service
@@ -27,12 +32,14 @@ Imports no TensorFlow.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from stratkit.cluster import detect
 from stratkit.errors import ConfigError
-from stratkit.tuning import environment, protocol
+from stratkit.tuning import environment, groups, protocol
+from stratkit.tuning import slurm as tune_slurm
 from stratkit.tuning.client import LocalChannel, SearchClient, WireChannel
 from stratkit.tuning.hub import SearchHub
 from stratkit.tuning.planner import Planner
@@ -48,7 +55,7 @@ _PROCESS: dict[str, Any] = {"searches": 0, "hub": None}
 class Session:
     """This process's part in a search: its client, the service when it runs here, the store."""
 
-    role: str  # "alone", "host" or "tuner"
+    role: str  # "alone", "host", "tuner" or "follower" (a multi-worker trial group's other workers)
     client: SearchClient
     store: SearchStore
     service: SearchService | None = None
@@ -62,9 +69,19 @@ class Session:
     def distributed(self) -> bool:
         return self.role != "alone"
 
+    @property
+    def group(self) -> tuple[int, int]:
+        """(rank, size) of this process in its tuner's multi-worker trial group; (0, 1) alone."""
+        return self.env.group if self.env is not None else (0, 1)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the search's files (a group's chief does, its followers do not)."""
+        return self.role != "follower"
+
     def finish(self) -> None:
         """After this tuner heard the end: the host waits (bounded) until every other tuner heard it too, so
-        none is left asking a service that is gone. A tuner asks nothing more (the host may be gone already)."""
+        none is left asking a service that is gone. A tuner asks nothing more (the host may be gone already); nor does a group's follower."""
         if self.service is not None and self.role == "host":
             self.service.wait_heard()
 
@@ -95,20 +112,45 @@ def _hub(env: environment.TuneEnv) -> SearchHub:
     return _PROCESS["hub"]
 
 
-def open_session(planner: Planner, *, store: str, lease_seconds: float | None = None) -> Session:
+def open_session(planner: Planner, *, store: str, lease_seconds: float | None = None,
+                 strategy: Any = None) -> Session:
     """Join (or host) the search this process belongs to, with `planner` and the search's `store`.
+
+    `strategy`: the tuner's MultiWorkerMirrored strategy when this process is a worker of a multi-worker trial
+    group (`stratkit.tuning.groups`: its followers learn everything from its chief through it).
 
     Raises:
         ConfigError: the store cannot be used, this tuner's search differs from the service's, another tuner
             ended the search with a ConfigError, or the environment is not a tune run's.
         SearchUnreachable: the service could not be reached within STRATKIT_TUNE_CONNECT_SECONDS.
     """
-    env = environment.from_environ()
+    env = environment.from_environ() or tune_slurm.from_slurm()  # an engine's variables, else an srun step's
     search = _PROCESS["searches"]
     _PROCESS["searches"] += 1
     lease = lease_seconds if lease_seconds is not None else environment.seconds(environment.LEASE_VAR,
                                                                                  environment.LEASE_SECONDS)
     search_store = SearchStore(store)
+    if env is not None and env.group[1] > 1:
+        return _in_group(env, planner, search_store, lease, strategy, search)
+    return _open(env, planner, search_store, lease, search)
+
+
+def _in_group(env: environment.TuneEnv, planner: Planner, search_store: SearchStore, lease: float,
+              strategy: Any, search: int) -> Session:
+    """A multi-worker trial group's worker: its chief joins the search and publishes, the others follow."""
+    kv = groups.store_of(strategy)
+    if env.group[0] > 0:
+        client = SearchClient(groups.FollowerChannel(kv, search, env.label), env.tuner)
+        client.config = client.call("register")
+        return Session("follower", client, search_store, None, env)
+    session = _open(env, planner, search_store, lease, search)
+    session.client.channel = groups.LeaderChannel(session.client.channel, kv, search)
+    kv.insert(f"{groups.PREFIX}/{search}/config", json.dumps({"ok": session.client.config}))
+    return session
+
+
+def _open(env: environment.TuneEnv | None, planner: Planner, search_store: SearchStore, lease: float,
+          search: int) -> Session:
     if env is None:
         _refuse_cluster()
         search_store.check()

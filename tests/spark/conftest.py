@@ -14,6 +14,7 @@ from spark_helpers import stop_shared_session
 
 #: Modules moved to just before the module whose session they share.
 SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_ml.py": "test_spark_runner.py",
+           "test_spark_tune.py": "test_spark_runner.py",
            "test_spark_storage.py": "test_spark_runner.py", "test_spark_typed.py": "test_spark_runner.py"}
 
 

@@ -1,0 +1,128 @@
+"""A hyperparameter search on a real 2-executor Spark (local-cluster[2,1,1024]): `SparkRunner(tune=True)`.
+
+Issue 51's acceptance on Spark: a seeded KerasTuner RandomSearch of 8 trials and a Hyperband search on 2
+executors try the same trials and get the same scores as the one-process search (within 1e-5); a tuner killed
+mid-trial is a lease that expires (its trial runs again on the other tuner, the search ends the same); bad input
+(more tuners than slots, a store the tuners cannot write) is a ConfigError before any trial. The session is
+tests/spark/test_spark_runner.py's (shared: the executors start once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import engine_searches
+import pytest
+from spark_helpers import shared_session
+
+from stratkit.errors import ConfigError
+from stratkit.spark import SparkRunner
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.spark]
+
+cloudpickle.register_pickle_by_value(engine_searches)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def spark():
+    return shared_session("local-cluster[2,1,1024]", {"spark.stratkit.stage": "arrow"})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Both searches as one process."""
+    return engine_searches.shared_reference(tmp_path_factory)
+
+
+def test_a_seeded_random_search_and_hyperband_on_two_executors_equal_the_one_process_search(spark, reference,
+                                                                                            tmp_path, capsys):
+    runner = SparkRunner(num_workers=2, tune=True, timeout=900)
+    started = time.monotonic()
+    result = runner.run(engine_searches.seeded_searches, str(tmp_path))  # both searches, one after the other
+    seconds = time.monotonic() - started
+    out = capsys.readouterr().out
+    for kind in engine_searches.KINDS:
+        assert engine_searches.compare(result[kind], reference[kind]) == [], (kind, out[-6000:])
+    tuners = {line.split(" TUNER ")[1].split()[0] for line in out.splitlines() if " TUNER " in line}
+    assert len(tuners) == 2, out[-3000:]  # both executors ran trials
+    assert runner.last_run.lost == [] and set(runner.last_run.exit_codes.values()) == {0}
+    print(f"spark 2 tuners: {seconds:.1f} s for both searches (one process: "
+          f"{sum(reference[k]['seconds'] for k in engine_searches.KINDS):.1f} s); a trial's cost beyond its fit on "
+          f"tuner {result['random']['tuner']}: random {engine_searches.overhead(result['random']):.2f} s, hyperband "
+          f"{engine_searches.overhead(result['hyperband']):.2f} s")
+
+
+def kill_a_tuner_mid_trial(out_dir: str) -> dict:
+    """Tuner 1 SIGKILLs its own training process mid-trial (its first trial's second epoch, once)."""
+    import keras
+
+    os.chdir(out_dir)
+    tuner_id = int(os.environ["STRATKIT_TUNE_TUNER"])
+    marker = os.path.join(out_dir, "killed")
+
+    class KillOnce(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if tuner_id == 1 and epoch == 1 and not os.path.exists(marker):
+                with open(marker, "w") as handle:
+                    handle.write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    import stratkit.tuning.kt_tuner as kt
+
+    original = kt.DistributedTuner._build_and_fit_model
+
+    def with_kill(self, trial, *args, **kwargs):
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), KillOnce()]
+        return original(self, trial, *args, **kwargs)
+
+    kt.DistributedTuner._build_and_fit_model = with_kill
+    return engine_searches.seeded_search("random", out_dir, slow=0.2)
+
+
+def test_a_tuner_killed_mid_trial_loses_its_lease_and_the_search_ends_as_one_process(spark, reference, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("STRATKIT_TUNE_LEASE_SECONDS", "6")
+    runner = SparkRunner(num_workers=2, tune=True, timeout=900)
+    result = runner.run(kill_a_tuner_mid_trial, str(tmp_path))
+    assert os.path.exists(tmp_path / "killed")
+    assert runner.last_run.lost == ["tuner:1"], runner.last_run
+    assert engine_searches.compare(result, reference["random"]) == []
+
+
+def test_more_tuners_than_slots_are_refused_before_any_job(spark):
+    with pytest.raises(ConfigError, match="a search of 3 tuners needs 3 concurrent task slots"):
+        SparkRunner(num_workers=3, tune=True).run(engine_searches.seeded_search, "random", "/nonexistent")
+
+
+def test_a_store_the_tuners_cannot_write_is_a_config_error_before_any_trial(spark, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot be written") as caught:
+        SparkRunner(num_workers=2, tune=True, timeout=600).run(engine_searches.seeded_search, "random",
+                                                               str(blocker))
+    assert "TRIAL" not in str(caught.value)
+
+
+def test_tune_refuses_the_arguments_that_mean_nothing_to_tuners():
+    for kwargs, name in (({"num_ps": 1}, "num_ps"), ({"min_workers": 1}, "min_workers"),
+                         ({"max_retries": 1}, "max_retries")):
+        with pytest.raises(ConfigError, match=f"{name}=1 does not go with tune=True"):
+            SparkRunner(num_workers=2, tune=True, **kwargs)
+
+
+
+
+def change_directory_and_return(value):
+    os.chdir("/")  # a search function does (tests/engine_searches.py), and so may any train_fn
+    return value
+
+
+def test_a_function_that_changes_its_working_directory_still_returns_its_value(spark):
+    """The task's working directory (payload, result) is absolute: Spark's file root is "." on a cluster's
+    executors, and a relative result path broke once the function left that directory (a search's did)."""
+    assert SparkRunner(num_workers=2).run(change_directory_and_return, 7) == 7
