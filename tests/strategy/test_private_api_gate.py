@@ -60,6 +60,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",
     ("Params", "_dummy"): "pyspark: the placeholder parent of a Param declared on a class (pyspark.ml's own stages "
                           "and its docs for custom ones)",
+    ("table", "_plan"): "our own: stratkit.data.Table's cached plan, read by TableInput in the same package "
+                        "(whether a driver planned the table already)",
     # keras-tuner (not Keras/TF), behind stratkit/tuning/kt_tuner.py's version range (tested on 1.4.8; PRIVATE there)
     ("oracle", "_brackets"): "keras-tuner: Hyperband's brackets, read to tell whether its next trial needs results "
                              "(kt_oracle.needs_results; a KerasTuner without them makes the search wait, exactly)",
