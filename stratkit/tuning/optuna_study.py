@@ -185,6 +185,12 @@ class DistributedStudy:
             log.warning("study.optimize(show_progress_bar=True) is not shown in a stratkit study: Optuna's log "
                         "lines report each trial")
         catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
+        env = environment.from_environ()
+        if env is not None and env.group[1] > 1:  # a group's followers learn their trials through a Keras strategy
+            raise ConfigError(f"this worker is worker {env.group[0]} of a multi-worker trial group of "
+                              f"{env.group[1]} (--workers-per-trial {env.group[1]}), which KerasTuner's searches "
+                              "use; an Optuna study runs one trial per worker. Fix: drop --workers-per-trial, or "
+                              "build a MultiWorkerMirrored strategy inside the objective yourself")
         options.optimized = True
         storage: SearchStorage = self._storage  # type: ignore[attr-defined]
         planner = OptunaPlanner(_spec(self), self.sampler, self.pruner,  # type: ignore[attr-defined]

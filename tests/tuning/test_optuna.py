@@ -120,6 +120,14 @@ def test_bad_input_is_a_config_error_before_any_trial(tmp_path):
     blocked.write_text("")
     with pytest.raises(ConfigError, match=r"store=.*a-file.*cannot be written"):
         stratkit.tune(optuna.create_study(), store=str(blocked / "study")).optimize(objective, n_trials=2)
+    from stratkit.tuning import environment
+
+    with pytest.MonkeyPatch.context() as patch:  # a worker of `launch --tune --workers-per-trial 2`
+        for key, value in environment.task_env(("127.0.0.1", 9), "t" * 32, 0, 1, group=(1, 2)).items():
+            patch.setenv(key, value)
+        with pytest.raises(ConfigError, match=r"worker 1 of a multi-worker trial group of 2.*Fix: drop "
+                           r"--workers-per-trial"):
+            stratkit.tune(optuna.create_study()).optimize(objective, n_trials=2)
 
 
 @pytest.mark.slow
