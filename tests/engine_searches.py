@@ -86,15 +86,18 @@ def seeded_search(kind: str, store: str | None = None, *, trials: int = 8, epoch
 
     directory = os.path.abspath(directory)
     options = dict(tune_options or {})
+    strategy = None
+    if os.environ.get("STRATKIT_TUNE_GROUP"):  # a multi-worker trial group: its strategy before KerasTuner's model
+        strategy = stratkit.make_strategy()
     if store is not None:
         options["store"] = f"{store}/{kind}"
     if kind == "random":
         tuner = keras_tuner.RandomSearch(build, objective="val_loss", max_trials=trials, seed=1, directory=directory,
-                                         project_name=kind)
+                                         project_name=kind, distribution_strategy=strategy)
         fit = {"epochs": epochs}
     else:
         tuner = keras_tuner.Hyperband(build, objective="val_loss", max_epochs=3, factor=3, seed=2,
-                                      directory=directory, project_name=kind)
+                                      directory=directory, project_name=kind, distribution_strategy=strategy)
         fit = {}
     tuner_box.append(stratkit.tune(tuner, **options))
 

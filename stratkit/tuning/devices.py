@@ -39,6 +39,14 @@ def own_devices_strategy(group: tuple[int, int] = (0, 1)) -> Any:
                               f"stratkit.detect() sees {spec.strategy} with {spec.num_workers} worker(s) "
                               f"({spec.source}). Fix: start the search with stratkit launch --tune "
                               "--workers-per-trial K, which gives each group its TF_CONFIG")
+        from stratkit.strategy.keras_compat import runtime_initialized
+
+        if runtime_initialized():  # KerasTuner's constructor builds a model: TensorFlow started before tune()
+            raise ConfigError(f"this tuner is worker {group[0]} of a multi-worker trial group of {group[1]}, whose "
+                              "MultiWorkerMirroredStrategy must exist before TensorFlow runs any op, and TensorFlow "
+                              "already ran (a KerasTuner tuner builds a model when it is made). Fix: at the top of "
+                              "the script, strategy = stratkit.make_strategy(), and make the tuner with "
+                              "distribution_strategy=strategy")
     elif spec.strategy != "mirrored":
         return None
     from stratkit.strategy.factory import make_strategy
