@@ -253,6 +253,7 @@ def test_a_keras_pipeline_fits_scores_saves_and_loads_over_connect(spark, tmp_pa
 
 # -- a search over Connect (docs/tuning.md: SparkRunner(tune=True)) --------------------------------
 
+@pytest.mark.tune_acceptance
 def test_a_search_over_connect_runs_its_tuners_as_tasks_with_one_processs_trials(spark, tmp_path_factory, tmp_path):
     """Two tuners as mapInArrow tasks, the search service on this client: a seeded RandomSearch of 2 trials is the
     one-process search's first 2 trials (tests/engine_searches.py: trial k of a shorter search of the same seed)."""

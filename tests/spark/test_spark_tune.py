@@ -57,6 +57,7 @@ def reference(tmp_path_factory):
     return engine_searches.shared_reference(tmp_path_factory)
 
 
+@pytest.mark.tune_acceptance
 def test_a_seeded_random_search_and_hyperband_on_two_executors_equal_the_one_process_search(spark, reference,
                                                                                             tmp_path, capsys):
     runner = SparkRunner(num_workers=2, tune=True, timeout=900)
@@ -112,6 +113,7 @@ def test_a_tuner_killed_mid_trial_loses_its_lease_and_the_search_ends_as_one_pro
     assert engine_searches.compare(result, reference["random"]) == []
 
 
+@pytest.mark.tune_acceptance
 def test_the_optuna_example_on_two_executors_tries_one_processs_trials_and_prunes(spark, tmp_path):
     """examples/tune_optuna.py's study (a seeded TPE, the median pruner, KerasPruningCallback) on 2 Spark tuners,
     the study held on the driver (this process), beside the same study in one process: the same 8 trials (numbers,

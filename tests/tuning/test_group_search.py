@@ -17,7 +17,7 @@ import engine_searches
 import pytest
 from procs import REPO_ROOT, child_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.multiworker]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.multiworker, pytest.mark.tune_acceptance]
 
 
 def test_two_groups_of_two_workers_search_as_one_process(tmp_path_factory, tmp_path):

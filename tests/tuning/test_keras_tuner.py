@@ -175,6 +175,7 @@ print("VALUE", stratkit.LocalRunner(num_workers=2, tune=True).run(search), flush
 """
 
 
+@pytest.mark.tune_acceptance
 def test_two_tuners_under_local_runner_search_as_one_process(reference, tmp_path):
     """LocalRunner(tune=True): this process (the driver) runs the search service, the tasks are the tuners."""
     driver = tmp_path / "driver.py"
@@ -216,6 +217,7 @@ def test_a_killed_and_a_hung_tuner_lose_their_trials_and_the_search_ends_as_one_
     _same_search(result, reference, searches=("random",))
 
 
+@pytest.mark.tune_acceptance
 def test_a_killed_chief_resumes_from_s3_and_runs_no_finished_trial_again(reference, tmp_path, store_server):
     """The store is S3 (moto); worker 0 (the chief: its service and a tuner) is SIGKILLed after some trials
     ended; --max-restarts restarts both tuners, the new chief resumes from search.json on S3, and no trial

@@ -32,6 +32,7 @@ def step_env(rank: int, tasks: int, port: int, token: str | None, nodes: str | N
     return env
 
 
+@pytest.mark.tune_acceptance  # the real srun on test hosts: tests/test_slurm_tune_hosts.py (make test-hosts)
 def test_an_srun_step_of_two_tasks_is_one_search_hosted_by_task_0_equal_to_one_process(tmp_path_factory, tmp_path):
     reference = engine_searches.shared_reference(tmp_path_factory)
     [port] = free_ports(1)
