@@ -58,6 +58,7 @@ from stratkit.tuning import environment
 from stratkit.tuning import tracking as tracking_lib
 from stratkit.tuning.kt_trials import (EpochReports, FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState,
                                        resumable, to_json)
+from stratkit.tuning.planner import check_library_version
 from stratkit.tuning.session import open_session
 from stratkit.tuning.tracked import TrackedPlanner
 
@@ -73,14 +74,7 @@ log = status.logger(__name__)
 
 def check_version(version: str | None = None) -> None:
     """Refuse a KerasTuner below `FLOOR`; warn above the newest tested release."""
-    text = version or keras_tuner.__version__
-    parts = tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
-    if parts < FLOOR:
-        raise ConfigError(f"keras-tuner {text} is older than stratkit's tuning supports ({'.'.join(map(str, FLOOR))}"
-                          "). Fix: pip install 'stratkit[tune]' (keras-tuner>=1.4.8,<1.5)")
-    if parts[:2] > max(TESTED)[:2]:
-        log.warning("keras-tuner %s is newer than stratkit's tuning was tested on (%s): if a search misbehaves, "
-                    "pip install 'keras-tuner<1.5'", text, ", ".join(".".join(map(str, v)) for v in TESTED))
+    check_library_version("keras-tuner", version or keras_tuner.__version__, FLOOR, TESTED, "keras-tuner>=1.4.8,<1.5", "keras-tuner<1.5", log)
 
 
 class OracleProxy:

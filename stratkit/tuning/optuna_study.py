@@ -65,6 +65,7 @@ from stratkit.tuning import optuna_codec as codec
 from stratkit.tuning.devices import own_devices_strategy
 from stratkit.tuning.optuna_planner import LOST_ATTR, OptunaPlanner
 from stratkit.tuning.optuna_storage import PlannedSampler, RemotePruner, SearchStorage, TrialLost
+from stratkit.tuning.planner import check_library_version
 from stratkit.tuning.session import open_session
 
 #: Optuna releases this adapter ran on; below the floor is refused, above the newest minor a warning.
@@ -84,14 +85,7 @@ optuna_log = logging.getLogger("optuna.study.study")
 
 def check_version(version: str | None = None) -> None:
     """Refuse an Optuna below `FLOOR`; warn above the newest tested minor release."""
-    text = version or optuna.__version__
-    parts = tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
-    if parts < FLOOR:
-        raise ConfigError(f"optuna {text} is older than stratkit's tuning supports ({'.'.join(map(str, FLOOR))}). "
-                          "Fix: pip install 'stratkit[tune]' (optuna>=5.1,<6)")
-    if parts[:2] > max(TESTED)[:2]:
-        log.warning("optuna %s is newer than stratkit's tuning was tested on (%s): if a study misbehaves, "
-                    "pip install 'optuna<5.2'", text, ", ".join(".".join(map(str, v)) for v in TESTED))
+    check_library_version("optuna", version or optuna.__version__, FLOOR, TESTED, "optuna>=5.1,<6", "optuna<5.2", log)
 
 
 class _Options:

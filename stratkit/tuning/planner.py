@@ -39,6 +39,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from stratkit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -113,6 +115,32 @@ class Planner(Protocol):
         """What a tuner gets when the search ends, to answer queries without the service (the results)."""
 
 
+def check_library_version(library: str, text: str, floor: tuple[int, ...], tested: tuple[tuple[int, ...], ...],
+                          supported: str, newer_pin: str, log: Any) -> None:
+    """One rule for a tuner library's version range (each adapter's `check_version`): below `floor` refused,
+    above the newest `tested` minor release a warning, since the adapter reads the library's internals.
+
+    Args:
+        library: the package's name as pip knows it ("keras-tuner", "optuna").
+        text: its version string.
+        floor: the oldest release the adapter runs on.
+        tested: the releases the suite ran.
+        supported: the range `stratkit[tune]` installs, for the fix ("keras-tuner>=1.4.8,<1.5").
+        newer_pin: the pin the warning suggests ("keras-tuner<1.5").
+        log: where the warning goes (the adapter's logger).
+
+    Raises:
+        ConfigError: `text` is below `floor`.
+    """
+    parts = tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+    if parts < floor:
+        raise ConfigError(f"{library} {text} is older than stratkit's tuning supports ({'.'.join(map(str, floor))}). "
+                          f"Fix: pip install 'stratkit[tune]' ({supported})")
+    if parts[:2] > max(tested)[:2]:
+        log.warning("%s %s is newer than stratkit's tuning was tested on (%s): if a search misbehaves, "
+                    "pip install '%s'", library, text, ", ".join(".".join(map(str, v)) for v in tested), newer_pin)
+
+
 def trial_seed(search_seed: int | str | None, trial_id: str) -> int:
     """The seed one trial trains with: from the search's seed and the trial's id only, so it is the same
     whichever tuner runs the trial, however often, and in one process."""
@@ -120,4 +148,4 @@ def trial_seed(search_seed: int | str | None, trial_id: str) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-__all__ = ["DONE", "WAIT", "Planner", "Proposal", "trial_seed"]
+__all__ = ["DONE", "WAIT", "Planner", "Proposal", "check_library_version", "trial_seed"]
