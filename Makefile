@@ -50,7 +50,7 @@ test-ray: $(STAMP)
 # Issue 51's long search acceptance runs (marker tune_acceptance, ~9 min of tests at load 10 on 2 cores): the
 # seeded RandomSearch + Hyperband on 2 Spark executors and over Spark Connect, LocalRunner(tune=True), a killed
 # chief resuming from S3, 2 multi-worker trial groups, an srun step imitated on one host, the Optuna example on
-# Spark. make test keeps one strong run of each path (launch, a killed and a hung tuner, Spark with a killed
+# Spark and under launch (Keras with its pruning callback). make test keeps one strong run of each path (launch, a killed and a hung tuner, Spark with a killed
 # tuner, Optuna under launch and LocalRunner, MLflow); the Ray searches are in test-ray, real Slurm in test-hosts.
 test-tune: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "tune_acceptance and not ray and not hosts"

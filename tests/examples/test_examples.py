@@ -142,6 +142,7 @@ def test_the_tuning_example_runs_on_two_tuners_under_launch(tmp_path):
 # -- examples/tune_optuna.py (docs/tuning.md, "Optuna") --------------------------------------------
 
 @pytest.mark.multiworker
+@pytest.mark.tune_acceptance  # make test-tune; make test runs Optuna on 2 workers in tests/tuning/test_optuna.py
 def test_the_optuna_example_tries_one_processs_trials_on_two_workers_and_prunes(tmp_path):
     """The example's study (8 trials, a seeded TPE, the median pruner, optuna-integration's Keras callback) on
     2 workers under `stratkit launch --tune`, beside the same study in one process: the same trials, every
