@@ -193,7 +193,7 @@ class DistributedTuner:
                             lease.trial_id, lease.run)
             except FirstBuildFailed as exc:
                 message = str(exc)
-                state.client.abort(message)
+                state.session.abort(message)
                 raise ConfigError(message) from None
             finally:
                 state.client.release(lease)

@@ -256,7 +256,7 @@ class DistributedStudy:
                 message = (f"the objective fails on the study's first trial: {_failure(trial, exc)} No other trial "
                            "ran. Fix: the objective (it must run for every value of the search space), or "
                            "study.optimize(catch=(...)) for an error a trial may raise")
-                session.client.abort(message)
+                session.abort(message)
                 raise ConfigError(message) from exc
         try:  # (a trial the service took back meanwhile is finished there: tell skips it)
             frozen = self.tell(trial, None if state is not None else value, state=state,  # type: ignore[attr-defined]
@@ -269,8 +269,8 @@ class DistributedStudy:
         if error is not None:
             optuna_log.warning(_failure(trial, error), exc_info=error)
             if not isinstance(error, catch):
-                session.client.abort(f"{_failure(trial, error)} (on tuner {session.tuner}: the study ends, as "
-                                     "study.optimize raises in one process; catch= lets it go on)", kind="failed")
+                session.abort(f"{_failure(trial, error)} (on tuner {session.tuner}: the study ends, as "
+                              "study.optimize raises in one process; catch= lets it go on)", kind="failed")
                 raise error
         elif frozen.state == TrialState.COMPLETE:
             optuna_log.info("Trial %d finished with %s: %s and parameters: %s.", frozen.number,

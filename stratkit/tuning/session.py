@@ -85,6 +85,13 @@ class Session:
         if self.service is not None and self.role == "host":
             self.service.wait_heard()
 
+    def abort(self, error: str, kind: str = "config") -> None:
+        """End the search for every tuner with `error` (`kind`: "config", a ConfigError; "failed", SearchFailed);
+        the host then waits (bounded) until the others heard it or left, so each stops with the same error
+        before its launcher, seeing the host's exit, stops it."""
+        self.client.abort(error, kind)
+        self.finish()
+
     def close(self) -> None:
         self.client.close()
         if self.service is not None:
