@@ -41,19 +41,23 @@ $(AZURITE):
 # target so `make test` stays within its time budget; CI (.ci/run) runs both.
 # Two pytest-xdist workers, one module whole in one worker, longest modules first (tests/conftest.py).
 TEST_WORKERS ?= 2
+# TEST_TIMES=out/test-times.json: each test's wall and CPU time with its children's, the load beside the run and
+# the TensorFlow imports paid (tests/cpu_times.py; tables: python tools/test_times.py out/test-times.json).
+TIMES = $(if $(TEST_TIMES),--times $(TEST_TIMES))
 test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not ray and not hosts and not storage_hosts and not tune_acceptance"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TIMES) -m "not ray and not hosts and not storage_hosts and not tune_acceptance"
 
 test-ray: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m ray
+	$(PY) -m pytest -q --durations=10 $(TIMES) -m ray
 
 # Issue 51's long search acceptance runs (marker tune_acceptance, ~9 min of tests at load 10 on 2 cores): the
 # seeded RandomSearch + Hyperband on 2 Spark executors and over Spark Connect, LocalRunner(tune=True), a killed
 # chief resuming from S3, 2 multi-worker trial groups, an srun step imitated on one host, the Optuna example on
-# Spark and under launch (Keras with its pruning callback). make test keeps one strong run of each path (launch, a killed and a hung tuner, Spark with a killed
-# tuner, Optuna under launch and LocalRunner, MLflow); the Ray searches are in test-ray, real Slurm in test-hosts.
+# Spark and under launch (Keras with its pruning callback). make test keeps one strong run of each path (launch,
+# a killed and a hung tuner, Spark with a killed tuner, Optuna under launch and LocalRunner, MLflow); the Ray
+# searches are in test-ray, real Slurm in test-hosts.
 test-tune: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "tune_acceptance and not ray and not hosts"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "tune_acceptance and not ray and not hosts"
 
 # The several-machine tests on test hosts (network namespaces; need root): marker `hosts` (launch --nnodes on two
 # hosts, elastic hosts, Spark standalone clusters, Slurm daemons, the elastic benchmark) and `storage_hosts` (issue
@@ -61,7 +65,7 @@ test-tune: $(STAMP)
 # fresh one that resumes from an S3 server on a host of its own). Their Ray tests run in test-ray. In their own
 # target so `make test` stays within its 35 minutes; CI runs every target. Two xdist workers as in `make test`.
 test-hosts: $(STAMP) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 -m "(hosts or storage_hosts) and not ray"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "(hosts or storage_hosts) and not ray"
 
 # Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
 # once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched

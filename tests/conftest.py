@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import cpu_times
 import hosts
-from procs import REPO_ROOT, describe, run_process
+from procs import REPO_ROOT, describe, run_process, stop_fork_servers
 
 GUARD_DIR = Path(__file__).resolve().parent / "netguard"
 
@@ -46,12 +47,18 @@ OWNED = False      # this pytest made the log (a pytest a test starts uses its p
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    stop_fork_servers()
     if OWNED and LOG is not None:
         LOG.unlink(missing_ok=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    cpu_times.addoption(parser)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global LOG, OWNED
+    cpu_times.configure(config)     # `--times PATH`: each test's wall and CPU time (tests/cpu_times.py)
     # gcsfs reads this once, at import: its bucket-type probe speaks gRPC, which the GCS emulator
     # (tests/stores.py) does not, so it is off for the whole suite and every process it starts.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -164,7 +171,6 @@ LONGEST_FIRST = (
     "tests/spark/test_spark_preemption.py",
     "tests/examples/test_tutorials.py",
     "tests/tuning/test_keras_tuner.py",
-    "tests/spark/test_spark_tune.py",
     "tests/tuning/test_tracking_search.py",
     "tests/spark/test_spark_runner.py",
     "tests/spark/test_spark_ml.py",
@@ -184,6 +190,30 @@ LONGEST_FIRST = (
     "tests/storage/test_store_paths_multiworker.py",
     "tests/storage/test_store_urls_one_process.py",
 )
+
+
+#: Modules on one kept Spark session (tests/spark/spark_helpers.py `shared_session`, tests/spark/conftest.py
+#: SHARING): one xdist work unit, so one worker runs them one after another and starts the session (its driver,
+#: two executor JVMs and their standbys, each importing TensorFlow) once. As separate modules they went to
+#: either worker, and any other session in between stopped the kept one.
+SAME_SESSION = frozenset({"tests/spark/test_spark_runner.py", "tests/spark/test_logserver_spark.py",
+                          "tests/spark/test_spark_ml.py", "tests/spark/test_spark_storage.py",
+                          "tests/spark/test_spark_preemption.py", "tests/spark/test_spark_typed.py",
+                          "tests/spark/test_spark_tune.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with the SAME_SESSION modules as one work unit."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "tests/spark (one shared session)" if module in SAME_SESSION else module
+
+    return Scheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)     # before tests/spark/conftest.py moves its session sharers together

@@ -12,18 +12,36 @@ Typical use::
     ports = free_ports(2)
     results = run_cluster(code, worker_tf_configs(ports), timeout=60)
     assert all(r.returncode == 0 for r in results), describe(results)
+
+Fork servers. Importing TensorFlow and Keras costs a child 3 s of CPU on a quiet machine (6-7 s measured
+under this suite's load), more than many tests' training. So each pytest process keeps two fork servers:
+the standby of `stratkit launch --nnodes` (`stratkit.launch.standby`), an interpreter that imported
+TensorFlow and Keras and created no TensorFlow context. A child is forked from one instead of started, with
+its own environment, argv, working directory, stdout/stderr files, process group, `__main__` and exit status
+as `python script.py` gives them (tests/launch/test_standby.py compares the two), and its own TensorFlow
+context: TF_CONFIG, CUDA_VISIBLE_DEVICES and what `tf.config` sets are read when it starts, in the child. Two
+servers, so that a cluster's workers hash strings with different seeds as started ones do (:data:`SERVERS`).
+
+What differs is what happens before the script runs, so a child is a new interpreter when that matters:
+when its environment differs from the servers' in a variable read at import (:data:`IMPORT_TIME`: the
+interpreter's, TF_* but TF_CONFIG, KERAS_*, the BLAS/OpenMP libraries', ...), and for every test that
+passes ``fork=False``: a test of process start-up itself (what a fresh process imports, prints while
+importing or takes to start). STRATKIT_TEST_FORK=0 turns the servers off for a whole run.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -31,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from stratkit.launch.standby import ForkedTask, TaskStandby
 from stratkit.process.children import kill_group, start_child
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +199,103 @@ def _script_argv(script: str | os.PathLike[str], workdir: Path) -> list[str]:
     return [sys.executable, str(path)]
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+#: "0": no fork server; every child is a new interpreter.
+FORK_VAR = "STRATKIT_TEST_FORK"
+
+#: Variables read before or while TensorFlow, Keras and stratkit are imported: by the interpreter (PYTHON*,
+#: locale, PATH, HOME, temp dirs), TensorFlow's and XLA's C++ (TF_CPP_MIN_LOG_LEVEL, TF_ENABLE_ONEDNN_OPTS, ...),
+#: the BLAS/OpenMP/CUDA libraries, Keras and the packages it imports (found with an LD_PRELOAD getenv logger
+#: and a watched os.environ around those imports; prefixes where a family reads more than was seen).
+IMPORT_TIME = re.compile(
+    r"_?PYTHON\w*|PY_\w+|PATH|HOME|TERM|TMPDIR|TEMP|TMP|LANG|LANGUAGE|SOURCE_DATE_EPOCH|SSLKEYLOGFILE|MPL\w*"
+    r"|MATPLOTLIB\w*|TEST_(RANDOM_SEED|SRCDIR|TMPDIR)|STRATKIT_TEST_IMPORT_LOG|__PYVENV_LAUNCHER__|IN_SPHINX_RUN"
+    r"|ENABLE_RUNTIME_UPTIME_TELEMETRY|DISABLE_HOST_SEND_RECV_REGISTRATION|TEMPORARILY_DISABLE_PROTOBUF_VERSION_CHECK"
+    r"|(LC|LD|XDG|TF|XLA|KERAS|CUDA|NVIDIA|OMP|GOMP|KMP|MKL|OPENBLAS|GOTO|GFORTRAN|LLVM|NPY|NUMPY|HDF5|GCS|GCSFS"
+    r"|AZURE|ARROW|JE|PILLOW|FREETYPE|SKLEARN|SCIPY|JOBLIB|LOKY|PANDAS|ABSL|PROTOCOL_BUFFERS|GRPC|WRAPT|OPENSSL"
+    r"|PSUTIL|IPYTHON|TRAITLETS|ACC|TF2)_\w*")
+#: What importing TensorFlow and Keras itself sets in os.environ (tensorflow/__init__.py, scikit-learn and joblib
+#: through keras.wrappers): a child that inherited these values from a pytest process that imported TensorFlow
+#: is as one without them, whose own import sets them (the servers' import did).
+SET_BY_IMPORT = {"TF2_BEHAVIOR": "1", "ENABLE_RUNTIME_UPTIME_TELEMETRY": "1", "HDF5_PLUGIN_PATH": "disable",
+                 "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
+#: ... but read when a TensorFlow context starts, which only the forked child does.
+_CONTEXT_TIME = frozenset({"TF_CONFIG", "CUDA_VISIBLE_DEVICES"})
+
+#: What the fork servers import: TensorFlow and Keras (the cost), not stratkit (0.07 s): a child imports stratkit
+#: itself, after whatever its script does first, as a new interpreter would.
+SERVER_PRELOAD = ("tensorflow", "keras")
+#: Fork servers per pytest process. Each interpreter draws its own string-hash seed at start and a forked child
+#: keeps its server's; child i of a cluster is forked from server i % 2, so a cluster's workers 0 and 1 hash
+#: strings differently, as separately started workers do (an order that depends on it must not pass a test
+#: only because two workers shared a seed).
+SERVERS = 2
+
+_servers: list[TaskStandby] = []
+_server_env: dict[str, str] = {}
+_servers_off = False
+
+
+def _import_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items()
+            if IMPORT_TIME.fullmatch(k) and k not in _CONTEXT_TIME and SET_BY_IMPORT.get(k) != v}
+
+
+def _fork_server(env: Mapping[str, str], index: int) -> TaskStandby | None:
+    """The fork server for a cluster's child `index` (started on first use), if a child with environment `env`
+    may be forked from it; else None: start the child as a new interpreter."""
+    global _server_env, _servers_off
+    if _servers_off or os.environ.get(FORK_VAR, "1") == "0":
+        return None
+    if not _servers:
+        if threading.current_thread() is not threading.main_thread():
+            return None  # a server dies with the thread that starts it: only the main thread outlives every test
+        _server_env = child_env()
+        for _ in range(SERVERS):     # both import at once
+            _servers.append(TaskStandby([sys.executable], None, _server_env, preload=SERVER_PRELOAD))
+        atexit.register(stop_fork_servers)
+    server = _servers[index % len(_servers)]
+    if not server.wait_ready(600):
+        sys.stderr.write(f"tests/procs.py: a fork server is gone ({server.error}); children start as processes\n")
+        _servers_off = True
+        return None
+    ours, theirs = _import_env(env), _import_env(_server_env)
+    if ours != theirs:
+        _log_run({"started": sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))})
+        return None
+    return server
+
+
+def stop_fork_servers() -> None:
+    """End this process's fork servers (a child still running dies with its server); the next child starts
+    them again."""
+    while _servers:
+        _servers.pop().close()
+
+
+def _start(argv: list[str], env: dict[str, str], out: IO[bytes], err: IO[bytes], cwd: str, fork: bool,
+           index: int) -> subprocess.Popen[bytes] | ForkedTask:
+    """Child `index` of a cluster: forked from a fork server when it can be, else a new interpreter."""
+    server = _fork_server(env, index) if fork else None
+    if server is not None:
+        task = server.fork(env, run=("path", argv[1], argv[2:]), cwd=cwd, output=(out.fileno(), err.fileno()))
+        if task is not None:
+            _log_run({"forked": True, "argv": argv[1:3]})
+            return task
+    return start_child(argv, env, stdout=out, stderr=err, cwd=cwd)
+
+
+def _log_run(line: dict[str, Any]) -> None:
+    """In a measuring run (tests/cpu_times.py), a line beside the imports' lines: a child forked, or started
+    because of the variables named."""
+    log = os.environ.get("STRATKIT_TEST_IMPORT_LOG")
+    if log:
+        line.update(pid=os.getpid(), time=time.time(), test=os.environ.get("PYTEST_CURRENT_TEST", ""),
+                    worker=os.environ.get("PYTEST_XDIST_WORKER", ""))
+        with open(log, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+def _kill(proc: subprocess.Popen[bytes] | ForkedTask) -> None:
     """SIGKILL the child's process group (it was started as a group leader).
 
     The group is killed even if the child itself already exited, so anything it
@@ -198,6 +313,7 @@ def run_cluster(
     per_process_env: Sequence[Mapping[str, str | None]] | None = None,
     grace_after_failure: float | None = None,
     cwd: str | os.PathLike[str] | None = None,
+    fork: bool = True,
 ) -> list[Result]:
     """Start one process per entry of ``tf_configs`` and wait for all of them.
 
@@ -215,6 +331,8 @@ def run_cluster(
             MWMS worker otherwise block in a collective until the heartbeat
             timeout.
         cwd: working directory of the children (default: repository root).
+        fork: False: every child is a new interpreter, never forked from the fork server (see the module
+            docstring): for a test of process start-up itself.
 
     Returns:
         One :class:`Result` per process, in ``tf_configs`` order. Never leaves a
@@ -222,7 +340,7 @@ def run_cluster(
     """
     if per_process_env is not None and len(per_process_env) != len(tf_configs):
         raise ValueError("per_process_env must have one entry per tf_config")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes] | ForkedTask] = []
     files: list[tuple[IO[bytes], IO[bytes]]] = []
     killed: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="stratkit-procs-") as tmp, ExitStack() as stack:
@@ -239,8 +357,8 @@ def run_cluster(
                 files.append((out, err))
                 # Own session (its group is killed as one) and die-with-parent: no child outlives a killed
                 # test runner either (stratkit's own guarantee for launched tasks).
-                procs.append(start_child(argv, child_env(cfg, extra), stdout=out, stderr=err,
-                                         cwd=os.fspath(cwd) if cwd is not None else str(REPO_ROOT)))
+                procs.append(_start(argv, child_env(cfg, extra), out, err,
+                                    os.fspath(cwd) if cwd is not None else str(REPO_ROOT), fork, i))
             deadline = time.monotonic() + timeout
             grace = grace_after_failure
             while True:
@@ -285,9 +403,10 @@ def run_process(
     timeout: float = 120.0,
     args: Sequence[str] = (),
     tf_config: Mapping[str, Any] | None = None,
+    fork: bool = True,
 ) -> Result:
     """Run a single child process (same environment rules as :func:`run_cluster`)."""
-    return run_cluster(script, [tf_config], env=env, timeout=timeout, args=args)[0]
+    return run_cluster(script, [tf_config], env=env, timeout=timeout, args=args, fork=fork)[0]
 
 
 def describe(results: Sequence[Result], tail: int = 3000) -> str:

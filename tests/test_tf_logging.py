@@ -60,7 +60,7 @@ TAKE_TRAINER = ("import os, sys, stratkit\nstratkit.Trainer\n"
 
 @pytest.mark.slow
 def test_an_srun_task_importing_tensorflow_through_stratkit_is_quiet():
-    result = run_process(TAKE_TRAINER, env=SRUN_TASK, timeout=120)
+    result = run_process(TAKE_TRAINER, env=SRUN_TASK, timeout=120, fork=False)  # its import is the test
     assert result.ok, result.stderr
     assert "absl::InitializeLog" not in result.stderr and "cuInit" not in result.stderr, result.stderr
     assert "level 2" in result.stderr
@@ -68,7 +68,7 @@ def test_an_srun_task_importing_tensorflow_through_stratkit_is_quiet():
 
 @pytest.mark.slow
 def test_an_explicit_level_in_an_srun_task_wins():
-    result = run_process(TAKE_TRAINER, env={**SRUN_TASK, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120)
+    result = run_process(TAKE_TRAINER, env={**SRUN_TASK, "TF_CPP_MIN_LOG_LEVEL": "0"}, timeout=120, fork=False)
     assert result.ok, result.stderr
     assert "absl::InitializeLog" in result.stderr and "level 0" in result.stderr
 

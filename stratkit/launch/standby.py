@@ -44,7 +44,7 @@ from stratkit.process.children import kill_group, start_server
 
 #: "0" (or "off", "false", "no"): no standby; every task is started as a new process.
 STANDBY_VAR = "STRATKIT_STANDBY"
-_ENTRY = "import sys; from stratkit.launch.standby_child import main; sys.exit(main())"
+_ENTRY = "import sys; from stratkit.launch.standby_child import main; sys.exit(main({}))"
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?$")
 #: Longest wait for the standby's reply to a fork request (it forks at once once ready).
 _FORK_REPLY = 30.0
@@ -76,7 +76,7 @@ class ForkedTask:
 
     forked = True
 
-    def __init__(self, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+    def __init__(self, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         self.stdout, self.stderr = stdout, stderr
         self.pid = 0
         self.returncode: int | None = None
@@ -102,7 +102,10 @@ class ForkedTask:
 class TaskStandby:
     """The standby of this node (see the module docstring). `start` returns None when there can be none."""
 
-    def __init__(self, interpreter: list[str], run: tuple[str, str, list[str]], env: Mapping[str, str]) -> None:
+    def __init__(self, interpreter: list[str], run: tuple[str, str, list[str]] | None, env: Mapping[str, str],
+                 preload: tuple[str, ...] | None = None) -> None:
+        """Start it (`interpreter`, environment `env`); `run`: the command every fork runs (None: each fork names
+        its own); `preload`: the modules it imports (default: `standby_child.PRELOAD`)."""
         self.run = run
         self.error: str | None = None  # why it cannot fork (it could not import, or it died)
         self.import_seconds: float | None = None
@@ -111,7 +114,8 @@ class TaskStandby:
         self._pending: dict[int, ForkedTask] = {}
         self._tasks: dict[int, ForkedTask] = {}
         self._next = 0
-        self.proc, self._channel = start_server(_ENTRY, interpreter, env)
+        self.proc, self._channel = start_server(_ENTRY.format("" if preload is None else repr(tuple(preload))),
+                                                interpreter, env)
         threading.Thread(target=self._read, name="stratkit-standby", daemon=True).start()
 
     @classmethod
@@ -139,19 +143,32 @@ class TaskStandby:
     def ready(self) -> bool:
         return self._ready.is_set() and self.error is None
 
-    def fork(self, env: Mapping[str, str]) -> ForkedTask | None:
-        """Fork a task with environment `env` (complete); None when the standby is not ready or is gone."""
+    def fork(self, env: Mapping[str, str], *, run: tuple[str, str, list[str]] | None = None,
+             cwd: str | None = None, output: tuple[int, int] | None = None) -> ForkedTask | None:
+        """Fork a task; None when the standby is not ready or is gone.
+
+        Args:
+            env: the task's complete environment.
+            run: its command as `python_run` gives it, (kind, target, args) (default: the standby's own).
+            cwd: its working directory (default: ours).
+            output: descriptors (stdout, stderr) it writes to instead of new pipes (files, say); the
+                task's `stdout` and `stderr` are then None.
+        """
         if not self.ready:
             return None
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        task = ForkedTask(os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
+        kind, target, args = run or self.run
+        if output is None:
+            out_read, out_write = os.pipe()
+            err_read, err_write = os.pipe()
+            task = ForkedTask(os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
+        else:
+            out_write, err_write = os.dup(output[0]), os.dup(output[1])
+            task = ForkedTask(None, None)
         with self._lock:
             self._next += 1
             number = self._next
             self._pending[number] = task
-        kind, target, args = self.run
-        request = {"id": number, "env": dict(env), "run": [kind, target, args], "cwd": os.getcwd()}
+        request = {"id": number, "env": dict(env), "run": [kind, target, list(args)], "cwd": cwd or os.getcwd()}
         try:
             socket.send_fds(self._channel, [json.dumps(request).encode()], [out_write, err_write])
         except OSError:
@@ -163,8 +180,9 @@ class TaskStandby:
         if not task.pid:  # no reply: the standby is gone (or stuck); the caller starts the task itself
             with self._lock:
                 self._pending.pop(number, None)
-            task.stdout.close()
-            task.stderr.close()
+            for stream in (task.stdout, task.stderr):
+                if stream is not None:
+                    stream.close()
             if self.error is None:
                 self.error = "it did not answer a fork request"
             return None

@@ -66,17 +66,18 @@ def _send(channel: socket.socket, message: dict[str, Any]) -> bool:
         return False
 
 
-def _preload() -> None:
-    for name in PRELOAD:
+def _preload(names: tuple[str, ...]) -> None:
+    for name in names:
         __import__(name)
 
 
-def main() -> int:
-    """The standby: import, say so, then fork one task per request until the launcher closes the channel."""
+def main(preload: tuple[str, ...] = PRELOAD) -> int:
+    """The standby: import `preload`, say so, then fork one task per request until the launcher closes the
+    channel."""
     channel = socket.socket(fileno=0)
     started = time.monotonic()
     try:
-        _preload()
+        _preload(preload)
     except BaseException:  # noqa: BLE001 - the launcher falls back to starting each task itself
         _send(channel, {"ready": False, "error": traceback.format_exc(limit=8)[-4000:]})
         return 1

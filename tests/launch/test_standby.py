@@ -164,3 +164,18 @@ def test_each_forked_task_draws_its_own_numpy_numbers_and_a_signal_ends_it(stand
     assert task.stdout.readline() == b"sleeping\n"
     os.killpg(task.pid, signal.SIGTERM)  # its own process group, as a started task's
     assert task.wait(30) == -signal.SIGTERM
+
+
+def test_a_fork_may_name_its_own_command_directory_and_output_files(standby, probe, tmp_path):
+    """`fork(env, run=, cwd=, output=)`: one standby serves any script (the tests' fork server,
+    tests/procs.py): the command, working directory and the files stdout and stderr go to are the fork's."""
+    out, err = (open(tmp_path / name, "w+b") for name in ("out", "err"))
+    with out, err:
+        task = standby.fork(_task_env(PROBE_TASK="9"), run=("path", str(probe / "probe.py"), ["exit3"]),
+                            cwd=str(tmp_path), output=(out.fileno(), err.fileno()))
+        assert task is not None and task.stdout is None and task.stderr is None, standby.error
+        assert task.wait(60) == 3
+    facts = json.loads((tmp_path / "out").read_text().splitlines()[0])
+    assert facts["argv"] == [str(probe / "probe.py"), "exit3"] and facts["cwd"] == str(tmp_path)
+    assert facts["path0"] == str(probe) and facts["env"]["PROBE_TASK"] == "9"
+    assert (tmp_path / "err").read_text() == "to stderr\n"

@@ -127,3 +127,9 @@ def install() -> None:
 
 
 install()
+
+# A measuring run (`pytest --times`, tests/cpu_times.py) also counts who imports TensorFlow: only then.
+if os.environ.get("STRATKIT_TEST_IMPORT_LOG"):
+    import stratkit_import_probe
+
+    stratkit_import_probe.install()

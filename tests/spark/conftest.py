@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 from spark_helpers import stop_shared_session
 
-#: Modules moved to just before the module whose session they share.
+#: Modules moved to just before the module whose session they share (tests/conftest.py's SAME_SESSION also makes
+#: them one xdist work unit, so that one worker runs them all, one after another).
 SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_ml.py": "test_spark_runner.py",
            "test_spark_tune.py": "test_spark_runner.py",
-           "test_spark_storage.py": "test_spark_runner.py", "test_spark_typed.py": "test_spark_runner.py"}
+           "test_spark_storage.py": "test_spark_runner.py", "test_spark_preemption.py": "test_spark_runner.py",
+           "test_spark_typed.py": "test_spark_runner.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
