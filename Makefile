@@ -9,14 +9,14 @@ export SPARK_LOCAL_IP ?= 127.0.0.1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-ray test-hosts test-keras test-fast bench compat docs clean
+.PHONY: install demo test test-ray test-tune test-hosts test-keras test-fast bench compat docs clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[spark,ray,storage,lake,mlflow,test,examples,bench,docs]"
+	$(PY) -m pip install --quiet -e ".[spark,ray,storage,lake,mlflow,tune,test,examples,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -45,10 +45,19 @@ TEST_WORKERS ?= 2
 # the TensorFlow imports paid (tests/cpu_times.py; tables: python tools/test_times.py out/test-times.json).
 TIMES = $(if $(TEST_TIMES),--times $(TEST_TIMES))
 test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TIMES) -m "not ray and not hosts and not storage_hosts"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TIMES) -m "not ray and not hosts and not storage_hosts and not tune_acceptance"
 
 test-ray: $(STAMP)
 	$(PY) -m pytest -q --durations=10 $(TIMES) -m ray
+
+# Issue 51's long search acceptance runs (marker tune_acceptance, ~9 min of tests at load 10 on 2 cores): the
+# seeded RandomSearch + Hyperband on 2 Spark executors and over Spark Connect, LocalRunner(tune=True), a killed
+# chief resuming from S3, 2 multi-worker trial groups, an srun step imitated on one host, the Optuna example on
+# Spark and under launch (Keras with its pruning callback). make test keeps one strong run of each path (launch,
+# a killed and a hung tuner, Spark with a killed tuner, Optuna under launch and LocalRunner, MLflow); the Ray
+# searches are in test-ray, real Slurm in test-hosts.
+test-tune: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "tune_acceptance and not ray and not hosts"
 
 # The several-machine tests on test hosts (network namespaces; need root): marker `hosts` (launch --nnodes on two
 # hosts, elastic hosts, Spark standalone clusters, Slurm daemons, the elastic benchmark) and `storage_hosts` (issue

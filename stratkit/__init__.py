@@ -25,6 +25,7 @@ _LAZY = {
     "callbacks": "stratkit.callbacks",
     "check_replicas": "stratkit.strategy.replica_check",
     "LocalRunner": "stratkit.launch.runner",
+    "tune": "stratkit.tuning",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,9 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from stratkit.strategy.factory import make_strategy
     from stratkit.strategy.replica_check import check_replicas
     from stratkit.training.trainer import Trainer
+    from stratkit.tuning import tune
 
 __all__ = ["ClusterSpec", "ConfigError", "KerasCompatError", "LocalRunner", "ReplicaDivergenceError", "STRATEGIES",
-           "StratkitError", "Trainer", "check_replicas", "detect", "make_strategy", "__version__"]
+           "StratkitError", "Trainer", "check_replicas", "detect", "make_strategy", "tune", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

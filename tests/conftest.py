@@ -170,6 +170,8 @@ LONGEST_FIRST = (
     "tests/launch/test_launch_preemption.py",
     "tests/spark/test_spark_preemption.py",
     "tests/examples/test_tutorials.py",
+    "tests/tuning/test_keras_tuner.py",
+    "tests/tuning/test_tracking_search.py",
     "tests/spark/test_spark_runner.py",
     "tests/spark/test_spark_ml.py",
     "tests/spark/test_spark_typed.py",
@@ -197,7 +199,7 @@ LONGEST_FIRST = (
 SAME_SESSION = frozenset({"tests/spark/test_spark_runner.py", "tests/spark/test_logserver_spark.py",
                           "tests/spark/test_spark_ml.py", "tests/spark/test_spark_storage.py",
                           "tests/spark/test_spark_preemption.py", "tests/spark/test_spark_typed.py",
-                          "tests/spark/test_spark_lake.py"})
+                          "tests/spark/test_spark_lake.py", "tests/spark/test_spark_tune.py"})
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):

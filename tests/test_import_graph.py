@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "stratkit"
 
 #: The layers, first to last: a module imports (even inside a function) only its own layer and the ones before it.
 LAYERS = (("stratkit.cluster",), ("stratkit.strategy",), ("stratkit.data",), ("stratkit.training",),
-          ("stratkit.process", "stratkit.launch", "stratkit.spark", "stratkit.ray"))
+          ("stratkit.process", "stratkit.launch", "stratkit.spark", "stratkit.ray", "stratkit.tuning"))
 #: The public entry points, which offer every layer (`import stratkit`, `stratkit.callbacks`, `stratkit` CLI):
 #: they count as the last layer (only it imports them). Every other module outside the layers is the floor
 #: (`errors`, `status`, `files`, ...): it imports no layer.

@@ -11,6 +11,8 @@ but what a cluster *is* is decided here, once:
 - `primary_task`: the chief, by TensorFlow's rule (`cluster.rules.is_chief`);
 - `tf_config_json` / `detect_task`: each task's TF_CONFIG, and what
   `stratkit.detect()` decides from it -- the rule every task applies to itself;
+- `trial_group` / `group_cluster`: a search's multi-worker trial groups
+  (K workers each, a cluster of their own);
 - `check_task` / `check_plan`: the launched task would see exactly the planned
   role, index, cluster and chief, so a layout the tasks would reject
   fails in the front door, once, before anything starts.
@@ -120,6 +122,23 @@ def node_tasks(nnodes: int, workers_per_node: int, chief: bool = False, ps: int 
     for index in range(ps):
         nodes[(index + 1) % nnodes].append(Task("ps", index))
     return nodes
+
+
+def trial_group(task: Task, per_trial: int) -> tuple[int, Task]:
+    """A search's worker `task` in its multi-worker trial group (`stratkit launch --tune --workers-per-trial K`):
+    (the group's number, the task it is in the group's own cluster).
+
+    Workers K*g .. K*g+K-1 form group g; each group is a synchronous cluster of its own, `plan_tasks(K)`
+    (its chief: the group's first worker), so a group's TF_CONFIG is any launched cluster's.
+    """
+    if task.role != "worker":
+        raise ValueError(f"{task.name} is not a worker: only workers form trial groups")
+    return task.index // per_trial, plan_tasks(per_trial)[task.index % per_trial]
+
+
+def group_cluster(addresses: Sequence[str], group: int, per_trial: int) -> dict[str, list[str]]:
+    """The TF_CONFIG cluster of trial group `group`, from every worker's address (in worker order)."""
+    return build_cluster(plan_tasks(per_trial), addresses[group * per_trial:(group + 1) * per_trial])
 
 
 def primary_task(tasks: Sequence[Task]) -> Task:

@@ -38,7 +38,8 @@ from stratkit.process.children import kill_group, start_child, stop_groups
 from stratkit.process.ports import is_listening, listening_ports
 from stratkit.process.pump import OutputPump
 from stratkit.process.reaper import Reaper
-from stratkit.process.report import TaskFailure, is_preempted
+from stratkit.process.report import TaskFailure, describe_returncode, is_preempted
+from stratkit.tuning import environment as tune_env
 
 _POLL = 0.1
 #: After the first failure, how long other tasks' own failures are still weighed for the root cause.
@@ -114,6 +115,8 @@ class AttemptRunner:
     network: PrivateNetwork | None
     signals: list[int]
     failed: list[TaskProcess] = field(default_factory=list)  # in the order their failures were seen
+    lost: list[TaskProcess] = field(default_factory=list)  # a tune run's tuners that died after the search started
+    service_hold: socket.socket | None = None  # a tune run of trial groups: the search service's port
 
     @property
     def primary(self) -> Task:
@@ -145,19 +148,36 @@ class AttemptRunner:
 
     # -- start ------------------------------------------------------------------------------------
     def _place_tasks(self) -> list[TaskProcess]:
-        """One TaskProcess per task, each serving task with its held port and address."""
+        """One TaskProcess per task, each serving task with its held port and address (a tune run of trial
+        groups: one more port, the search service's, held here until the attempt ends)."""
         plan, serving = self.plan, self.plan.serving
+        extra = int(self._groups and plan.tune is not None and plan.tune.host_task is not None)
         if self.network is not None:
-            holds = self.network.reserve_ports(plan.host.strip("[]"), family_of(plan.host), len(serving),
+            holds = self.network.reserve_ports(plan.host.strip("[]"), family_of(plan.host), len(serving) + extra,
                                                plan.base_port)
         else:
-            holds = reserve_ports(plan.host, len(serving), plan.base_port)
+            holds = reserve_ports(plan.host, len(serving) + extra, plan.base_port)
+        if extra:
+            self.service_hold = holds.pop()
         by_task = {t: (format_address(plan.host, h.getsockname()[1]), h) for t, h in zip(serving, holds)}
         return [TaskProcess(t, self.number, *by_task.get(t, (None, None))) for t in plan.tasks]
 
+    @property
+    def _groups(self) -> bool:
+        return self.plan.tune is not None and self.plan.tune.workers_per_trial > 1
+
     def _cluster(self, children: list[TaskProcess]) -> dict[str, list[str]]:
-        """This attempt's TF_CONFIG cluster: every task's held address (on a node of several: the rendezvous')."""
-        return build_cluster(self.plan.tasks, [c.address for c in children if c.address is not None])
+        """This attempt's TF_CONFIG cluster: every task's held address (on a node of several: the rendezvous');
+        a tune run's: the search service's address (its host task's held port, or with trial groups the
+        attempt's own), and with trial groups every worker's, whose groups are clusters of their own."""
+        addresses = [c.address for c in children if c.address is not None]
+        if self.plan.tune is not None and self._groups:
+            service = [] if self.service_hold is None else [
+                format_address(self.plan.host, self.service_hold.getsockname()[1])]
+            return {"worker": addresses, "service": service}
+        if self.plan.tune is not None:
+            return {"service": addresses}
+        return build_cluster(self.plan.tasks, addresses)
 
     def _spawn(self, child: TaskProcess, env: dict[str, str]) -> None:
         plan, total = self.plan, self.plan.attempts
@@ -226,7 +246,9 @@ class AttemptRunner:
             child.release_port()
             self.console.event("exit", attempt=self.number, task=child.task.name, pid=child.pid,
                                returncode=child.returncode)
-            if child.returncode != 0:
+            if child.returncode != 0 and self._lost_tuner(child, children):
+                self.lost.append(child)
+            elif child.returncode != 0:
                 child.failed_order = len(self.failed)
                 self.failed.append(child)
                 watch.settle_until = watch.settle_until or now + SETTLE
@@ -245,7 +267,11 @@ class AttemptRunner:
             # A task that saved its backup on a preemption notice and exited 75: the cluster's tasks stop at the
             # same step, so every other one is saving and exiting too (a crash among them ranks first).
             return ("preempted" if is_preempted(culprit.returncode) else "failed"), culprit, chief_done
-        if not running:  # 2. every task exited 0
+        if not running and self.lost and not tune_env.ended(self._markers):
+            culprit = self.lost[0]  # a tune run whose tuners all died before the search ended
+            culprit.join_output()
+            return "failed", culprit, chief_done
+        if not running:  # 2. every task exited 0 (a tune run: or died as lost tuners of a search that ended)
             return "succeeded", None, True
         if watch.primary_done is not None and now - watch.primary_done > self.plan.exit_grace:  # 3. --exit-grace over
             names = ", ".join(c.task.name for c in running)
@@ -258,6 +284,32 @@ class AttemptRunner:
             culprit = next((c for c in running if c.task == self.primary), running[0])
             return "timed_out", culprit, chief_done
         return None  # (5. a signal to the launcher is checked first, in `_watch`)
+
+    @property
+    def _markers(self) -> str | None:
+        return self.plan.tune.markers_for(self.number) if self.plan.tune is not None else None
+
+    def _lost_tuner(self, child: TaskProcess, children: list[TaskProcess]) -> bool:
+        """A tune run's tuner (not the service's host) that died after the search started: its lease expires and
+        its trial runs again on another tuner, so the run goes on (said once, in events.jsonl too). Before the
+        start, a tuner that cannot run is the run's failure (its bad configuration, its missing module). A
+        worker of a multi-worker trial group takes its group with it (the others would wait in a collective):
+        they are stopped, and their tuner is lost; the host's group is the host's."""
+        tune = self.plan.tune
+        if tune is None or not tune_env.started(self._markers):
+            return False
+        per = tune.workers_per_trial
+        group = [c for c in children if c.task.index // per == child.task.index // per]
+        if any(c.task.name == tune.host_task for c in group):
+            return False
+        self.console.say(f"{child.task.name} (a tuner) {describe_returncode(child.returncode)}: the search goes on "
+                         "without it (its trial's lease expires and the trial runs again on another tuner)")
+        self.console.event("tuner_lost", attempt=self.number, task=child.task.name, returncode=child.returncode)
+        for other in group:
+            if other is not child and other.proc is not None and other.returncode is None and other.stopped is None:
+                other.stopped = f"its trial group lost {child.task.name}"
+                kill_group(other.pid, signal.SIGKILL)
+        return True
 
     def root_cause_rank(self, child: TaskProcess) -> tuple[bool, bool, bool, int]:
         """Order failures seen within `SETTLE` s of the first one: the smallest is the root cause.
@@ -328,3 +380,6 @@ class AttemptRunner:
                     child.log.close()
                     child.log = None
             child.release_port()
+        if self.service_hold is not None:
+            self.service_hold.close()
+            self.service_hold = None

@@ -21,17 +21,8 @@ from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.launch.local import launch
 from stratkit.launch.multinode import DEFAULT_LAST_CALL, DEFAULT_RDZV_TIMEOUT, launch_node
-from stratkit.launch.plan import (
-    GPU_WORKERS,
-    GRPC_EXPOSED,
-    NETWORK_MUST_BE_PRIVATE,
-    DEFAULT_EXIT_GRACE,
-    DEFAULT_HOST,
-    DEFAULT_STOP_GRACE,
-    Task,
-    plan_tasks,
-    task_tf_config,
-)
+from stratkit.launch.plan import (DEFAULT_EXIT_GRACE, DEFAULT_HOST, DEFAULT_STOP_GRACE, GPU_WORKERS, GRPC_EXPOSED,
+                                  NETWORK_MUST_BE_PRIVATE, Task, plan_tasks, task_tf_config)
 
 #: Port of the first task on each host in a printed multi-host plan (TensorFlow's documented default).
 DEFAULT_PLAN_PORT = 2222
@@ -42,6 +33,7 @@ examples:
   stratkit launch --chief --workers 2 --ps 1 --max-restarts 2 --log-dir logs -- python train.py
   stratkit launch --hosts h1,h2 --print-tf-config -- python train.py   # what to run on each machine
   STRATKIT_RDZV_TOKEN=<secret> stratkit launch --nnodes 2 --rdzv-endpoint h1:29400 -- python train.py  # on h1 and h2
+  stratkit launch --tune --workers 4 [--workers-per-trial 2] -- python search.py   # a search: 4 (2) tuners
 
 exit code: 0 when every task succeeded; else the failed task's code, 128+N when it died of signal N,
 124 after --timeout, 130 after Ctrl-C, 75 when the launcher was preempted (SIGTERM or --preemption-signal)
@@ -126,6 +118,8 @@ _FLAGS = (
     _Flag("gpus_per_ps", "STRATKIT_GPUS_PER_PS", _int_value),
     _Flag("share_gpus", "STRATKIT_SHARE_GPUS", _bool_value),
     _Flag("preemption_signal", status.PREEMPTION_SIGNAL_VAR, _signal_value),
+    _Flag("tune", "STRATKIT_TUNE", _bool_value),
+    _Flag("workers_per_trial", "STRATKIT_WORKERS_PER_TRIAL", _int_value),
 )
 
 
@@ -160,6 +154,10 @@ def add_launch_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="parameter-server tasks: parameter_server strategy (default 0) [STRATKIT_PS]")
     layout.add_argument("--evaluator", action="store_true", default=None,
                         help="add an evaluator task (not listed in the cluster) [STRATKIT_EVALUATOR]")
+    layout.add_argument("--tune", action="store_true", default=None, help="every worker a tuner of one search "
+                        "(stratkit.tune), worker 0 its service; no TF_CONFIG (docs/tuning.md) [STRATKIT_TUNE]")
+    layout.add_argument("--workers-per-trial", type=count, default=None, metavar="K", help="with --tune: K workers "
+                        "train each trial, as one MWMS cluster (default 1) [STRATKIT_WORKERS_PER_TRIAL]")
     devices = parser.add_argument_group("GPUs (each task's CUDA_VISIBLE_DEVICES; nothing set on a host without GPUs)")
     devices.add_argument("--gpus-per-worker", type=count, default=None, metavar="K",
                          help="GPUs each chief/worker/evaluator gets (default: the visible GPUs split evenly; the "
@@ -258,6 +256,9 @@ def run_launch(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} is for a launch on several machines. Fix: add --nnodes N (the number of "
                               f"machines), or drop {flag}")
     hosts = _parse_hosts(options["hosts"]) if options["hosts"] else None
+    if options["tune"] and (args.print_tf_config or hosts):
+        raise ConfigError("--tune runs one search's tuners on this machine, without TF_CONFIG. Fix: drop "
+                          "--print-tf-config/--hosts (docs/tuning.md: several machines)")
     if args.print_tf_config:
         print(format_host_plan(command, hosts or [options["host"] or DEFAULT_HOST], options))
         return 0
@@ -274,7 +275,7 @@ def run_launch(args: argparse.Namespace) -> int:
         exit_grace=DEFAULT_EXIT_GRACE if options["exit_grace"] is None else options["exit_grace"],
         stop_grace=DEFAULT_STOP_GRACE if options["stop_grace"] is None else options["stop_grace"],
         private_network=options["private_network"], preemption_signal=options["preemption_signal"],
-        **_gpu_options(options))
+        tune=bool(options["tune"]), workers_per_trial=options["workers_per_trial"] or 1, **_gpu_options(options))
     return result.returncode
 
 
@@ -286,6 +287,7 @@ def _gpu_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def _run_nodes(command: list[str], options: Mapping[str, Any], print_tf_config: bool) -> int:
     """`--nnodes N`: this node's share; the flags that have no meaning there are refused, each with the fix."""
     refused = {"workers": "--workers-per-node K (each node runs K workers)",
+               "tune": "run `stratkit launch --tune --workers N` on one machine (docs/tuning.md: several machines)",
                "evaluator": "drop --evaluator (run an evaluator yourself, reading the chief's checkpoints)",
                "hosts": "drop --hosts: start the same command on every node",
                "host": "drop --host: each node's tasks use the address its connection to --rdzv-endpoint used",

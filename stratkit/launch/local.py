@@ -46,11 +46,14 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from stratkit.errors import ConfigError
 from stratkit.launch.plan import DEFAULT_EXIT_GRACE, DEFAULT_HOST, DEFAULT_STOP_GRACE, plan_launch, reserve_ports
 from stratkit.launch.results import LaunchResult
 from stratkit.launch.supervisor import Supervisor
+from stratkit.launch.tune import TunePlan
 from stratkit.process.ports import listening_ports
 from stratkit.strategy.server import RUN_DIR_VAR
+from stratkit.tuning.environment import new_token
 
 # Kept importable from here, where they used to live.
 __all__ = ["launch", "listening_ports", "reserve_ports"]
@@ -63,7 +66,7 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
            stdout: IO[str] | None = None, stderr: IO[str] | None = None, handle_signals: bool = True,
            private_network: bool | None = None, gpus_per_worker: int | None = None,
            gpus_per_ps: int | None = None, share_gpus: bool = False,
-           preemption_signal: str | int | None = None) -> LaunchResult:
+           preemption_signal: str | int | None = None, tune: bool = False, workers_per_trial: int = 1) -> LaunchResult:
     """Run `command` as every task of a local TF_CONFIG cluster and supervise it.
 
     Args:
@@ -102,6 +105,14 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
             with SIGTERM: with `backup_dir` they back up at the same step and exit 75, and the launcher
             returns 75 (no restart). A task that exits 75 in an attempt restarts the cluster without
             counting against `max_restarts`.
+        tune: a tune run (`stratkit launch --tune`, docs/tuning.md): every worker is a tuner of one search
+            (a script with `stratkit.tune(tuner)`), worker 0 also runs the search service (loopback, the
+            run's token); no TF_CONFIG; a tuner other than worker 0 that dies once the search started is a
+            lost lease (its trial runs again elsewhere), not a failure; no private network by default
+            (no TensorFlow server listens).
+        workers_per_trial: with `tune`, each group of this many workers is one tuner whose trials train on
+            the whole group, a MultiWorkerMirrored cluster of its own (`stratkit.tuning.groups`); `workers`
+            must be a multiple of it. A group's worker that dies takes its group with it.
 
     Returns:
         A `LaunchResult`: `returncode` 0 only when every task succeeded; else the failed task's
@@ -112,13 +123,25 @@ def launch(command: Sequence[str], *, workers: int | str = 1, chief: bool = Fals
     Raises:
         ConfigError: on a bad layout, command, host or port, naming the flag and the fix.
     """
-    plan = plan_launch(command, workers=workers, chief=chief, ps=ps, evaluator=evaluator, max_restarts=max_restarts,
-                       log_dir=log_dir, host=host, base_port=base_port, timeout=timeout, exit_grace=exit_grace,
-                       stop_grace=stop_grace, env=env, stdout=stdout, stderr=stderr, handle_signals=handle_signals,
-                       private_network=private_network, gpus_per_worker=gpus_per_worker, gpus_per_ps=gpus_per_ps,
-                       share_gpus=share_gpus, preemption_signal=preemption_signal)
-    # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks.
-    plan.extra_env[RUN_DIR_VAR] = run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
+    # A private directory (0700) every task agrees on: the chief's "done" markers for ps/worker tasks, a tune
+    # run's markers (`stratkit.tuning.environment`).
+    run_dir = tempfile.mkdtemp(prefix="stratkit-run-")
+    try:
+        if workers_per_trial != 1 and not tune:
+            raise ConfigError(f"--workers-per-trial {workers_per_trial} (workers_per_trial=) is for a search. Fix: add "
+                              "--tune (tune=True), or drop it")
+        tune_plan = TunePlan(new_token(), "stratkit launch --tune", os.path.join(run_dir, "tune"),
+                             workers_per_trial=workers_per_trial) if tune else None
+        plan = plan_launch(command, workers=workers, chief=chief, ps=ps, evaluator=evaluator,
+                           max_restarts=max_restarts, log_dir=log_dir, host=host, base_port=base_port, timeout=timeout,
+                           exit_grace=exit_grace, stop_grace=stop_grace, env=env, stdout=stdout, stderr=stderr,
+                           handle_signals=handle_signals, private_network=private_network,
+                           gpus_per_worker=gpus_per_worker, gpus_per_ps=gpus_per_ps, share_gpus=share_gpus,
+                           preemption_signal=preemption_signal, tune=tune_plan)
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    plan.extra_env[RUN_DIR_VAR] = run_dir
     try:
         return Supervisor(plan).run()
     finally:

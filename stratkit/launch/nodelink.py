@@ -120,14 +120,7 @@ class NodeLink:
         label = socket.gethostname().replace(" ", "_")[:64] or "node"
         try:
             sock.settimeout(listener.HELLO_TIMEOUT + 5)
-            sock.sendall(f"HELLO {self.token.decode()} {attempt} {label}\n".encode())
-            reply = b""
-            while not reply.endswith(b"\n") and len(reply) < 8:
-                data = sock.recv(1)
-                if not data:
-                    break
-                reply += data
-            return reply
+            return listener.greet(sock, f"HELLO {self.token.decode()} {attempt} {label}\n".encode())
         except OSError:
             return b""
 

@@ -35,6 +35,7 @@ from stratkit.launch.checks import (
 )
 from stratkit.launch.isolation import is_loopback
 from stratkit.process.ports import address_family, hold_port
+from stratkit.launch.tune import TunePlan, check_groups, check_tune, check_tuner_gpus
 
 #: Value of STRATKIT_LAUNCHER that makes `detect()` report source "launch".
 LAUNCHER = "launch"
@@ -237,6 +238,8 @@ class LaunchPlan:
     #: the monotonic time it ends at (the supervisor sets it when the launch starts).
     run_timeout: float | None = None
     run_deadline: float | None = None
+    #: A tune run: tuners of one search instead of a TF_CONFIG cluster (`TunePlan`).
+    tune: TunePlan | None = None
 
     def out_of_time(self, now: float, attempt_started: float) -> bool:
         """True when the attempt outlived `timeout`, or the launch `run_timeout`."""
@@ -269,14 +272,20 @@ class LaunchPlan:
 
     @property
     def serving(self) -> list[Task]:
-        """The tasks that need a port, in task order."""
+        """The tasks that need a port, in task order (a tune run of one worker per trial: the task hosting the
+        search service; of groups: every worker, the service's port is the attempt's own)."""
+        if self.tune is not None and self.tune.workers_per_trial == 1:
+            return [t for t in self.tasks if t.name == self.tune.host_task]
         return [t for t in self.tasks if t.serves]
 
     def task_env(self, cluster: Mapping[str, Sequence[str]], task: Task, attempt: int) -> dict[str, str]:
         """The complete environment of `task` in attempt number `attempt` (0-based) of `cluster`."""
         env = dict(self.env)
         env.pop("TF_CONFIG", None)
-        env["TF_CONFIG"] = task_tf_config(cluster, task, env)
+        if self.tune is not None:  # each tuner trains alone on its own devices (a group: on its own cluster)
+            env.update(self.tune.task_env(cluster, task, attempt, len(self.tasks)))
+        else:
+            env["TF_CONFIG"] = task_tf_config(cluster, task, env)
         env[LAUNCHER_VAR] = LAUNCHER
         env[RESTART_VAR] = str(attempt)
         env.update(self.extra_env)
@@ -293,17 +302,24 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
                 stderr: IO[str] | None, handle_signals: bool, private_network: bool | None,
                 gpus_per_worker: int | None = None, gpus_per_ps: int | None = None, share_gpus: bool = False,
                 machines: Sequence[Sequence[layout.Task]] | None = None,
-                preemption_signal: str | int | None = None) -> LaunchPlan:
+                preemption_signal: str | int | None = None, tune: TunePlan | None = None) -> LaunchPlan:
     """Check `launch()`'s arguments and every task's TF_CONFIG; the plan to run, or a ConfigError naming the flag.
 
     `machines`: the tasks each machine runs (`--nnodes`), whose GPUs are split per machine; default: all here.
+    `tune`: a tune run (`--tune`): N tuners of one search, no TF_CONFIG (`check_tune`).
     """
     base_env = dict(os.environ if env is None else env)
+    if tune is not None:
+        check_tune(chief=chief, ps=ps, evaluator=evaluator, share_gpus=share_gpus, machines=machines)
     if machines is None:  # (--nnodes resolved it per node)
         workers = resolve_workers(workers, base_env, others=int(bool(chief)) + int(bool(evaluator)))
+    if tune is not None:
+        check_groups(workers, tune.workers_per_trial)
     tasks = plan_tasks(workers, chief, ps, evaluator)
     gpu = GpuRequest(tuple(gpus.visible_gpus(base_env)), gpus_per_worker, gpus_per_ps, bool(share_gpus),
                      gpus.FLAGS if machines is None else NODE_GPU_FLAGS)
+    if tune is not None:
+        check_tuner_gpus(len(tasks), gpu.visible, gpus_per_worker)
     for group in machines or [tasks]:
         gpu.assign(group)  # refused now, before any process starts
     serving = sum(t.serves for t in tasks)
@@ -334,10 +350,11 @@ def plan_launch(command: Sequence[str], *, workers: int, chief: bool, ps: int, e
     elif base_env.get(status.PREEMPTION_SIGNAL_VAR, "").strip():
         extra_signal = status.parse_signal(base_env[status.PREEMPTION_SIGNAL_VAR])
     # Validate every TF_CONFIG before starting anything (ports do not change validity).
-    layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,
-                      environ={k: v for k, v in base_env.items() if k != "TF_CONFIG"})
+    if tune is None:
+        layout.check_plan(tasks, launcher=LAUNCHER, fix=_FIX, host=host,
+                          environ={k: v for k, v in base_env.items() if k != "TF_CONFIG"})
     return LaunchPlan(
         command=argv, tasks=tasks, max_restarts=max_restarts, log_dir=log_dir,
         host=host, base_port=base_port, timeout=timeout, exit_grace=float(exit_grace), stop_grace=float(stop_grace),
         env=base_env, stdout=stdout or sys.stdout, stderr=stderr or sys.stderr, handle_signals=handle_signals,
-        extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal)
+        extra_env=extra, private_network=private_network, gpu=gpu, preemption_signal=extra_signal, tune=tune)

@@ -37,13 +37,18 @@ from stratkit.cluster import layout as cluster_layout
 from stratkit.errors import ConfigError, StratkitError
 from stratkit.launch.plan import LaunchPlan, plan_launch
 from stratkit.launch.results import LaunchResult
+from stratkit.launch.runfn import TUNER_RESULT
 from stratkit.launch.supervisor import Supervisor
+from stratkit.launch.tune import TunePlan
 from stratkit.process import arguments
 from stratkit.process.payload import RESULT, pickle_payload
 from stratkit.process.report import is_preempted
 from stratkit.status import EXIT_PREEMPTED
 from stratkit.strategy.server import RUN_DIR_VAR
 from stratkit.training.tracking import handoff
+from stratkit.tuning import environment as tune_env
+from stratkit.tuning.hub import SearchHub
+from stratkit.tuning.service import SearchService
 
 #: Who reports in the root-cause report.
 REPORT_TITLE = "stratkit local"
@@ -126,6 +131,12 @@ class LocalRunner:
             tracking server on this machine's loopback stays reachable from it (`stratkit.tracking`).
         log_dir: also write each task's output to `log_dir/<role>-<index>.log`, with events.jsonl.
         env: the tasks' base environment (default: this process's).
+        tune: a hyperparameter search (docs/tuning.md): the `num_workers` tasks are tuners of one search
+            (train_fn wraps its tuner in `stratkit.tune(...)`), this process runs the search service
+            (loopback, the run's token; it imports the tuner library when the first tuner registers); no
+            TF_CONFIG, no private network (no TensorFlow server listens); a tuner that dies once the search
+            started loses its trial to another tuner and the run goes on. `run` returns tuner 0's value
+            (the lowest surviving tuner's).
 
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster (TF_CONFIG,
     `spec.source == "launch"`); train_fn runs in a fresh Python process per task, in this
@@ -136,7 +147,7 @@ class LocalRunner:
     def __init__(self, num_workers: int = 2, *, num_ps: int = 0, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, max_retries: int = 0, timeout: float | None = None,
                  private_network: bool | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, tune: bool = False) -> None:
         arguments.positive_int("num_workers", num_workers)
         arguments.positive_int("num_ps", num_ps, minimum=0, example="1")
         self.tasks = cluster_layout.plan_tasks(num_workers, chief=num_ps > 0, ps=num_ps, spelling=ARGUMENTS)
@@ -146,6 +157,12 @@ class LocalRunner:
         self.timeout = arguments.check_timeout(timeout)
         if private_network is not None and not isinstance(private_network, bool):
             raise ConfigError(f"private_network must be None, True or False: got {private_network!r}")
+        if tune and num_ps:
+            raise ConfigError(f"num_ps={num_ps} does not go with tune=True: a search's tuners each train their trials "
+                              "alone. Fix: drop num_ps")
+        if tune and private_network:
+            raise ConfigError("private_network=True does not go with tune=True: the tuners reach this process's "
+                              "search service on loopback, and no TensorFlow server listens. Fix: drop private_network")
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.use_gpu = use_gpu
@@ -154,6 +171,7 @@ class LocalRunner:
         self.private_network = private_network
         self.log_dir = log_dir
         self.env = None if env is None else dict(env)
+        self.tune = bool(tune)
         self.last_run: LocalRunReport | None = None
 
     def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -176,19 +194,37 @@ class LocalRunner:
         try:
             with open(os.path.join(workdir, "payload.pkl"), "wb") as handle:
                 handle.write(payload)
-            plan = self._plan(workdir)
-            result = Supervisor(plan).run()
+            service = self._search_service(workdir) if self.tune else None
+            try:
+                plan = self._plan(workdir, service)
+                result = Supervisor(plan).run()
+            finally:
+                if service is not None:
+                    service[0].close()
             self._record(report, result)
             if result.ok:
                 report.succeeded = True
-                return _load_result(workdir)
+                return _load_result(workdir, len(self.tasks) if self.tune else 0)
             raise _failure(result, plan, self.max_retries + 1 + report.preempted)
         finally:
             report.seconds = time.monotonic() - started
             shutil.rmtree(workdir, ignore_errors=True)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _plan(self, workdir: str) -> LaunchPlan:
+    def _search_service(self, workdir: str) -> tuple[SearchHub, str]:
+        """A tune run's searches, served here on the driver (each search's store and planner come with its first
+        tuner's registration)."""
+        env = os.environ if self.env is None else self.env
+        lease = tune_env.seconds(tune_env.LEASE_VAR, tune_env.LEASE_SECONDS, env)
+        start = tune_env.seconds(tune_env.START_VAR, tune_env.START_SECONDS, env)
+        markers = os.path.join(workdir, "tune")
+        token = tune_env.new_token()
+        hub = SearchHub(tune_env.DEFAULT_HOST, 0, token, tuners=self.num_workers,
+                        create=lambda search: SearchService(None, tuners=self.num_workers, lease_seconds=lease,
+                                                            start_seconds=start, markers=markers, search=search))
+        return hub, token
+
+    def _plan(self, workdir: str, service: tuple[SearchHub, str] | None = None) -> LaunchPlan:
         env = dict(os.environ if self.env is None else self.env)
         env.update(handoff.hand_over(env))  # the driver's MLflow run, continued by the chief (stratkit.tracking)
         env[RUNNER_VAR] = "local"
@@ -197,12 +233,16 @@ class LocalRunner:
             gpus_per_worker: int | None = 0
         else:
             gpus_per_worker = self.gpus_per_worker
+        tune = None
+        if service is not None:
+            tune = TunePlan(service[1], "LocalRunner(tune=True)", os.path.join(workdir, "tune"), host_task=None,
+                            address=service[0].address)
         plan = plan_launch([sys.executable, "-m", "stratkit.launch.runfn", workdir], workers=self.num_workers,
                            chief=self.num_ps > 0, ps=self.num_ps, evaluator=False, max_restarts=self.max_retries,
                            log_dir=self.log_dir, host="127.0.0.1", base_port=None, timeout=None,
                            exit_grace=30.0, stop_grace=10.0, env=env, stdout=None, stderr=None,
                            handle_signals=True, private_network=self.private_network,
-                           gpus_per_worker=gpus_per_worker, gpus_per_ps=None if self.use_gpu else 0)
+                           gpus_per_worker=gpus_per_worker, gpus_per_ps=None if self.use_gpu else 0, tune=tune)
         return dataclasses.replace(plan, report_title=REPORT_TITLE, timeout_setting="timeout=", print_report=False,
                                    run_timeout=self.timeout)
 
@@ -216,9 +256,11 @@ class LocalRunner:
                 report.pids[task.task] = task.pid
 
 
-def _load_result(workdir: str) -> Any:
-    path = os.path.join(workdir, RESULT)
-    if not os.path.exists(path):
+def _load_result(workdir: str, tuners: int = 0) -> Any:
+    """The chief's value; a tune run's: the lowest tuner's that finished (`runfn.TUNER_RESULT`)."""
+    names = [TUNER_RESULT.format(i) for i in range(tuners)] if tuners else [RESULT]
+    path = next((os.path.join(workdir, n) for n in names if os.path.exists(os.path.join(workdir, n))), None)
+    if path is None:
         return None
     import cloudpickle
 

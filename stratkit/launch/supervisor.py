@@ -124,6 +124,11 @@ class Supervisor:
     def _open_network(self) -> PrivateNetwork | None:
         """The private network the tasks run in, or None -- then say, once, that their servers are exposed."""
         wanted, host = self.plan.private_network, self.plan.host
+        if self.plan.tune is not None and self.plan.tune.workers_per_trial == 1 and not wanted:
+            self.console.say("a tune run starts no TensorFlow server (each tuner trains alone; the search service "
+                             "listens on loopback and takes only the run's token): the tasks use this machine's "
+                             "network (--private-network isolates them anyway)")
+            return None
         if wanted is False:
             self._warn_exposed("you asked for the machine's network (--no-private-network, or "
                                "STRATKIT_PRIVATE_NETWORK=0). Fix: drop --no-private-network (and the variable): the "

@@ -59,3 +59,21 @@ def workers_within(room: int, num_workers: int, min_workers: int) -> int | None:
     or None when that is below `min_workers` (the run is not retried)."""
     workers = min(num_workers, max(room, 0))
     return workers if workers >= min_workers else None
+
+
+def check_tune(tune: object, *, num_ps: int = 0, min_workers: int | None = None, max_retries: int = 0) -> bool:
+    """`tune` is a bool, and a search's runner (`tune=True`) gets no argument that has no meaning for tuners:
+    each trains its trials alone, and a lost one's trial runs again on another (docs/tuning.md)."""
+    if not isinstance(tune, bool):
+        raise ConfigError(f"tune must be True or False: got {tune!r}")
+    if not tune:
+        return False
+    for name, value, why in (
+            ("num_ps", num_ps, "a search's tuners each train their trials alone"),
+            ("min_workers", min_workers, "a lost tuner is a lease that expires: its trial runs again on another "
+                                         "tuner, and the search goes on with the others"),
+            ("max_retries", max_retries, "a lost tuner's trial runs again on another tuner; a search that stopped "
+                                         "resumes from its store when it is run again")):
+        if value:
+            raise ConfigError(f"{name}={value} does not go with tune=True: {why}. Fix: drop {name}")
+    return True

@@ -63,6 +63,19 @@ def shut(conn: socket.socket) -> None:
         pass
 
 
+def greet(sock: socket.socket, hello: bytes) -> bytes:
+    """The client's side of the HELLO: send `hello` on `sock` and return the server's one short reply line (OK,
+    BUSY, another server's word) read byte by byte, so nothing that follows it is consumed; b"" when closed."""
+    sock.sendall(hello)
+    reply = b""
+    while not reply.endswith(b"\n") and len(reply) < 8:
+        data = sock.recv(1)
+        if not data:
+            break
+        reply += data
+    return reply
+
+
 def check_hello(line: bytes, token: bytes, max_number: int | None) -> tuple[int, str] | None:
     """(number, label) from a HELLO line (without its newline), or None. Bytes only until the token matched.
 

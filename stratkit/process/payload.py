@@ -61,21 +61,21 @@ def load_payload(workdir: str, fix: str) -> tuple[Callable[..., Any], tuple, dic
                                f"({type(exc).__name__}: {exc}). Fix: {fix}") from exc
 
 
-def write_result(workdir: str, value: Any) -> None:
-    """Cloudpickle `value` to `workdir`/result.pkl through a temporary and a rename."""
+def write_result(workdir: str, value: Any, name: str = RESULT) -> None:
+    """Cloudpickle `value` to `workdir`/`name` (result.pkl) through a temporary and a rename."""
     import cloudpickle
 
-    tmp = os.path.join(workdir, RESULT + ".tmp")
+    tmp = os.path.join(workdir, name + ".tmp")
     with open(tmp, "wb") as handle:
         cloudpickle.dump(value, handle)
-    os.replace(tmp, os.path.join(workdir, RESULT))
+    os.replace(tmp, os.path.join(workdir, name))
 
 
 def run_function(call: Callable[[], Any], workdir: str, *, keep_result: bool,
-                 mark: Callable[[str], None] = lambda event: None) -> int:
+                 mark: Callable[[str], None] = lambda event: None, result_name: str = RESULT) -> int:
     """Call `call()` (train_fn with its arguments) in the training process; the exit code for `exit_now`.
 
-    Its return value goes to `write_result` when `keep_result` (the chief's);
+    Its return value goes to `write_result` (as `result_name`) when `keep_result` (the chief's);
     `sys.exit(n)` in train_fn is exit code n; any other exception is printed
     (its traceback is what the driver's root-cause report quotes) and is exit
     code 1. `mark` is told "function returns" / "result written" (a timeline).
@@ -85,7 +85,7 @@ def run_function(call: Callable[[], Any], workdir: str, *, keep_result: bool,
         result = call()
         mark("function returns")
         if keep_result:
-            write_result(workdir, result)
+            write_result(workdir, result, result_name)
             mark("result written")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -26,7 +26,6 @@ count `ray/elastic.py`, the actor `ray/task.py`.
 from __future__ import annotations
 
 import pickle
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,10 +41,11 @@ from stratkit.errors import ConfigError
 from stratkit.process import arguments
 from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
-from stratkit.process.pump import prefixed
+from stratkit.ray import actors as actors_lib
 from stratkit.ray import elastic, failures
+from stratkit.ray import tune as ray_tune
 from stratkit.ray.failures import RayTrainingError, TaskState
-from stratkit.ray.task import FIX, LAUNCHER, TaskActor
+from stratkit.ray.task import FIX, LAUNCHER
 from stratkit.ray.versions import import_ray
 from stratkit.training.tracking import handoff
 
@@ -53,8 +53,8 @@ log = status.logger(__name__)
 
 #: How the runner's arguments are written in layout messages (it adds the chief itself).
 ARGUMENTS = cluster_layout.Spelling(workers="num_workers", ps="num_ps")
-#: Seconds to wait for the placement group when `timeout` is None (a run never waits forever for resources).
-PLACEMENT_WAIT = 300.0
+#: Seconds to wait for the placement group when `timeout` is None (kept here, where it used to live).
+PLACEMENT_WAIT = actors_lib.PLACEMENT_WAIT
 #: After a task fails, how long the other tasks' actors get to answer before their node counts as lost.
 PROBE_SECONDS = 5.0
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -104,6 +104,11 @@ class RayRunner:
         timeout: seconds for the whole `run()`, retries included (and for placing each attempt's
             placement group; at most 300 s without it); then every task is stopped.
         placement_strategy: Ray's placement group strategy ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD").
+        tune: a hyperparameter search (docs/tuning.md): `run(search_fn)` runs `num_workers` tuners of one
+            search (search_fn wraps its tuner in `stratkit.tune(...)`), one actor each (`cpus_per_worker`,
+            `gpus_per_worker`), with the search service on this driver; no TF_CONFIG; a dead actor or tuner
+            after the search started is a lease that expires, its trial runs again on another tuner. `run`
+            returns the lowest tuner's value (`stratkit.ray.tune`).
 
     `ray.init(...)` must have been called (to start a local Ray or join a cluster).
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
@@ -114,8 +119,9 @@ class RayRunner:
     def __init__(self, num_workers: int = 2, *, num_ps: int = 0, use_gpu: bool = False,
                  gpus_per_worker: int | None = None, cpus_per_worker: float = 1, max_retries: int = 0,
                  min_workers: int | None = None, timeout: float | None = None,
-                 placement_strategy: str = "PACK") -> None:
+                 placement_strategy: str = "PACK", tune: bool = False) -> None:
         arguments.positive_int("num_workers", num_workers)
+        self.tune = arguments.check_tune(tune, num_ps=num_ps, min_workers=min_workers, max_retries=max_retries)
         arguments.positive_int("num_ps", num_ps, minimum=0, example="1")
         self.tasks = _plan(num_workers, num_ps)
         cluster_layout.check_plan(self.tasks, launcher=LAUNCHER, fix=FIX, allow_preset=False)
@@ -136,7 +142,7 @@ class RayRunner:
         self.cpus_per_worker = cpus_per_worker
         self.max_retries = max_retries
         self.placement_strategy = placement_strategy
-        self.last_run: RayRunReport | None = None
+        self.last_run: RayRunReport | ray_tune.SearchReport | None = None
 
     # -- public ---------------------------------------------------------------------------------
     def run(self, train_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -155,6 +161,8 @@ class RayRunner:
             raise ConfigError("RayRunner.run needs a Ray connection: ray.is_initialized() is False. Fix: call "
                               "ray.init(address=\"auto\") to join a running cluster, or ray.init(num_cpus=4, "
                               "include_dashboard=False) for a local one, before run()")
+        if self.tune:
+            return ray_tune.run_search(self, ray, train_fn, args, kwargs, task_devices=task_devices)
         self._check_gpus(ray)
         payload = pickle_payload(train_fn, args, kwargs, where="the Ray actors")
         report = RayRunReport(run_id=f"stratkit-{uuid.uuid4().hex[:12]}", tasks=[t.name for t in self.tasks])
@@ -226,38 +234,30 @@ class RayRunner:
 
     def _attempt(self, ray: Any, tasks: Sequence[Task], payload: bytes, attempt: int, deadline: float | None,
                  report: RayRunReport) -> Any:
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         attempts = self.max_retries + 1 + report.preempted
         report.tasks = [t.name for t in tasks]
         report.workers.append(sum(t.role == "worker" for t in tasks))
         for record in (report.nodes, report.pids, report.actor_pids):
             record.clear()
         bundles = [self._bundle(t) for t in tasks]
-        group = placement_group(bundles, strategy=self.placement_strategy)
-        actors: list[Any] = []
+        group, actors = None, []
+
+        def get(refs: list[Any]) -> list[Any]:
+            return actors_lib.get_before(ray, refs, deadline, lambda: RayTrainingError(
+                f"the tasks' actors did not start within timeout={self.timeout}s (attempt {attempt} of "
+                f"{self.max_retries + 1}); every task was stopped. Fix: raise timeout, or check that the Ray nodes "
+                "can start workers (ray status)", attempt=attempt, timed_out=True))
+
         try:
-            wait = PLACEMENT_WAIT if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready, _ = ray.wait([group.ready()], timeout=wait)
-            if not ready:
-                raise ConfigError(
-                    f"Ray could not place the {len(tasks)} task(s) of this run (one bundle each: "
-                    f"{_describe(bundles)}, placement_strategy={self.placement_strategy!r}) within {wait:g} s "
-                    f"(timeout={self.timeout}); the cluster has {_resources(ray.cluster_resources())}, free now "
-                    f"{_resources(ray.available_resources())}. Fix: lower num_workers, num_ps, cpus_per_worker or "
-                    "gpus_per_worker, add nodes, or use placement_strategy=\"PACK\"")
-            remote = ray.remote(TaskActor)
-            for rank, task in enumerate(tasks):
-                bundle = bundles[rank]
-                actors.append(remote.options(
-                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-                ).remote(task.name))
-            where = self._get(ray, [a.where.remote() for a in actors], deadline, attempt)
-            addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-            hosts = [addresses[w["node_id"]] for w in where]
-            held = self._get(ray, [a.hold.remote(host) for a, host in zip(actors, hosts)], deadline, attempt)
+            wait = actors_lib.placement_wait(deadline)
+            group, actors = actors_lib.place(
+                ray, [t.name for t in tasks], bundles, self.placement_strategy, wait,
+                what=f"the {len(tasks)} task(s) of this run (timeout={self.timeout})",
+                fix="lower num_workers, num_ps, cpus_per_worker or gpus_per_worker, add nodes, or use "
+                    "placement_strategy=\"PACK\"")
+            where = get([a.where.remote() for a in actors])
+            hosts = actors_lib.node_addresses(ray, where)
+            held = get([a.hold.remote(host) for a, host in zip(actors, hosts)])
             cluster = cluster_layout.build_cluster(
                 tasks, [cluster_layout.format_address(h, p) for h, p in zip(hosts, held)])
             chief = cluster_layout.primary_task(tasks)
@@ -268,9 +268,8 @@ class RayRunner:
                 report.actor_pids[task.name] = where[rank]["pid"]
             visible = task_devices(tasks, [w["gpus"] for w in where], self.gpus_per_worker)
             handed = handoff.hand_over()  # the driver's MLflow run, continued by the chief (stratkit.tracking)
-            replies = self._get(ray, [a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload,
-                                                     t == chief, devices, handed)
-                                      for a, t, devices in zip(actors, tasks, visible)], deadline, attempt)
+            replies = get([a.start.remote(cluster, t.role, t.index, (chief.role, chief.index), payload, t == chief,
+                                          devices, handed) for a, t, devices in zip(actors, tasks, visible)])
             for state, reply in zip(states, replies):
                 state.pid = reply.get("pid")
                 report.pids[state.label] = state.pid
@@ -283,25 +282,7 @@ class RayRunner:
             value = ray.get(actors[tasks.index(chief)].result.remote())
             return None if value is None else pickle.loads(value)
         finally:
-            for actor in actors:
-                try:
-                    ray.get(actor.stop.remote(), timeout=15)
-                except Exception as exc:  # noqa: BLE001 - a lost actor cannot stop; its process died with it
-                    log.debug("could not stop an actor: %s", exc)
-                ray.kill(actor)
-            remove_placement_group(group)
-
-    def _get(self, ray: Any, refs: list[Any], deadline: float | None, attempt: int) -> list[Any]:
-        """`ray.get(refs)` within the run's deadline: actors Ray cannot start in time end the run, never hang it."""
-        from ray.exceptions import GetTimeoutError
-
-        try:
-            return ray.get(refs, timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
-        except GetTimeoutError:
-            raise RayTrainingError(f"the tasks' actors did not start within timeout={self.timeout}s (attempt "
-                                   f"{attempt} of {self.max_retries + 1}); every task was stopped. Fix: raise "
-                                   "timeout, or check that the Ray nodes can start workers (ray status)",
-                                   attempt=attempt, timed_out=True) from None
+            actors_lib.release(ray, group, actors)
 
     def _watch(self, ray: Any, actors: Sequence[Any], states: Sequence[TaskState], attempt: int, attempts: int,
                deadline: float | None) -> None:
@@ -324,17 +305,12 @@ class RayRunner:
                 try:
                     reply = ray.get(ref)
                 except RayActorError as exc:
-                    state.lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    state.lost = actors_lib.lost_reason(exc)
                     raise failures.task_failed(state, states, attempt, attempts) from None
-                for text in reply["lines"]:
-                    print(prefixed(state.label, text), file=sys.stdout, flush=True)
-                state.lines = (state.lines + reply["lines"])[-50:]
                 cursors[i] = reply["cursor"]
-                if reply["exit"] is None:
+                if not actors_lib.follow(state, reply):
                     pending[actors[i].poll.remote(cursors[i])] = i
                     continue
-                state.exit_code = reply["exit"]
-                state.exception = tuple(reply["exception"])
                 if is_preempted(state.exit_code) and preempted is None:
                     preempted, grace = state, time.monotonic() + PREEMPTED_GRACE
                     continue
@@ -361,7 +337,7 @@ class RayRunner:
                     ray.get(ref)
                     continue
                 except Exception as exc:  # noqa: BLE001 - RayActorError and kin: the actor is gone
-                    states[i].lost = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    states[i].lost = actors_lib.lost_reason(exc)
             else:
                 states[i].lost = f"its actor did not answer within {PROBE_SECONDS:g} s"
             lost.append(states[i])
@@ -399,16 +375,3 @@ def task_devices(tasks: Sequence[Task], assigned: Sequence[str | None], gpus_per
 
 def _plan(num_workers: int, num_ps: int) -> list[Task]:
     return cluster_layout.plan_tasks(num_workers, chief=num_ps > 0, ps=num_ps, spelling=ARGUMENTS)
-
-
-def _describe(bundles: Sequence[dict[str, float]]) -> str:
-    kinds: dict[str, int] = {}
-    for bundle in bundles:
-        key = _resources(bundle)
-        kinds[key] = kinds.get(key, 0) + 1
-    return ", ".join(f"{count} x {key}" for key, count in kinds.items())
-
-
-def _resources(resources: dict[str, float]) -> str:
-    shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"

@@ -19,6 +19,9 @@ per process, and the training process is a fresh child anyway). In order:
 4. `poll(cursor)`: the lines since `cursor`, and the exit code once it exited;
 5. `result()` (the chief's return value, pickled) and `stop()`.
 
+A search's tuner (`RayRunner(tune=True)`) skips 2 and 3: `start_tuner` starts
+the same training process without TF_CONFIG, with the search's variables.
+
 Imports no TensorFlow (and Ray only to ask for the node id).
 """
 
@@ -97,6 +100,17 @@ class TaskActor:
         env = {**environ, **(extra_env or {})}
         env["TF_CONFIG"] = cluster_layout.tf_config_json(cluster, role, index)
         env[LAUNCHER_VAR] = LAUNCHER
+        return self._launch(env, payload, keep_result, visible_devices)
+
+    def start_tuner(self, tune_env: Mapping[str, str], payload: bytes, visible_devices: str | None,
+                    extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Start a search's tuner (`RayRunner(tune=True)`, `stratkit.ray.tune`): no TF_CONFIG, the search's
+        variables (`stratkit.tuning.environment.task_env`); {"pid": ...} or {"error": ...}."""
+        environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("STRATKIT_TUNE_")}
+        return self._launch({**environ, **(extra_env or {}), **tune_env}, payload, True, visible_devices)
+
+    def _launch(self, env: dict[str, str], payload: bytes, keep_result: bool,
+                visible_devices: str | None) -> dict[str, Any]:
         env["PYTHONUNBUFFERED"] = "1"
         env.update(tf_logging.quiet_defaults(env))
         if visible_devices is not None:

@@ -128,13 +128,7 @@ class LogClient:
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(hello)
-            reply = b""
-            while not reply.endswith(b"\n") and len(reply) < 8:  # exactly one short line: ABORT may follow
-                data = sock.recv(1)
-                if not data:
-                    break
-                reply += data
+            reply = listener.greet(sock, hello)  # exactly one short line: ABORT may follow
         except (TimeoutError, ConnectionResetError) as exc:
             sock.close()
             raise _Busy(str(exc) or type(exc).__name__) from None

@@ -26,8 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,8 +38,14 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
+<<<<<<< HEAD
 from stratkit.spark import elastic, in_place, layout, slots, staging
+=======
+from stratkit.spark import elastic, layout, slots, staging
+from stratkit.spark import tune as tune_module
+>>>>>>> tuning-all
 from stratkit.spark.layout import TaskRole
+from stratkit.spark.jobs import cancel, collect_rows, job_tag
 from stratkit.spark.confs import (
     STANDBY_CONF,
     check_ssl,
@@ -125,6 +130,11 @@ class SparkRunner:
             backup_dir the run is one process's (`stratkit.spark.elastic`).
         timeout: seconds for the whole `run()`, retries included; then every
             task is killed, the Spark job cancelled and SparkTrainingError raised.
+        tune: a hyperparameter search (docs/tuning.md): `run(search_fn)` runs `num_workers` tuners of one
+            search (search_fn wraps its tuner in `stratkit.tune(...)`) as ordinary Spark tasks, one per free
+            slot (per GPU with use_gpu), with the search service on this driver; no TF_CONFIG; a tuner lost
+            after the search started (its process, its executor) is a lease that expires, its trial runs
+            again on another tuner. `run` returns the lowest tuner's value (`stratkit.spark.tune`).
 
     Inside train_fn, `stratkit.detect()` / `stratkit.Trainer()` see the cluster
     (TF_CONFIG, `spec.source == "spark"`); train_fn runs in a fresh Python
@@ -135,7 +145,8 @@ class SparkRunner:
 
     def __init__(self, num_workers: int = 2, *, use_gpu: bool = False, gpus_per_worker: int | None = None,
                  num_ps: int = 0, spark: Any = None, max_retries: int = 0, timeout: float | None = None,
-                 min_workers: int | None = None) -> None:
+                 min_workers: int | None = None, tune: bool = False) -> None:
+        self.tune = arguments.check_tune(tune, num_ps=num_ps, min_workers=min_workers, max_retries=max_retries)
         self.roles: list[TaskRole] = layout.plan_roles(num_workers, num_ps)
         self.min_workers = arguments.check_min_workers(min_workers, num_workers, num_ps)
         layout.check_layout(self.roles)
@@ -149,7 +160,7 @@ class SparkRunner:
         self.max_retries = max_retries
         self.timeout = timeout
         self._spark = spark
-        self.last_run: RunReport | None = None
+        self.last_run: RunReport | tune_module.SearchReport | None = None
         # Set by MirroredStrategyRunner: GPU counts per rank, the resource name, and the strategy wrap.
         self._gpu_counts: list[int | None] | None = None
         self._gpu_resource_name = "gpu"
@@ -183,6 +194,8 @@ class SparkRunner:
         if not callable(train_fn):
             raise ConfigError(f"train_fn must be a function: got {type(train_fn).__name__}. "
                               "Fix: runner.run(train_fn, *args, **kwargs)")
+        if self.tune:
+            return tune_module.run_search(self, self._session(), train_fn, args, kwargs)
         called_at = time.time()
         spark = self._session()
         sc = spark_context(spark)
@@ -314,7 +327,7 @@ class SparkRunner:
             if preempted:  # the others stop at the same step: they write their backups and exit 75 first
                 server.wait_for_exits(PREEMPTED_GRACE, until=lambda: state.finished)
             server.abort_all(reason)
-            _cancel(spark, sc, tag)
+            cancel(spark, sc, tag)
 
         def on_exit(task: TaskLog) -> None:
             if task.exit_code == 0:
@@ -360,7 +373,7 @@ class SparkRunner:
         rows: list[tuple[int, int, bytes]] = []
         report.mark("driver", f"stage submitted (attempt {plan.attempt})")
         try:
-            with _job_tag(spark, sc, tag, f"stratkit training {plan.run_id} attempt {plan.attempt}"):
+            with job_tag(spark, sc, tag, f"stratkit training {plan.run_id} attempt {plan.attempt}"):
                 rows = _collect(spark, sc, stage, plan)
         except KeyboardInterrupt:
             with state.lock:
@@ -411,54 +424,9 @@ def _with_log_server(plan: TaskPlan, server: LogServer, exchange: Rendezvous) ->
                    rendezvous_token=exchange.token)
 
 
-@contextmanager
-def _job_tag(spark: Any, sc: Any, tag: str, description: str) -> Iterator[None]:
-    """Tag this thread's Spark jobs so they can be cancelled (job tags; job groups before Spark 3.5)."""
-    if sc is None:
-        spark.addTag(tag)
-        try:
-            yield
-        finally:
-            spark.removeTag(tag)
-        return
-    previous = {key: sc.getLocalProperty(key) for key in ("spark.job.interruptOnCancel", "spark.job.description")}
-    sc.setLocalProperty("spark.job.interruptOnCancel", "true")
-    sc.setLocalProperty("spark.job.description", description)
-    tags = hasattr(sc, "addJobTag")
-    if tags:
-        sc.addJobTag(tag)
-    else:  # pragma: no cover - Spark < 3.5
-        sc.setJobGroup(tag, description, interruptOnCancel=True)
-    try:
-        yield
-    finally:
-        if tags:
-            sc.removeJobTag(tag)
-        else:  # pragma: no cover
-            sc.setLocalProperty("spark.jobGroup.id", None)
-        for key, value in previous.items():
-            sc.setLocalProperty(key, value)
-
-
-def _cancel(spark: Any, sc: Any, tag: str) -> None:
-    try:
-        if sc is None:
-            spark.interruptTag(tag)
-        elif hasattr(sc, "cancelJobsWithTag"):
-            sc.cancelJobsWithTag(tag)
-        else:  # pragma: no cover - Spark < 3.5
-            sc.cancelJobGroup(tag)
-    except Exception as exc:  # noqa: BLE001 - the context may be stopping; the tasks were told to stop anyway
-        log.debug("could not cancel Spark jobs tagged %s: %s", tag, exc)
-
-
 def _collect(spark: Any, sc: Any, stage: str, plan: TaskPlan) -> list[tuple[int, int, bytes]]:
-    n = plan.num_tasks
-    if stage == "mapInArrow":
-        frame = spark.range(0, n, 1, n).mapInArrow(arrow_partition_function(plan), "rank int, seq int, chunk binary",
-                                                   barrier=True)
-        return [(row["rank"], row["seq"], bytes(row["chunk"])) for row in frame.collect()]
-    return list(sc.parallelize(range(n), n).barrier().mapPartitions(rdd_partition_function(plan)).collect())
+    return collect_rows(spark, sc, stage, plan.num_tasks, arrow_partition_function(plan), rdd_partition_function(plan),
+                        barrier=True)
 
 
 def _take_task_info(rows: list[tuple[int, int, bytes]], report: RunReport, server: LogServer) -> None:

@@ -104,10 +104,10 @@ def live_slots(spark_context: Any) -> int | None:
         return None
 
 
-def _fix(needed: int, conf: Mapping[str, str]) -> str:
+def _fix(needed: int, conf: Mapping[str, str], tasks: str = "barrier tasks") -> str:
     master = conf.get("spark.master", "")
     gpu = [k for k in conf if k.startswith("spark.task.resource.") and k.endswith(".amount")]
-    hints = [f"ask for fewer tasks (num_workers/num_ps/num_slots: {needed} barrier tasks are needed now)"]
+    hints = [f"ask for fewer tasks (num_workers/num_ps/num_slots: {needed} {tasks} are needed now)"]
     if str(master).startswith("local-cluster"):
         hints.append("start more executors or cores: --master \"local-cluster[N,CORES,MEM]\" with N x CORES >= "
                      f"{needed} x spark.task.cpus")
@@ -123,18 +123,21 @@ def _fix(needed: int, conf: Mapping[str, str]) -> str:
 
 
 def check_slots(needed: int, conf: Mapping[str, str], spark_context: Any = None,
-                wait_seconds: float | None = None, sleep: Callable[[float], None] = time.sleep) -> int | None:
-    """Raise `ConfigError` unless the cluster can run `needed` barrier tasks at once.
+                wait_seconds: float | None = None, sleep: Callable[[float], None] = time.sleep, *,
+                what: str = "the barrier stage", tasks: str = "barrier tasks",
+                otherwise: str = "Spark would retry for about 10 minutes, then fail") -> int | None:
+    """Raise `ConfigError` unless the cluster can run `needed` tasks at once.
 
     Returns the slot count that was checked (None when it cannot be known,
-    e.g. on Spark Connect against an unknown cluster manager).
+    e.g. on Spark Connect against an unknown cluster manager). `what`, `tasks`
+    and `otherwise` word the error for the caller (a search's tuners are not a
+    barrier stage: they would wait for each other at the search's start).
     """
     expected = static_slots(conf)
     if expected is not None and expected < needed:
-        raise ConfigError(f"the barrier stage needs {needed} concurrent task slots but spark.master="
+        raise ConfigError(f"{what} needs {needed} concurrent task slots but spark.master="
                           f"{conf.get('spark.master')!r} with spark.task.cpus={conf.get('spark.task.cpus', '1')} "
-                          f"gives only {expected} (Spark would retry for about 10 minutes, then fail). "
-                          f"Fix: {_fix(needed, conf)}")
+                          f"gives only {expected} ({otherwise}). Fix: {_fix(needed, conf, tasks)}")
     live = live_slots(spark_context)
     if live is None or live >= needed:
         return live if live is not None else expected
@@ -145,7 +148,7 @@ def check_slots(needed: int, conf: Mapping[str, str], spark_context: Any = None,
         sleep(0.5)  # executors are still registering
         live = live_slots(spark_context)
     if live is not None and live < needed:
-        raise ConfigError(f"the barrier stage needs {needed} concurrent task slots but the registered executors "
+        raise ConfigError(f"{what} needs {needed} concurrent task slots but the registered executors "
                           f"offer {live} (waited {wait_seconds:.0f}s for more to register; {WAIT_CONF} sets the "
-                          f"wait). Fix: {_fix(needed, conf)}")
+                          f"wait). Fix: {_fix(needed, conf, tasks)}")
     return live

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,8 @@ from stratkit.spark.layout import TaskRole
 from stratkit.spark.logprotocol import SETUP_FAILED, TAIL_LINES, LogClient
 from stratkit.strategy.server import RUN_DIR_VAR
 
+#: The rows every task yields (its rank, a sequence number, a chunk of bytes), as a Spark schema.
+ROWS = "rank int, seq int, chunk binary"
 #: Bytes per output row carrying the pickled result (Spark Connect batches rows up to 4 MiB).
 CHUNK_BYTES = 1 << 20
 #: The `seq` of the one row every task yields about itself (JSON: its timeline, and its last lines when the
@@ -125,7 +127,9 @@ def _format_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _workdir() -> str:
+def task_workdir() -> str:
+    """A fresh directory for one run's payload and result, as an absolute path: Spark's file root is "." on a
+    cluster's executors, and the training process may change its working directory (a search's function does)."""
     root = None
     try:  # Spark deletes its per-application files directory when the executor stops
         from pyspark import SparkFiles
@@ -133,7 +137,8 @@ def _workdir() -> str:
         root = SparkFiles.getRootDirectory()
     except Exception:  # noqa: BLE001
         root = None
-    return tempfile.mkdtemp(prefix="stratkit-task-", dir=root if root and os.path.isdir(root) else None)
+    made = tempfile.mkdtemp(prefix="stratkit-task-", dir=root if root and os.path.isdir(root) else None)
+    return os.path.abspath(made)
 
 
 def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
@@ -149,7 +154,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
         events.append({"event": event, "t": time.time()})
 
     # First, so its TensorFlow import overlaps with everything below.
-    standby, how = _standby_for(plan)
+    standby, how = standby_for(plan)
     note(how)
     events.append({"event": "standby spawned", "t": standby.spawned_at})
     process = None
@@ -165,7 +170,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     client = LogClient(plan.log_host, plan.log_port, plan.log_token, rank, role.label, on_abort=abort,
                        timeout=LOG_CONNECT_SECONDS)
     note("log server connected" if client.connected else "log server unreachable")
-    workdir = _workdir()
+    workdir = task_workdir()
     holder = None
     context_server = None
     lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)  # kept for the driver when not live
@@ -230,7 +235,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
             raise TaskFailed(f"stratkit task {role.label} (rank {rank}) exited with code {code}; "
                              f"its last {len(lines)} lines:\n" + "\n".join(lines) + failure_record(role, code, lines))
         if rank == 0:
-            yield from _result_chunks(rank, process.result_path())
+            yield from result_chunks(rank, process.result_path())
         events.extend(timeline.read(env[timeline.TIMELINE_VAR]))
         note("task end")
         info: dict[str, Any] = {"label": role.label, "pid": process.pid,
@@ -252,7 +257,7 @@ def run_task(plan: TaskPlan, context: Any) -> Iterator[tuple[int, int, bytes]]:
     finally:
         if process is not None:
             process.close()
-        _keep_or_close(plan, standby, process)
+        keep_or_close(plan, standby, process)
         if context_server is not None:
             context_server.close()
         if holder is not None:
@@ -319,7 +324,7 @@ def _standby_key(plan: TaskPlan) -> tuple:
     return sys.executable, python_path(), env, plan.preload
 
 
-def _standby_for(plan: TaskPlan) -> tuple[Any, str]:
+def standby_for(plan: TaskPlan) -> tuple[Any, str]:
     """The standby to fork this task's training process from: the worker's when it fits, else a new one."""
     from stratkit.spark.process import Standby
 
@@ -333,7 +338,7 @@ def _standby_for(plan: TaskPlan) -> tuple[Any, str]:
     return Standby.spawn(base, preload=plan.preload), "process spawned"
 
 
-def _keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
+def keep_or_close(plan: TaskPlan, standby: Any, process: Any) -> None:
     """Keep the standby for the next run when it is wanted and idle again (it reported this run's exit)."""
     if plan.standby and standby.alive() and (process is None or process.finished) and "standby" not in _standby:
         _standby["standby"] = standby
@@ -361,17 +366,23 @@ def _run_env(plan: TaskPlan, role: TaskRole) -> dict[str, str]:
 
 
 def _visible_devices(plan: TaskPlan, role: TaskRole, context: Any) -> str:
+    return context_devices(context, role, use_gpu=plan.use_gpu, count=plan.gpu_counts[role.rank],
+                           resource_name=plan.gpu_resource_name)
+
+
+def context_devices(context: Any, role: TaskRole, *, use_gpu: bool, count: int | None, resource_name: str) -> str:
+    """A Spark task's training process's CUDA_VISIBLE_DEVICES: the GPUs Spark gave the task (`context`), by
+    `layout.visible_devices`' rule (a barrier task's and a search's tuner's alike)."""
     owned = None
-    if plan.use_gpu:
+    if use_gpu:
         resources = context.resources()
-        if plan.gpu_resource_name in resources:
-            owned = list(resources[plan.gpu_resource_name].addresses)
-    return layout.visible_devices(role, use_gpu=plan.use_gpu, owned=owned, count=plan.gpu_counts[role.rank],
-                                  preset=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                  resource_name=plan.gpu_resource_name)
+        if resource_name in resources:
+            owned = list(resources[resource_name].addresses)
+    return layout.visible_devices(role, use_gpu=use_gpu, owned=owned, count=count,
+                                  preset=os.environ.get("CUDA_VISIBLE_DEVICES"), resource_name=resource_name)
 
 
-def _result_chunks(rank: int, path: str) -> Iterator[tuple[int, int, bytes]]:
+def result_chunks(rank: int, path: str) -> Iterator[tuple[int, int, bytes]]:
     if not os.path.exists(path):
         return
     with open(path, "rb") as handle:
@@ -395,18 +406,24 @@ def rdd_partition_function(plan: TaskPlan):
     return barrier_task
 
 
+def arrow_rows(batches: Iterator[Any], rows: Callable[[], Iterator[tuple[int, int, bytes]]]) -> Iterator[Any]:
+    """A `mapInArrow` task's body: drain the input (its rows only place one task per partition), then each of
+    `rows()`'s `(rank, seq, chunk)` as a record batch of `ROWS` (a barrier task's and a search's tuner's)."""
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    schema = pa.schema([("rank", pa.int32()), ("seq", pa.int32()), ("chunk", pa.binary())])
+    for rank, seq, chunk in rows():
+        yield pa.RecordBatch.from_pydict({"rank": [rank], "seq": [seq], "chunk": [chunk]}, schema=schema)
+
+
 def arrow_partition_function(plan: TaskPlan):
     """The function for `DataFrame.mapInArrow(..., barrier=True)`: yields record batches of (rank, seq, chunk)."""
 
     def barrier_task(batches: Iterator[Any]) -> Iterator[Any]:
-        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
-        for _ in batches:  # the input rows only place one task per partition
-            pass
-        for rank, seq, chunk in run_task(plan, BarrierTaskContext.get()):
-            yield pa.RecordBatch.from_pydict({"rank": [rank], "seq": [seq], "chunk": [chunk]},
-                                             schema=pa.schema([("rank", pa.int32()), ("seq", pa.int32()),
-                                                               ("chunk", pa.binary())]))
+        yield from arrow_rows(batches, lambda: run_task(plan, BarrierTaskContext.get()))
 
     return barrier_task

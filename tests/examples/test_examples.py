@@ -122,3 +122,56 @@ def test_train_from_lake_reads_a_parquet_table_on_s3_under_stratkit_launch(tmp_p
     report = json.loads(reports["worker:0"])
     assert report["rows"] == 3000 and report["steps_per_epoch"] == 12 and report["workers"] == 2
     assert report["accuracy"][-1] > 0.6, report
+
+
+# -- examples/tune_keras_tuner.py (docs/tuning.md) -------------------------------------------------
+
+@pytest.mark.multiworker
+def test_the_tuning_example_runs_on_two_tuners_under_launch(tmp_path):
+    """The example's seeded search on 2 tuners under `stratkit launch --tune`: every tuner ends with the same
+    trials, scores and best model (the equality with one process and LocalRunner: tests/tuning)."""
+    launched = _quickstart([sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--",
+                            sys.executable, str(EXAMPLES / "tune_keras_tuner.py"), "--trials", "3", "--epochs", "1"],
+                           tmp_path)
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{.*\})$", launched, re.M))
+    assert set(reports) == {"worker:0", "worker:1"}, launched[-6000:]
+    first = json.loads(reports["worker:0"])
+    assert json.loads(reports["worker:1"]) == first and len(first["trials"]) == 3 and first["accuracy"] > 0.3
+
+
+# -- examples/tune_optuna.py (docs/tuning.md, "Optuna") --------------------------------------------
+
+@pytest.mark.multiworker
+@pytest.mark.tune_acceptance  # make test-tune; make test runs Optuna on 2 workers in tests/tuning/test_optuna.py
+def test_the_optuna_example_tries_one_processs_trials_on_two_workers_and_prunes(tmp_path):
+    """The example's study (8 trials, a seeded TPE, the median pruner, optuna-integration's Keras callback) on
+    2 workers under `stratkit launch --tune`, beside the same study in one process: the same trials, every
+    epoch's reported value the same (each trial trains as alone), the same value where both runs completed a
+    trial, pruned trials in the study; which trials are pruned depends on which ended first (docs/tuning.md)."""
+    example = str(EXAMPLES / "tune_optuna.py")
+    env = child_env(None, {"STRATKIT_WORKERS": None})
+    tiny = ["--epochs", "2"]
+    runs = {"one": [sys.executable, example, *tiny],
+            "two": [sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--", sys.executable,
+                    example, *tiny]}
+    procs = {}
+    for name, argv in runs.items():  # side by side: the wall time of the slower one
+        (tmp_path / name).mkdir()
+        procs[name] = subprocess.Popen(argv, cwd=tmp_path / name, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    outputs = {name: proc.communicate(timeout=600)[0] for name, proc in procs.items()}
+    assert all(proc.returncode == 0 for proc in procs.values()), outputs
+    one = json.loads(outputs["one"].strip().splitlines()[-1])
+    reports = dict(re.findall(r"^\[(worker:\d)\] (\{.*\})$", outputs["two"], re.M))
+    assert set(reports) == {"worker:0", "worker:1"} and reports["worker:0"] == reports["worker:1"], outputs["two"]
+    two = json.loads(reports["worker:0"])
+    assert [t[:3:2] for t in two["trials"]] == [t[:3:2] for t in one["trials"]] and len(one["trials"]) == 8
+    assert "PRUNED" in {t[1] for t in two["trials"]}
+    print("pruned at epoch: one process %s, 2 workers %s" % tuple(
+        {t[0]: len(t[4]) - 1 for t in run["trials"] if t[1] == "PRUNED"} for run in (one, two)))
+    for (number, state, _, value, reported), (_, state1, _, value1, reported1) in zip(two["trials"], one["trials"]):
+        steps = reported.keys() & reported1.keys()
+        assert steps and all(abs(reported[s] - reported1[s]) <= 1e-6 for s in steps), (number, reported, reported1)
+        if state == state1 == "COMPLETE":
+            assert abs(value - value1) <= 1e-6, number
+

@@ -15,6 +15,7 @@ from spark_helpers import stop_shared_session
 #: Modules moved to just before the module whose session they share (tests/conftest.py's SAME_SESSION also makes
 #: them one xdist work unit, so that one worker runs them all, one after another).
 SHARING = {"test_logserver_spark.py": "test_spark_runner.py", "test_spark_ml.py": "test_spark_runner.py",
+           "test_spark_tune.py": "test_spark_runner.py",
            "test_spark_storage.py": "test_spark_runner.py", "test_spark_preemption.py": "test_spark_runner.py",
            "test_spark_typed.py": "test_spark_runner.py", "test_spark_lake.py": "test_spark_runner.py"}
 

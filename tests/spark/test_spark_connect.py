@@ -249,3 +249,19 @@ def test_a_keras_pipeline_fits_scores_saves_and_loads_over_connect(spark, tmp_pa
     loaded = PipelineModel.load(str(tmp_path / "pipeline"))
     again = dict(loaded.transform(df).select("id", "prediction").collect())
     assert all(again[row["id"]] == row["prediction"] for row in scored)
+
+
+# -- a search over Connect (docs/tuning.md: SparkRunner(tune=True)) --------------------------------
+
+@pytest.mark.tune_acceptance
+def test_a_search_over_connect_runs_its_tuners_as_tasks_with_one_processs_trials(spark, tmp_path_factory, tmp_path):
+    """Two tuners as mapInArrow tasks, the search service on this client: a seeded RandomSearch of 2 trials is the
+    one-process search's first 2 trials (tests/engine_searches.py: trial k of a shorter search of the same seed)."""
+    import engine_searches
+
+    cloudpickle.register_pickle_by_value(engine_searches)
+    reference = engine_searches.shared_reference(tmp_path_factory)["random"]
+    runner = SparkRunner(num_workers=2, tune=True, timeout=900)
+    result = runner.run(engine_searches.seeded_search, "random", str(tmp_path), trials=2)
+    assert engine_searches.compare(result, reference, partial=True) == []
+    assert runner.last_run.stage == "mapInArrow" and set(runner.last_run.exit_codes.values()) == {0}

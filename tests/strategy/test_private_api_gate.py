@@ -62,6 +62,17 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("formatter", "_fmt"): "stdlib logging: tell absl's bare basicConfig() handler from one the user made",
     ("Params", "_dummy"): "pyspark: the placeholder parent of a Param declared on a class (pyspark.ml's own stages "
                           "and its docs for custom ones)",
+    # keras-tuner (not Keras/TF), behind stratkit/tuning/kt_tuner.py's version range (tested on 1.4.8; PRIVATE there)
+    ("oracle", "_brackets"): "keras-tuner: Hyperband's brackets, read to tell whether its next trial needs results "
+                             "(kt_oracle.needs_results; a KerasTuner without them makes the search wait, exactly)",
+    ("oracle", "_get_size"): "keras-tuner: Hyperband's round sizes (the same reading)",
+    ("tuner", "_get_checkpoint_fname"): "keras-tuner: which file a trial's best epoch is in (kt_trials: to the store)",
+    ("tuner", "_get_build_config_fname"): "keras-tuner: which file a trial's build config is in (the same)",
+    ("saver", "_save_model"): "keras-tuner: SaveBestEpoch's save, wrapped to upload each checkpoint (kt_trials)",
+    # optuna (not Keras/TF), behind stratkit/tuning/optuna_study.py's version range (tested on 5.1.0; PRIVATE there)
+    ("study", "_storage"): "optuna: the storage a study keeps its trials in, replaced by the search's "
+                           "(optuna_study.distribute; Optuna has no public setter)",
+    ("study", "_study_id"): "optuna: the study's id in that storage (the same)",
 }
 
 
