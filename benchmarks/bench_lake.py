@@ -39,7 +39,7 @@ TASK = TASKS / "lake_task.py"
 FULL = {"rows": 1_000_000, "files": 16, "group": 65_536, "rounds": 3, "batch": 1024,
         "cnn_rows": 30_000, "cnn_batch": 128, "cnn_rounds": 3, "budget": 24 << 20, "memory_factor": 10}
 QUICK = {"rows": 20_000, "files": 4, "group": 2_048, "rounds": 2, "batch": 256,
-         "cnn_rows": 1_024, "cnn_batch": 64, "cnn_rounds": 1, "budget": 8 << 20, "memory_factor": 10}
+         "cnn_rows": 1_024, "cnn_batch": 64, "cnn_rounds": 1, "budget": 16 << 20, "memory_factor": 10}
 GOALS = {"reader/limit": 0.8, "reader/recipe": 2.0, "cnn table/arrays": 0.95}
 
 
