@@ -38,12 +38,8 @@ from stratkit.process.payload import pickle_payload
 from stratkit.process.report import PREEMPTED_GRACE, is_preempted
 from stratkit.process.pump import prefixed
 from stratkit.spark import data as data_module
-<<<<<<< HEAD
 from stratkit.spark import elastic, in_place, layout, slots, staging
-=======
-from stratkit.spark import elastic, layout, slots, staging
 from stratkit.spark import tune as tune_module
->>>>>>> tuning-all
 from stratkit.spark.layout import TaskRole
 from stratkit.spark.jobs import cancel, collect_rows, job_tag
 from stratkit.spark.confs import (
