@@ -127,8 +127,11 @@ from stratkit.strategy.keras_compat.versions import (
     version_tuple,
 )
 
+is_multi_worker_collective = _is_multi_worker_collective  # MWMS over several workers? (the training layer asks)
+
 __all__ = [
     "ENV_VAR",
+    "is_multi_worker_collective",
     "PS_FIX",
     "ParameterServerMetricError",
     "KERAS_FLOOR",

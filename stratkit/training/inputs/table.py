@@ -38,7 +38,7 @@ def agreed(data: TableInput, strategy: Any) -> TableInput:
     """
     from stratkit.strategy import collectives, keras_compat
 
-    multi = strategy is not None and keras_compat._is_multi_worker_collective(strategy)
+    multi = strategy is not None and keras_compat.is_multi_worker_collective(strategy)
     failed: BaseException | None = None
     if data.table.kind == "delta" and data.table.version is None:
         try:
