@@ -155,14 +155,24 @@ def test_ctrl_c_stops_every_task_and_raises_keyboard_interrupt():
 
     runner = LocalRunner(num_workers=2)
     before = signal.getsignal(signal.SIGINT)
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))  # a notebook's interrupt button
+    stop = threading.Event()
+
+    def interrupt():    # a notebook's interrupt button, once the runner handles it (under load its start takes a
+        # while, and an xdist worker ignores SIGINT before: a fixed 3 s was lost there and the tasks ran to the end)
+        while not stop.is_set() and signal.getsignal(signal.SIGINT) is before:
+            stop.wait(0.05)
+        if not stop.is_set():
+            stop.wait(1.0)      # the tasks are starting: interrupt them mid-run
+            os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=interrupt, daemon=True)
     timer.start()
     started = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             runner.run(sleeps)
     finally:
-        timer.cancel()
+        stop.set()
     assert time.monotonic() - started < 60
     assert runner.last_run.attempts == 1 and all(code != 0 for code in runner.last_run.exit_codes.values())
     assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
