@@ -48,16 +48,17 @@ test: $(STAMP) $(COMPAT_OVERLAYS) $(AZURITE)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(TIMES) -m "not ray and not hosts and not storage_hosts and not tune_acceptance"
 
 test-ray: $(STAMP)
-	$(PY) -m pytest -q --durations=10 $(TIMES) -m ray
+	$(PY) -m pytest -q --durations=10 $(TIMES) -m "ray and not tune_acceptance"
 
 # Issue 51's long search acceptance runs (marker tune_acceptance, ~9 min of tests at load 10 on 2 cores): the
 # seeded RandomSearch + Hyperband on 2 Spark executors and over Spark Connect, LocalRunner(tune=True), a killed
 # chief resuming from S3, 2 multi-worker trial groups, an srun step imitated on one host, the Optuna example on
 # Spark and under launch (Keras with its pruning callback). make test keeps one strong run of each path (launch,
-# a killed and a hung tuner, Spark with a killed tuner, Optuna under launch and LocalRunner, MLflow); the Ray
-# searches are in test-ray, real Slurm in test-hosts.
+# a killed and a hung tuner, Spark with a killed tuner, Optuna under launch and LocalRunner, MLflow). Also here,
+# to keep CI within its time: the Ray searches (tests/ray/test_ray_tune.py, ~5.5 min) and the searches on test
+# hosts (real Slurm daemons, a standalone Spark cluster: tests/test_*_tune_hosts.py). Not in CI (.ci/run).
 test-tune: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "tune_acceptance and not ray and not hosts"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m tune_acceptance
 
 # The several-machine tests on test hosts (network namespaces; need root): marker `hosts` (launch --nnodes on two
 # hosts, elastic hosts, Spark standalone clusters, Slurm daemons, the elastic benchmark) and `storage_hosts` (issue
@@ -65,7 +66,7 @@ test-tune: $(STAMP)
 # fresh one that resumes from an S3 server on a host of its own). Their Ray tests run in test-ray. In their own
 # target so `make test` stays within its 35 minutes; CI runs every target. Two xdist workers as in `make test`.
 test-hosts: $(STAMP) $(AZURITE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "(hosts or storage_hosts) and not ray"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(TIMES) -m "(hosts or storage_hosts) and not ray and not tune_acceptance"
 
 # Keras's own tests (from the installed Keras wheel: tf.distribute, losses, optimizers, BatchNorm, saving, ...),
 # once plain and once with stratkit's Keras patches; fails on any test that passes plain and not patched

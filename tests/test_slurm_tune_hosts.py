@@ -21,7 +21,7 @@ from procs import REPO_ROOT, child_env
 
 from stratkit.tuning import environment
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.hosts]
+pytestmark = [pytest.mark.slow, pytest.mark.tune_acceptance, pytest.mark.timeout(1800), pytest.mark.hosts]
 
 
 @pytest.fixture(scope="module")

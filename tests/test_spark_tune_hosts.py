@@ -19,7 +19,7 @@ import pytest
 import hosts
 from test_spark_hosts import SESSION, Cluster, Driver
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.hosts, pytest.mark.spark]
+pytestmark = [pytest.mark.slow, pytest.mark.tune_acceptance, pytest.mark.timeout(1800), pytest.mark.hosts, pytest.mark.spark]
 
 DRIVER = r'''
 import json, os, sys, time

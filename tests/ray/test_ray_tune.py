@@ -21,7 +21,7 @@ from ray_helpers import local_ray, needs_ray
 from stratkit.errors import ConfigError
 from stratkit.ray.runner import RayRunner
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.ray, needs_ray]
+pytestmark = [pytest.mark.slow, pytest.mark.tune_acceptance, pytest.mark.timeout(1800), pytest.mark.ray, needs_ray]
 
 
 @pytest.fixture(scope="module")
