@@ -132,7 +132,8 @@ def test_two_workers_equal_one_process_and_each_other(case, one_process, two_wor
 #: and the round-4 fixes a 4-device Mirrored box meets: random draws (4 streams), optimizers built by their
 #: first apply (the tutorial's loop, a GAN's two), *_on_batch (37 and 3 rows on 4 replicas), model.losses
 FOUR_REPLICAS = ["loss_scale_headroom", "output_losses", "sum_loss", "random_draws", "custom_loop", "gan_loop",
-                 "on_batch", "added_losses", "loop_accumulation", "running_mean_uneven", *finetune_cases.FOUR_REPLICAS]
+                 "on_batch", "added_losses", "loop_accumulation", "running_mean_uneven", "unknown_length",
+                 *finetune_cases.FOUR_REPLICAS]
 
 
 @pytest.fixture(scope="module")
