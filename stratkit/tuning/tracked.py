@@ -18,9 +18,10 @@ end. What the library's planner brings for it:
 
 Each epoch's metrics come from the adapter's tuners as a report
 `epoch_report(epoch, logs)` (`client.report(lease, ...)`): the wrapper takes
-it, the library's planner never sees it. Its state (the runs' ids) is stored
-with the planner's, in the search's state on its store, so a resumed search
-continues its parent run.
+it, the library's planner never sees it. Its state (the runs' ids, and the
+calls MLflow has not taken yet) is stored with the planner's, in the search's
+state on its store, so a resumed search continues its parent run and makes
+the calls its last host had queued.
 
 The queue of MLflow calls is flushed (bounded) when the engine closes the
 search (`close`, `stratkit.tuning.driver`) or the process exits; a process
@@ -126,6 +127,8 @@ class TrackedPlanner:
             return
         self.planner.restore(state.get("tracked") or {})
         self._restored = dict(state.get("tracking") or {})
+        if self._restored.get("pending"):
+            self.tracking  # noqa: B018 - made now: it makes the calls the search's last host had not made
         logged = set(self._restored.get("ended") or [])
         for trial_id in self.planner.trial_ids():
             if trial_id not in logged and (outcome := self.planner.trial_outcome(trial_id)) is not None:

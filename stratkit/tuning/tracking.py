@@ -28,7 +28,12 @@ How a tuner library's search gets here: `stratkit.tuning.tracked`.
 
 MLflow calls run in a thread of their own, in order: a slow or absent
 tracking server never holds a lease or a reply (a failed call is logged as a
-warning); `close` logs what is queued, for a bounded time.
+warning); `close` logs what is queued, for a bounded time. A call stays in
+`state()` (its journal, "pending") until MLflow took it, and the service
+stores that state before it replies to the tuner: a search whose host dies
+with calls still queued (an epoch's metrics a tuner was told were taken)
+makes them again when it resumes. Every call is idempotent (what the run
+holds is skipped), so a call made before the death is not logged twice.
 
 Imports MLflow in that thread, no TensorFlow.
 """
@@ -61,6 +66,8 @@ PARENT_TAG = "mlflow.parentRunId"
 FLUSH_SECONDS = 60.0
 #: MLflow's run status per trial status.
 STATUSES = {"finished": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}
+#: The calls a journal may hold (a stored state names nothing else).
+CALLS = ("_start", "_metrics", "_end", "_finish")
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ class SearchTracking:
         self.owned = bool(state.get("owned", self.parent is None))
         self.children: dict[str, str] = {str(k): str(v) for k, v in (state.get("children") or {}).items()}
         self.ended: set[str] = set(state.get("ended") or [])
+        self._pending: dict[int, list[Any]] = {}  # the journal: seq -> [call, args] not yet taken by MLflow
+        self._seq = 0
         self._logged: dict[str, dict[str, set[int]]] = {}
         self._params: dict[str, set[str]] = {}
         self._lock = threading.Lock()
@@ -148,25 +157,42 @@ class SearchTracking:
         self._client: Any = None
         self._thread = threading.Thread(target=self._run, name="stratkit-search-mlflow", daemon=True)
         self._thread.start()
+        for name, args in state.get("pending") or []:  # what a search that died had not logged yet
+            if name in CALLS:
+                self._put(name, tuple(args))
 
     # -- what the service tells it (cheap: queued) -------------------------------------------------
     def trial_started(self, trial_id: str, run: int, params: Mapping[str, Any]) -> None:
-        self._queue.put(("_start", (trial_id, run, dict(params))))
+        self._put("_start", (str(trial_id), int(run), {str(k): str(v)[:500] for k, v in params.items()}))
 
     def trial_metrics(self, trial_id: str, step: int, metrics: Mapping[str, Any]) -> None:
-        self._queue.put(("_metrics", (trial_id, int(step), dict(metrics))))
+        numbers = {}
+        for key, value in metrics.items():
+            try:
+                numbers[str(key)] = float(value)
+            except (TypeError, ValueError):
+                continue
+        self._put("_metrics", (str(trial_id), int(step), numbers))
 
     def trial_ended(self, trial_id: str, outcome: tuple[str, str | None, float | None]) -> None:
-        self._queue.put(("_end", (trial_id, *outcome)))
+        state, message, score = outcome
+        self._put("_end", (str(trial_id), str(state), message, None if score is None else float(score)))
 
     def search_ended(self, error: str | None = None) -> None:
-        self._queue.put(("_finish", (error,)))
+        self._put("_finish", (error,))
+
+    def _put(self, name: str, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._pending[seq] = [name, list(args)]
+        self._queue.put((seq, name, args))
 
     def state(self) -> dict[str, Any]:
-        """JSON: what a restarted service continues from."""
+        """JSON: what a restarted service continues from (with the calls MLflow has not taken yet)."""
         with self._lock:
             return {"parent": self.parent, "owned": self.owned, "children": dict(self.children),
-                    "ended": sorted(self.ended)}
+                    "ended": sorted(self.ended), "pending": [self._pending[seq] for seq in sorted(self._pending)]}
 
     def close(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Log what is queued (at most `timeout` s), then stop; whether everything was logged."""
@@ -180,13 +206,15 @@ class SearchTracking:
             item = self._queue.get()
             if item is None:
                 return
-            name, args = item
+            seq, name, args = item
             for attempt in range(3):
                 try:
                     getattr(self, name)(*args)
+                    with self._lock:
+                        self._pending.pop(seq, None)
                     break
                 except Exception as exc:  # noqa: BLE001 - tracking never stops a search; said, then retried
-                    if attempt == 2:
+                    if attempt == 2:  # stays in the journal: a resumed search tries it again
                         log.warning("MLflow: could not log %s for %s: %s: %s", name.strip("_"), args[0] if args
                                     else "the search", type(exc).__name__, exc)
                     else:
