@@ -54,6 +54,12 @@ from stratkit.tuning.planner import DONE, Proposal, trial_seed
 
 #: A system attribute a lost trial gets: why stratkit marked it failed.
 LOST_ATTR = "stratkit_lost"
+#: A system attribute a failed trial gets from its tuner: the objective's error, as Optuna's optimize logs it.
+ERROR_ATTR = "stratkit_error"
+#: A tracked study's metric per reported step (`trial.report(value, step)`: Optuna's intermediate values).
+INTERMEDIATE = "intermediate_value"
+#: How a finished trial's state reads in MLflow (`stratkit.tuning.tracked`).
+OUTCOMES = {TrialState.COMPLETE: "finished", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}
 
 
 class _PlanStorage(InMemoryStorage):
@@ -337,6 +343,34 @@ class OptunaPlanner:
             return storage.get_trial_id_from_study_id_trial_number(study_id, int(args[0]))
         raise ValueError(f"unknown storage call {method!r}")
 
+    # -- what a tracked study logs (`stratkit.tuning.tracked`) ------------------------------------------
+    def trial_ids(self) -> list[str]:
+        return [str(t.number) for t in self.storage.get_all_trials(self._study_id, deepcopy=False)]
+
+    def trial_params(self, trial_id: str) -> dict[str, Any]:
+        """The trial's parameters so far: its plan's, then each its objective suggested (a retry's, all)."""
+        frozen = self._frozen(trial_id)
+        params = {name: codec.dist_from_json(text).to_external_repr(internal)
+                  for name, text, internal in self.plans.get(str(trial_id), [])}
+        params.update(frozen.system_attrs.get("fixed_params") or {})
+        params.update(frozen.params)
+        return params
+
+    def trial_metrics(self, trial_id: str, data: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
+        """A report as a metric at its step: Optuna's intermediate value."""
+        return (int(data["step"]), {INTERMEDIATE: float(data["value"])}) if "value" in data else None
+
+    def trial_outcome(self, trial_id: str) -> tuple[str, str | None, float | None] | None:
+        """(status, error, score) once the trial ended; score: its value (one objective)."""
+        frozen = self._frozen(trial_id)
+        outcome = OUTCOMES.get(frozen.state)
+        if outcome is None:
+            return None
+        if frozen.state == TrialState.FAIL:
+            return outcome, str(frozen.system_attrs.get(LOST_ATTR) or frozen.system_attrs.get(ERROR_ATTR)
+                                or "the trial failed"), None
+        return outcome, None, float(frozen.values[0]) if len(frozen.values or []) == 1 else None
+
     # -- the stored search --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The study's name, directions, attributes and trials (what every tuner's study holds after the end)."""
@@ -362,4 +396,4 @@ class OptunaPlanner:
         codec.set_random_state(self.sampler, state.get("random") or {})
 
 
-__all__ = ["LOST_ATTR", "OptunaPlanner", "describe", "suggest"]
+__all__ = ["ERROR_ATTR", "INTERMEDIATE", "LOST_ATTR", "OptunaPlanner", "describe", "suggest"]

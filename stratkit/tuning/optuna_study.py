@@ -27,7 +27,12 @@ changes (docs/tuning.md, "Optuna"):
   (or ended), and an objective that raises there ends the search with a
   ConfigError on every worker (as Optuna reports the failed trial), before any
   other trial ran. A later trial's error (not in `catch`) is raised by its
-  worker, as `optimize` raises in one process, and ends the search for all.
+  worker, as `optimize` raises in one process, and ends the search for all;
+* `tracking` (MLflow, `stratkit.tuning.tracking`): the study is a parent run
+  and each trial a child run, with its parameters, its reports
+  (`trial.report(value, step)`: metric `intermediate_value` at that step), its
+  value (metric `score`, one objective) and its state (FINISHED, KILLED for
+  pruned, FAILED with the error or why its worker was lost).
 
 Optuna internals used (`PRIVATE`, behind `check_version`'s range): a study's
 `_storage` and `_study_id` (the storage a study keeps its trials in),
@@ -62,11 +67,13 @@ from stratkit.errors import ConfigError
 from stratkit.strategy.server import RUN_DIR_VAR
 from stratkit.tuning import environment
 from stratkit.tuning import optuna_codec as codec
+from stratkit.tuning import tracking as tracking_lib
 from stratkit.tuning.devices import own_devices_strategy
-from stratkit.tuning.optuna_planner import LOST_ATTR, OptunaPlanner
+from stratkit.tuning.optuna_planner import ERROR_ATTR, LOST_ATTR, OptunaPlanner
 from stratkit.tuning.optuna_storage import PlannedSampler, RemotePruner, SearchStorage, TrialLost
 from stratkit.tuning.planner import check_library_version
 from stratkit.tuning.session import open_session
+from stratkit.tuning.tracked import TrackedPlanner
 
 #: Optuna releases this adapter ran on; below the floor is refused, above the newest minor a warning.
 TESTED = ((5, 1, 0),)
@@ -91,8 +98,10 @@ def check_version(version: str | None = None) -> None:
 class _Options:
     """What `distribute` attaches to a study: the options, its own sampler and pruner, whether it optimized."""
 
-    def __init__(self, store: str | None, seed: int | None, lease_seconds: float | None, retries: int) -> None:
+    def __init__(self, store: str | None, seed: int | None, lease_seconds: float | None, retries: int,
+                 tracking: str) -> None:
         self.store, self.seed, self.lease_seconds, self.retries = store, seed, lease_seconds, retries
+        self.tracking = tracking
         self.session: Any = None
         self.optimized = False
 
@@ -131,6 +140,13 @@ def _spec(study: optuna.Study) -> dict[str, Any]:
             "system_attrs": codec.json_safe(study._storage.get_study_system_attrs(0),
                                             "the study's system attributes"),
             "trials": [codec.trial_to_json(t) for t in study.get_trials(deepcopy=False)]}
+
+
+def _study_params(study: optuna.Study, n_trials: int | None, timeout: float | None) -> dict[str, Any]:
+    """What a tracked study's parent run records of it."""
+    return {"sampler": type(study.sampler).__name__, "pruner": type(study.pruner).__name__,
+            "directions": ",".join(d.name.lower() for d in study.directions), "n_trials": n_trials,
+            "timeout": timeout}
 
 
 def _failure(trial: optuna.Trial, error: BaseException) -> str:
@@ -192,8 +208,13 @@ class DistributedStudy:
                                 seed=options.seed, retries=options.retries)
         search = next(_SEARCHES)  # every worker runs the same script: its k-th study is theirs
         store, remove = (options.store, False) if options.store is not None else _default_store(search)
+        served: Any = planner
         try:
-            session = open_session(planner, store=store, lease_seconds=options.lease_seconds)
+            tracked = tracking_lib.options(options.tracking, run_name=f"study {self.study_name}",  # type: ignore
+                                           params=_study_params(self, n_trials, timeout))
+            if tracked is not None:
+                served = TrackedPlanner(planner, tracked, key=store)
+            session = open_session(served, store=store, lease_seconds=options.lease_seconds)
         except BaseException:
             if remove:
                 shutil.rmtree(store, ignore_errors=True)
@@ -211,6 +232,8 @@ class DistributedStudy:
             storage.client = storage.lease = None
             self.sampler, self.pruner = sampler, pruner  # type: ignore[attr-defined]
             session.close()
+            if session.role in ("alone", "host") and isinstance(served, TrackedPlanner):  # its calls: logged now
+                served.close(None if served.ended else "study.optimize raised before the study ended")
             if remove:  # one process's own: no other process resumes from it
                 shutil.rmtree(store, ignore_errors=True)
 
@@ -252,6 +275,10 @@ class DistributedStudy:
                 log.warning("trial %d stopped on this worker: %s", trial.number, exc)
                 return
             state, error = TrialState.FAIL, exc
+            try:  # why, for the trial's MLflow run (stored with its end)
+                storage.set_trial_system_attr(trial._trial_id, ERROR_ATTR, _failure(trial, exc)[-4000:])
+            except TrialLost:
+                pass
             if not isinstance(exc, catch) and lease.first and not storage.reported:  # before its end opens the gate
                 message = (f"the objective fails on the study's first trial: {_failure(trial, exc)} No other trial "
                            "ran. Fix: the objective (it must run for every value of the search space), or "
@@ -302,7 +329,7 @@ def _distributed_class(cls: type) -> type:
 
 
 def distribute(study: Any, *, store: str | os.PathLike[str] | None = None, seed: int | None = 0,
-               lease_seconds: float | None = None, retries: int = RETRIES) -> Any:
+               lease_seconds: float | None = None, retries: int = RETRIES, tracking: str = "auto") -> Any:
     """Make `study` (an `optuna.Study`) one worker's view of stratkit's distributed study; returns the same object.
 
     Args:
@@ -317,6 +344,9 @@ def distribute(study: Any, *, store: str | os.PathLike[str] | None = None, seed:
         lease_seconds: how long a trial stays its worker's without a heartbeat (default 30, or
             STRATKIT_TUNE_LEASE_SECONDS).
         retries: how often a lost trial runs again (a new trial with its parameters).
+        tracking: MLflow (`stratkit.tuning.tracking`): "auto" logs each trial as a child run of the run the
+            engine's driver handed over (`with mlflow.start_run(): runner.run(...)`) or the run active where
+            `optimize` runs, if any; "mlflow" always (a new parent run for the study when none); "off" never.
 
     Raises:
         ConfigError: not an Optuna study, an unsupported optuna, a study on its own storage, or one with
@@ -337,12 +367,14 @@ def distribute(study: Any, *, store: str | os.PathLike[str] | None = None, seed:
         raise ConfigError(f"stratkit.tune(study, retries={retries!r}): a whole number >= 0. Fix: e.g. retries=2")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"stratkit.tune(study, seed={seed!r}): a whole number or None. Fix: e.g. seed=0")
+    tracking_lib.check_mode(tracking)
     running = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
     if running:
         raise ConfigError(f"stratkit.tune(study): trials {running} of the study are running (study.ask() without "
                           "tell). Fix: tell them first, or stratkit.tune() the study before asking")
     study._storage = SearchStorage(study._storage, study._study_id, study.study_name, study.directions)
-    study._stratkit = _Options(os.fspath(store) if store is not None else None, seed, lease_seconds, retries)
+    study._stratkit = _Options(os.fspath(store) if store is not None else None, seed, lease_seconds, retries,
+                               tracking)
     study.__class__ = _distributed_class(type(study))
     return study
 

@@ -14,7 +14,12 @@ end. What the library's planner brings for it:
 * `trial_outcome(trial_id)`: (status, message, score) once the trial ended
   (status "finished", "pruned" or "failed"), None while it runs;
 * `trial_ids()`: every trial it knows (a resumed search ends in MLflow the
-  trials whose end was not logged before the restart).
+  trials whose end was not logged before the restart);
+* optionally `trial_metrics(trial_id, data)`: a report the library's planner
+  takes (Optuna's `trial.report`) as (step, metrics) to log, or None.
+
+A trial's hyperparameters are logged when it is proposed, and the ones it got
+later (Optuna's objective suggests them as it runs) with its reports and end.
 
 Each epoch's metrics come from the adapter's tuners as a report
 `epoch_report(epoch, logs)` (`client.report(lease, ...)`): the wrapper takes
@@ -68,6 +73,7 @@ class TrackedPlanner:
         self._tracking: SearchTracking | None = None
         self._restored: dict[str, Any] | None = None
         self._ended = False
+        self._sent: dict[str, set[str]] = {}  # the hyperparameters logged per trial (by name)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"planner": self.planner, "opts": self.opts, "key": self.key}
@@ -89,13 +95,20 @@ class TrackedPlanner:
             atexit.register(self._at_exit)
         return self._tracking
 
+    @property
+    def ended(self) -> bool:
+        """Whether the search's end was told to MLflow (its summary taken, or closed with an error)."""
+        return self._ended
+
     def fingerprint(self) -> dict[str, Any]:
         return self.planner.fingerprint()
 
     def propose(self) -> Any:
         proposal = self.planner.propose()
         if isinstance(proposal, Proposal):
-            self.tracking.trial_started(proposal.trial_id, 1, self.planner.trial_params(proposal.trial_id))
+            params = self.planner.trial_params(proposal.trial_id)
+            self._sent[proposal.trial_id] = set(params)
+            self.tracking.trial_started(proposal.trial_id, 1, params)
         return proposal
 
     def report(self, trial_id: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -103,11 +116,38 @@ class TrackedPlanner:
         if isinstance(track, dict):
             self.tracking.trial_metrics(trial_id, int(track.get("step", 0)), dict(track.get("metrics") or {}))
             return {}
-        return self.planner.report(trial_id, data)
+        reply = self.planner.report(trial_id, data)
+        as_metrics = getattr(self.planner, "trial_metrics", None)
+        found = as_metrics(trial_id, data) if as_metrics is not None else None
+        if found is not None:
+            self._new_params(trial_id)
+            self.tracking.trial_metrics(trial_id, *found)
+        return reply
 
     def finish(self, trial_id: str, data: dict[str, Any]) -> None:
         self.planner.finish(trial_id, data)
+        self._new_params(trial_id)
         self.tracking.trial_ended(trial_id, self.planner.trial_outcome(trial_id) or ("failed", None, None))
+
+    def _new_params(self, trial_id: str) -> None:
+        """Log the hyperparameters the trial got since they were last logged."""
+        params = self.planner.trial_params(trial_id)
+        sent = self._sent.setdefault(trial_id, set())
+        if set(params) - sent:
+            self.tracking.trial_params(trial_id, params)
+            sent.update(params)
+
+    def lost(self, trial_id: str, reason: str) -> bool:
+        """A lost trial the library's planner reruns its own way (its optional `lost`: Optuna fails it and runs a
+        new trial with its parameters) ends in MLflow as that planner ended it."""
+        rerun = getattr(self.planner, "lost", None)
+        if rerun is None or not rerun(trial_id, reason):
+            return False
+        outcome = self.planner.trial_outcome(trial_id)
+        if outcome is not None:
+            self._new_params(trial_id)
+            self.tracking.trial_ended(trial_id, outcome)
+        return True
 
     def give_up(self, trial_id: str, reason: str) -> None:
         self.planner.give_up(trial_id, reason)

@@ -67,7 +67,7 @@ FLUSH_SECONDS = 60.0
 #: MLflow's run status per trial status.
 STATUSES = {"finished": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}
 #: The calls a journal may hold (a stored state names nothing else).
-CALLS = ("_start", "_metrics", "_end", "_finish")
+CALLS = ("_start", "_log_params", "_metrics", "_end", "_finish")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,7 @@ class SearchTracking:
         self.ended: set[str] = set(state.get("ended") or [])
         self._pending: dict[int, list[Any]] = {}  # the journal: seq -> [call, args] not yet taken by MLflow
         self._seq = 0
+        self._failed = 0  # calls MLflow refused three times
         self._logged: dict[str, dict[str, set[int]]] = {}
         self._params: dict[str, set[str]] = {}
         self._lock = threading.Lock()
@@ -164,6 +165,10 @@ class SearchTracking:
     # -- what the service tells it (cheap: queued) -------------------------------------------------
     def trial_started(self, trial_id: str, run: int, params: Mapping[str, Any]) -> None:
         self._put("_start", (str(trial_id), int(run), {str(k): str(v)[:500] for k, v in params.items()}))
+
+    def trial_params(self, trial_id: str, params: Mapping[str, Any]) -> None:
+        """Hyperparameters a trial got after its start (Optuna's suggested ones): the ones its run lacks."""
+        self._put("_log_params", (str(trial_id), {str(k): str(v)[:500] for k, v in params.items()}))
 
     def trial_metrics(self, trial_id: str, step: int, metrics: Mapping[str, Any]) -> None:
         numbers = {}
@@ -198,6 +203,9 @@ class SearchTracking:
         """Log what is queued (at most `timeout` s), then stop; whether everything was logged."""
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._failed > 1:
+            log.warning("MLflow: %d calls of this search could not be logged (the first one's error is above)",
+                        self._failed)
         return not self._thread.is_alive()
 
     # -- the thread ------------------------------------------------------------------------------
@@ -215,8 +223,10 @@ class SearchTracking:
                     break
                 except Exception as exc:  # noqa: BLE001 - tracking never stops a search; said, then retried
                     if attempt == 2:  # stays in the journal: a resumed search tries it again
-                        log.warning("MLflow: could not log %s for %s: %s: %s", name.strip("_"), args[0] if args
-                                    else "the search", type(exc).__name__, exc)
+                        self._failed += 1
+                        if self._failed == 1:  # said once; `close` counts the rest
+                            log.warning("MLflow: could not log %s for %s: %s: %s", name.strip("_"), args[0] if args
+                                        else "the search", type(exc).__name__, exc)
                     else:
                         time.sleep(0.5 * (attempt + 1))
 
@@ -284,6 +294,11 @@ class SearchTracking:
         return self._logged[run_id]
 
     def _start(self, trial_id: str, run: int, params: dict[str, Any]) -> None:
+        run_id = self._log_params(trial_id, params)
+        self.client.set_tag(run_id, "stratkit.run", str(run))
+
+    def _log_params(self, trial_id: str, params: dict[str, Any]) -> str:
+        """Log the params the trial's run lacks (MLflow keeps a param's first value); the run's id."""
         from mlflow.entities import Param
 
         run_id = self._child(trial_id)
@@ -292,7 +307,7 @@ class SearchTracking:
         if new:
             self.client.log_batch(run_id, params=new)
             self._params[run_id].update(p.key for p in new)
-        self.client.set_tag(run_id, "stratkit.run", str(run))
+        return run_id
 
     def _metrics(self, trial_id: str, step: int, metrics: dict[str, Any]) -> None:
         from mlflow.entities import Metric

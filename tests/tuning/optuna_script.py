@@ -31,6 +31,9 @@ parser.add_argument("--hold", action="append", default=[], metavar="TUNER:K",
 parser.add_argument("--hold-retry", type=int, default=None, metavar="TUNER",
                     help="in the first attempt, tuner TUNER's first retried trial waits to be killed")
 parser.add_argument("--fail-first", action="store_true", help="the objective raises on its first call")
+parser.add_argument("--fail-number", type=int, default=None,
+                    help="the objective raises ValueError in the trial of this number (optimize catches it)")
+parser.add_argument("--tracking", choices=("auto", "mlflow", "off"), default="auto")
 args = parser.parse_args()
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -62,6 +65,8 @@ def plain(trial: optuna.Trial) -> float:
         trial.report((x - 2) ** 2 + n + 1.0 / (step + 1), step)
         if trial.should_prune():
             raise optuna.TrialPruned()
+    if trial.number == args.fail_number:
+        raise ValueError(f"trial {trial.number} fails on purpose")
     return (x - 2) ** 2 + n
 
 
@@ -88,9 +93,10 @@ samplers = {"random": lambda: optuna.samplers.RandomSampler(seed=1), "tpe": lamb
 pruners = {"median": lambda: optuna.pruners.MedianPruner(n_startup_trials=2),
            "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=3, reduction_factor=2)}
 study = optuna.create_study(study_name="test-study", sampler=samplers[args.sampler](), pruner=pruners[args.pruner]())
-study = stratkit.tune(study, **({"store": args.store} if args.store else {}))
+study = stratkit.tune(study, tracking=args.tracking, **({"store": args.store} if args.store else {}))
 started = time.monotonic()
-study.optimize(with_keras if args.keras else plain, n_trials=args.trials)
+study.optimize(with_keras if args.keras else plain, n_trials=args.trials,
+               catch=(ValueError,) if args.fail_number is not None else ())
 trials = [{"number": t.number, "state": t.state.name, "params": t.params, "value": t.value,
            "intermediate": {str(k): v for k, v in t.intermediate_values.items()},
            "retry_of": t.system_attrs.get("failed_trial"), "lost": t.system_attrs.get("stratkit_lost")}

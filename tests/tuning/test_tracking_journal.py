@@ -75,3 +75,18 @@ def test_calls_queued_when_the_host_died_are_made_by_the_resumed_search_once(ser
         history = client.get_metric_history(children[trial].info.run_id, "loss")
         assert sorted((m.step, m.value) for m in history) == list(enumerate(losses)), (trial, history)
         assert sorted(m.step for m in client.get_metric_history(children[trial].info.run_id, "val_loss")) == [0, 1]
+
+
+def test_a_directory_mlflow_refuses_as_its_store_is_a_config_error_before_any_trial(tmp_path, monkeypatch):
+    import optuna
+
+    import stratkit
+    from stratkit import ConfigError
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    ran = []
+    study = stratkit.tune(optuna.create_study(), tracking="mlflow")
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI.*Fix: a database, e.g. MLFLOW_TRACKING_URI=sqlite"):
+        study.optimize(lambda trial: ran.append(trial.suggest_float("x", 0, 1)) or 0.0, n_trials=2)
+    assert ran == []

@@ -68,3 +68,51 @@ def test_a_search_retried_and_resumed_is_one_parent_and_one_child_per_trial_each
         assert "score" in run.data.metrics
     retried = {(tmp_path / name).read_text().split()[0] for name in ("killed-1", "killed-0")}
     assert retried <= set(trials)
+
+
+def test_an_optuna_study_with_a_lost_worker_is_one_parent_and_one_child_per_trial(server, tmp_path):
+    """An Optuna study (tests/tuning/optuna_script.py: seeded RandomSampler, MedianPruner, 8 trials of 3 reported
+    steps) on 2 workers under `stratkit launch --tune`, tracked in MLflow: worker 1 is SIGKILLed in its first trial
+    (the trial fails as lost, a retry with its parameters runs on worker 0) and trial 5's objective raises
+    (`catch`: the study goes on). The server then holds one parent (the study) and one child per Optuna trial:
+    its parameters, each reported step once (metric `intermediate_value`), its value as `score`, and the state
+    Optuna gave it - FINISHED, KILLED (pruned) or FAILED with the objective's error or why its worker was lost."""
+    import json
+    import os
+    import signal
+
+    import mlflow
+    from test_keras_tuner import Run
+
+    script = REPO_ROOT / "tests" / "tuning" / "optuna_script.py"
+    env = {"MLFLOW_TRACKING_URI": server.uri, "MLFLOW_EXPERIMENT_NAME": "optuna", **mlflow_server.CLIENT_ENV,
+           "STRATKIT_TUNE_LEASE_SECONDS": "3"}
+    run = Run([sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--", sys.executable,
+               str(script), "--tracking", "mlflow", "--hold", "1:0", "--fail-number", "5"], tmp_path, env)
+    _, hold = run.wait_for(r"HOLD (\d+) TUNER 1 PID (\d+)", timeout=300)
+    lost = int(hold[1])
+    os.kill(int(hold[2]), signal.SIGKILL)
+    assert run.finish(timeout=900) == 0, run.text[-8000:]
+    trials = {t["number"]: t for t in run.results()["0"]["trials"]}
+    assert trials[lost]["state"] == "FAIL" and trials[5]["state"] == "FAIL"
+
+    client = mlflow.MlflowClient(server.uri)
+    every = client.search_runs([client.get_experiment_by_name("optuna").experiment_id], max_results=1000)
+    parents = [r for r in every if "stratkit.search" in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED", [r.info.run_name for r in every]
+    assert parents[0].data.params["sampler"] == "RandomSampler" and parents[0].data.params["n_trials"] == "8"
+    children = {int(r.data.tags["stratkit.trial"]): r for r in every
+                if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert sorted(children) == sorted(trials) and len(every) == 1 + len(children)
+    expected = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+    for number, trial in trials.items():
+        child = children[number]
+        assert child.info.status == expected[trial["state"]], (number, trial, child.info.status)
+        assert {k: json.loads(v) for k, v in child.data.params.items()} == trial["params"], (number, child.data.params)
+        history = client.get_metric_history(child.info.run_id, "intermediate_value")
+        assert sorted((m.step, m.value) for m in history) == sorted((int(k), v) for k, v in
+                                                                    trial["intermediate"].items()), number
+        if trial["state"] == "COMPLETE":
+            assert child.data.metrics["score"] == trial["value"]
+    assert "its tuner was lost" in children[lost].data.tags["stratkit.error"]
+    assert "trial 5 fails on purpose" in children[5].data.tags["stratkit.error"]

@@ -158,6 +158,8 @@ def probe(uri: str) -> None:
     MLflow's client retries a refused connection for about four minutes (measured: 250 s) before it fails.
     """
     parts = urlsplit(uri.strip())
+    if uri.strip() and parts.scheme in ("", "file"):
+        _refused_file_store(uri)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return
     import http.client
@@ -178,6 +180,20 @@ def probe(uri: str) -> None:
         raise ConfigError(f"MLflowLogger could not reach MLflow at {safe_uri(uri)} ({TRACKING_URI_VAR} or "
                           f"tracking_uri=): {type(exc).__name__}: {exc}. Fix: start the tracking server, or point "
                           f"{TRACKING_URI_VAR} at one this task can reach") from None
+
+
+def _refused_file_store(uri: str) -> None:
+    """MLflow 3 refuses a directory as its tracking store (unless MLFLOW_ALLOW_FILE_STORE=true): say so now, not
+    in a warning per logged call."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(uri)
+    except MlflowException as exc:
+        raise ConfigError(f"MLflow refuses the tracking store {safe_uri(uri)} ({TRACKING_URI_VAR} or tracking_uri=): "
+                          f"{str(exc).split('. ')[0]}. Fix: a database, e.g. {TRACKING_URI_VAR}=sqlite:///mlflow.db, "
+                          "or a tracking server (mlflow server), or MLFLOW_ALLOW_FILE_STORE=true") from None
 
 
 def safe_uri(uri: str) -> str:
