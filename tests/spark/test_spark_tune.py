@@ -4,8 +4,8 @@ Issue 51's acceptance on Spark: a seeded KerasTuner RandomSearch of 8 trials and
 executors try the same trials and get the same scores as the one-process search (within 1e-5); a tuner killed
 mid-trial is a lease that expires (its trial runs again on the other tuner, the search ends the same); the
 Optuna example's study (8 trials, optuna-integration's pruning callback) on 2 executors tries one process's
-trials and prunes; bad input (more tuners than slots, a store the tuners cannot write) is a ConfigError before
-any trial. The session is
+trials and prunes, and an Optuna tuner SIGKILLed mid-trial fails its trial, whose retry runs on the other tuner;
+bad input (more tuners than slots, a store the tuners cannot write) is a ConfigError before any trial. The session is
 tests/spark/test_spark_runner.py's (shared: the executors start once).
 """
 
@@ -137,6 +137,62 @@ def test_the_optuna_example_on_two_executors_tries_one_processs_trials_and_prune
     print(f"optuna on spark, 2 tuners: {seconds:.1f} s (one process {alone:.1f} s); pruned: 2 tuners "
           f"{[t[0] for t in two['trials'] if t[1] == 'PRUNED']}, one process "
           f"{[t[0] for t in one['trials'] if t[1] == 'PRUNED']}")
+
+
+def optuna_with_a_worker_killed(out_dir: str) -> list[list]:
+    """A seeded Optuna study (8 trials of 3 reported steps, the median pruner) whose tuner 1 SIGKILLs itself in
+    its first trial, after its first report; the study's trials as every tuner holds them at the end."""
+    import optuna
+
+    import stratkit
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    tuner = int(os.environ["STRATKIT_TUNE_TUNER"])
+    marker = os.path.join(out_dir, "killed")
+
+    def objective(trial):
+        x, n = trial.suggest_float("x", -10, 10), trial.suggest_int("n", 1, 5)
+        for step in range(3):
+            time.sleep(0.2)
+            if tuner == 1 and step == 1 and not os.path.exists(marker):
+                with open(marker, "w") as handle:
+                    handle.write(str(trial.number))
+                os.kill(os.getpid(), signal.SIGKILL)
+            trial.report((x - 2) ** 2 + n + 1.0 / (step + 1), step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return (x - 2) ** 2 + n
+
+    study = stratkit.tune(optuna.create_study(study_name="killed", sampler=optuna.samplers.RandomSampler(seed=1),
+                                              pruner=optuna.pruners.MedianPruner(n_startup_trials=2)),
+                          store=os.path.join(out_dir, "study"))
+    study.optimize(objective, n_trials=8)
+    return [[t.number, t.state.name, t.params, t.system_attrs.get("failed_trial"),
+             t.system_attrs.get("stratkit_lost")] for t in study.trials]
+
+
+@pytest.mark.tune_acceptance
+def test_an_optuna_worker_killed_mid_trial_fails_its_trial_a_retry_runs_and_the_study_ends(spark, tmp_path,
+                                                                                          monkeypatch):
+    """Issue 51's Optuna acceptance on Spark: the executor's tuner SIGKILLed mid-trial loses its lease; the trial is
+    FAIL (lost), a retry with its parameters runs on the other tuner, and the study ends with its 8 trials
+    counted, their parameters those of the same study uninterrupted."""
+    import optuna
+
+    monkeypatch.setenv("STRATKIT_TUNE_LEASE_SECONDS", "4")
+    runner = SparkRunner(num_workers=2, tune=True, timeout=900)
+    trials = runner.run(optuna_with_a_worker_killed, str(tmp_path))
+    lost = int((tmp_path / "killed").read_text())
+    assert runner.last_run.lost == ["tuner:1"], runner.last_run
+    by_number = {t[0]: t for t in trials}
+    assert by_number[lost][1] == "FAIL" and "its tuner was lost" in by_number[lost][4], by_number[lost]
+    retries = [t for t in trials if t[3] == lost]
+    assert len(retries) == 1 and retries[0][1] in ("COMPLETE", "PRUNED") and retries[0][2] == by_number[lost][2]
+    counted = [t for t in trials if t[3] is None]
+    assert len(counted) == 8 and "PRUNED" in {t[1] for t in trials}, trials
+    uninterrupted = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    uninterrupted.optimize(lambda t: t.suggest_float("x", -10, 10) + t.suggest_int("n", 1, 5), n_trials=8)
+    assert [t[2] for t in counted] == [t.params for t in uninterrupted.trials]
 
 
 def test_the_spark_example_searches_on_two_executors_as_one_process(spark, tmp_path, monkeypatch):
