@@ -138,7 +138,7 @@ FOUR_REPLICAS = ["loss_scale_headroom", "output_losses", "sum_loss", "random_dra
 
 @pytest.fixture(scope="module")
 def mirrored4() -> dict:
-    result = run_process(str(SCRIPT), args=["mirrored4", ",".join(FOUR_REPLICAS)], timeout=300)
+    result = run_process(str(SCRIPT), args=["mirrored4", ",".join(FOUR_REPLICAS)], timeout=1200)
     assert result.ok, describe([result])
     return _result(result.stdout)
 
