@@ -86,6 +86,14 @@ class _Nodes:
             time.sleep(0.1)
         raise AssertionError(f"the tasks were not both ready within {timeout} s: {self.finish(1)}")
 
+    def launcher_of(self, index: int) -> int:
+        """Which launcher runs worker `index` (once running): a node's rank is its place in the rendezvous, and
+        under load the launcher started second can join first."""
+        found = [number for number, logs in enumerate(self.logs)
+                 if f"ready {index} round 0" in "".join(p.read_text() for p in logs.glob("*.log"))]
+        assert len(found) == 1, found
+        return found[0]
+
     def finish(self, timeout: float = 120) -> list[tuple[int, str]]:
         out = []
         for proc in self.procs:
@@ -128,9 +136,11 @@ def test_under_min_max_a_node_whose_launcher_is_preempted_leaves_and_the_other_g
     # (without the standby: these tasks import no TensorFlow, and the decision is the rendezvous')
     nodes = _Nodes("1:2", _script(tmp_path, SAVES_ON_SIGTERM), tmp_path, standby=False)
     nodes.wait_until_running()
-    os.kill(nodes.procs[1].pid, signal.SIGTERM)
-    (code0, err0), (code1, err1) = nodes.finish()
+    second, first = nodes.launcher_of(1), nodes.launcher_of(0)   # node 1 leaves; node 0 holds the rendezvous
+    os.kill(nodes.procs[second].pid, signal.SIGTERM)
+    ended = nodes.finish()
+    (code0, err0), (code1, err1) = ended[first], ended[second]
     assert code1 == 75, err1[-3000:]
     assert code0 == 0, err0[-3000:]
     assert "world size 2 -> 1: node 1 " in err0 and "lost (its launcher was preempted by SIGTERM" in err0, err0[-3000:]
-    assert nodes.outcomes(0) == ["resized", "succeeded"], nodes.outcomes(0)
+    assert nodes.outcomes(first) == ["resized", "succeeded"], nodes.outcomes(first)
