@@ -145,7 +145,8 @@ def run_search(runner: Any, spark: Any, fn: Callable[..., Any], args: tuple, kwa
                      log_token=server.token,
                      service=(named or driver_host, search.address[1]),
                      token=search.token, engine=ENGINE, use_gpu=runner.use_gpu, gpu_count=gpu_count,
-                     standby=conf_bool(confs, STANDBY_CONF, "true"), extra_env=tuple(handoff.hand_over().items()))
+                     standby=conf_bool(confs, STANDBY_CONF, "true"), extra_env=tuple(handoff.hand_over().items()),
+                     workdir=search.workdir)
     deadline = None if runner.timeout is None else called + runner.timeout
     watcher = threading.Thread(target=_watch, args=(search, server, state, deadline, spark, sc, tag),
                                name="stratkit-search-watch", daemon=True)

@@ -68,6 +68,7 @@ class TunerPlan:
     preload: bool = True
     standby: bool = True
     extra_env: tuple[tuple[str, str], ...] = ()  # the driver's MLflow run (training.tracking.handoff)
+    workdir: str = ""  # the driver's working directory (`stratkit.tuning.environment.resolve`)
 
     def tuner(self, partition: int, attempt: int) -> int:
         """The tuner id of a partition's attempt (see the module's docstring)."""
@@ -76,7 +77,8 @@ class TunerPlan:
     def env(self, partition: int, tuner: int) -> dict[str, str]:
         """The training process's variables of this plan: the search's, the run's, the driver's MLflow run."""
         return {**dict(self.extra_env),
-                **environment.task_env(self.service, self.token, tuner, self.num_tasks, engine=self.engine),
+                **environment.task_env(self.service, self.token, tuner, self.num_tasks, engine=self.engine,
+                                       workdir=self.workdir),
                 child_module.RUN_VAR: self.run_id, child_module.RANK_VAR: str(partition),
                 child_module.NUM_TASKS_VAR: str(self.num_tasks), child_module.LABEL_VAR: f"tuner:{tuner}",
                 child_module.RESULT_VAR: "1"}

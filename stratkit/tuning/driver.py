@@ -63,6 +63,7 @@ class DriverSearch:
         env = os.environ if environ is None else environ
         self.tuners = tuners
         self.engine = engine
+        self.workdir = os.getcwd()  # where the tuners resolve a relative store (`environment.resolve`)
         lease = environment.seconds(environment.LEASE_VAR, environment.LEASE_SECONDS, env)
         start = environment.seconds(environment.START_VAR, environment.START_SECONDS, env)
         self.markers = tempfile.mkdtemp(prefix="stratkit-tune-")
@@ -87,7 +88,7 @@ class DriverSearch:
     def task_env(self, tuner: int, advertise: str | None = None) -> dict[str, str]:
         """The variables tuner `tuner` gets; `advertise`: the host the tuners dial (default: the bound one)."""
         return environment.task_env((advertise or self.address[0], self.address[1]), self.token, tuner,
-                                    self.tuners, engine=self.engine)
+                                    self.tuners, engine=self.engine, workdir=self.workdir)
 
     @property
     def started(self) -> bool:

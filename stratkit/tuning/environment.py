@@ -57,6 +57,9 @@ GROUP_VAR = "STRATKIT_TUNE_GROUP"
 MARKERS_VAR = "STRATKIT_TUNE_MARKERS"
 #: Who started the tuners, for messages ("stratkit launch --tune", "LocalRunner", ...).
 ENGINE_VAR = "STRATKIT_TUNE_ENGINE"
+#: The driver's working directory: where a tuner resolves a relative store or KerasTuner `directory` (an engine
+#: that runs each tuner in a working directory of its own, Ray's actors, Spark's executors, still finds one store).
+WORKDIR_VAR = "STRATKIT_TUNE_WORKDIR"
 #: The address the service listens on when the engine does not choose (a multi-machine search).
 HOST_VAR = "STRATKIT_TUNE_HOST"
 #: Seconds a lease lives without a heartbeat (default `LEASE_SECONDS`).
@@ -158,9 +161,10 @@ def _group(env: Mapping[str, str]) -> tuple[int, int]:
 
 
 def task_env(address: tuple[str, int], token: str, tuner: int, tuners: int, *, serve: bool = False,
-             markers: str | None = None, engine: str = "", group: tuple[int, int] = (0, 1)) -> dict[str, str]:
+             markers: str | None = None, engine: str = "", group: tuple[int, int] = (0, 1),
+             workdir: str | None = None) -> dict[str, str]:
     """The variables one tuner process gets (merge them into its environment); `group`: its (rank, size) in a
-    multi-worker trial group (the group shares `tuner`)."""
+    multi-worker trial group (the group shares `tuner`); `workdir`: the driver's working directory (`resolve`)."""
     env = {ADDRESS_VAR: format_address(*address), TUNE_TOKEN_VAR: token, TUNER_VAR: str(tuner),
            TUNERS_VAR: str(tuners),
            SERVE_VAR: "1" if serve else "0"}
@@ -170,7 +174,18 @@ def task_env(address: tuple[str, int], token: str, tuner: int, tuners: int, *, s
         env[MARKERS_VAR] = markers
     if engine:
         env[ENGINE_VAR] = engine
+    if workdir:
+        env[WORKDIR_VAR] = workdir
     return env
+
+
+def resolve(path: str, environ: Mapping[str, str] | None = None) -> str:
+    """A store path as every tuner of the search names it: a URL or an absolute path as it is; a relative one
+    against the driver's working directory (`WORKDIR_VAR`), else this process's."""
+    if "://" in path or os.path.isabs(path):
+        return path
+    base = (os.environ if environ is None else environ).get(WORKDIR_VAR, "").strip() or os.getcwd()
+    return os.path.normpath(os.path.join(base, path))
 
 
 def seconds(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:

@@ -322,7 +322,7 @@ def distribute(tuner: Any, *, store: str | os.PathLike[str] | None = None, exact
     if isinstance(getattr(tuner, "oracle", None), OracleProxy):
         return tuner
     planner: Any = KerasTunerPlanner(tuner.oracle, exact=exact)
-    path = os.fspath(store) if store is not None else os.path.join(os.path.abspath(tuner.project_dir), "stratkit")
+    path = environment.resolve(os.fspath(store) if store is not None else os.path.join(tuner.project_dir, "stratkit"))
     tracked = tracking_lib.options(tracking, run_name=f"search {tuner.project_name}",
                                    params={"oracle": type(tuner.oracle).__name__, "max_trials": tuner.oracle.max_trials,
                                            "objective": getattr(tuner.oracle.objective, "name", tuner.oracle.objective),

@@ -207,7 +207,8 @@ class DistributedStudy:
                                 n_trials=None if n_trials is None else int(n_trials), timeout=timeout,
                                 seed=options.seed, retries=options.retries)
         search = next(_SEARCHES)  # every worker runs the same script: its k-th study is theirs
-        store, remove = (options.store, False) if options.store is not None else _default_store(search)
+        store, remove = ((environment.resolve(options.store), False) if options.store is not None
+                         else _default_store(search))
         served: Any = planner
         try:
             tracked = tracking_lib.options(options.tracking, run_name=f"study {self.study_name}",  # type: ignore
