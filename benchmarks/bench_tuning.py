@@ -53,13 +53,15 @@ WAYS = ("plain", "stratkit", "launch")
 ALL_WAYS = WAYS + ("spark", "ray")
 
 
-def _run(way: str, trials: int, epochs: int, library: str = "keras_tuner") -> list[dict]:
+def _run(way: str, trials: int, epochs: int, library: str = "keras_tuner", search: str = "random") -> list[dict]:
     """One search one way in a fresh directory: each tuner's TUNE report."""
     workdir = tempfile.mkdtemp(prefix=f"bench-tune-{way}-")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
     task = [sys.executable, TASKS[library], "--trials", str(trials), "--epochs", str(epochs)]
-    engine = [sys.executable, ENGINES, way, "--trials", str(trials), "--epochs", str(epochs)]
+    engine = [sys.executable, ENGINES, way, "--trials", str(trials), "--epochs", str(epochs), "--search", search]
+    if library == "keras_tuner":
+        task += ["--search", search]
     argv = {"plain": task + ["--plain"], "stratkit": task,
             "launch": [sys.executable, "-m", "stratkit.cli", "launch", "--tune", "--workers", "2", "--", *task],
             "spark": engine, "ray": engine}[way]
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--library", choices=sorted(TASKS), default="keras_tuner")
+    parser.add_argument("--search", choices=("random", "hyperband"), default="random",
+                        help="KerasTuner: a RandomSearch of --trials, or a Hyperband search (max_epochs=--epochs, "
+                        "factor 3: its brackets decide the trials)")
     parser.add_argument("--ways", default=",".join(WAYS), help=f"which, of {','.join(ALL_WAYS)} (plain first: the "
                         "baseline)")
     args = parser.parse_args(argv)
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         order = ways[round_ % len(ways):] + ways[:round_ % len(ways)]
         for way in order:
             load = os.getloadavg()[0]
-            reports = _run(way, args.trials, args.epochs, args.library)
+            reports = _run(way, args.trials, args.epochs, args.library, args.search)
             runs[way].append({"reports": reports, "load_before": load, "load_after": os.getloadavg()[0]})
             print(f"round {round_ + 1} {way}: wall {max(r['wall'] for r in reports):.1f} s "
                   f"(load {load:.1f})", flush=True)
@@ -110,23 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the trials scored differently: {scores}")
     plain_own = [run["reports"][0]["own"] for run in runs["plain"]]
     own = sum(plain_own) / len(plain_own)
+    trials = runs["plain"][0]["reports"][0]["trials"]  # a Hyperband search's brackets decide them
     rows = []
     for way in ways:
         walls = [max(r["wall"] for r in run["reports"]) for run in runs[way]]
-        outside = [sum(r["wall"] - r["own"] for r in run["reports"]) / args.trials for run in runs[way]]
-        inside = [sum(r.get("inside", 0.0) for r in run["reports"]) / args.trials for run in runs[way]]
+        outside = [sum(r["wall"] - r["own"] for r in run["reports"]) / trials for run in runs[way]]
+        inside = [sum(r.get("inside", 0.0) for r in run["reports"]) / trials for run in runs[way]]
         loads = [run["load_before"] for run in runs[way]] + [run["load_after"] for run in runs[way]]
         rows.append({"way": way, "tuners": max(len(run["reports"]) for run in runs[way]), "wall_s": _spread(walls),
                      "outside_fit_per_trial_s": _spread(outside), "inside_fit_per_trial_s": _spread(inside),
                      "beyond_training_per_trial_s": _spread([a + b for a, b in zip(outside, inside)]),
                      "load": f"{min(loads):.1f}-{max(loads):.1f}"})
-    print_table(f"{args.trials} trials x {args.epochs} epochs, {args.rounds} rounds (own training per trial in the "
-                f"plain run: {own / args.trials:.2f} s)", rows)
+    print_table(f"{args.search}: {trials} trials, {args.epochs} epochs at most, {args.rounds} rounds (own training "
+                f"per trial in the plain run: {own / trials:.2f} s)", rows)
     name = (("tuning" if args.library == "keras_tuner" else "tuning-optuna") + ("-quick" if args.quick else "")
-            + ("" if ways == WAYS else "-engines"))
-    write_result(name, {"library": args.library, "quick": args.quick, "trials": args.trials, "epochs": args.epochs,
+            + ("-hyperband" if args.search == "hyperband" else "") + ("" if ways == WAYS else "-engines"))
+    write_result(name, {"library": args.library, "search": args.search, "quick": args.quick, "trials": trials,
+                        "epochs": args.epochs,
                         "rounds": args.rounds,
-                        "own_training_per_trial_s": own / args.trials, "rows": rows, "runs": runs})
+                        "own_training_per_trial_s": own / trials, "rows": rows, "runs": runs})
     return 0
 
 

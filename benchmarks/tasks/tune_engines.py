@@ -24,7 +24,7 @@ cloudpickle.register_pickle_by_value(tune_task)
 cloudpickle.register_pickle_by_value(tune_task.example)
 
 
-def spark(trials: int, epochs: int) -> None:
+def spark(trials: int, epochs: int, search: str) -> None:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -35,12 +35,12 @@ def spark(trials: int, epochs: int) -> None:
                .config("spark.driver.host", "127.0.0.1").config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     try:
-        SparkRunner(num_workers=2, tune=True, spark=session).run(tune_task.report, trials, epochs)
+        SparkRunner(num_workers=2, tune=True, spark=session).run(tune_task.report, trials, epochs, search=search)
     finally:
         session.stop()
 
 
-def ray_(trials: int, epochs: int) -> None:
+def ray_(trials: int, epochs: int, search: str) -> None:
     os.environ.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
                        "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     import ray
@@ -52,7 +52,7 @@ def ray_(trials: int, epochs: int) -> None:
         ray.cloudpickle.register_pickle_by_value(module)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False)
     try:
-        RayRunner(num_workers=2, tune=True).run(tune_task.report, trials, epochs)
+        RayRunner(num_workers=2, tune=True).run(tune_task.report, trials, epochs, search=search)
     finally:
         ray.shutdown()
 
@@ -62,5 +62,6 @@ if __name__ == "__main__":
     parser.add_argument("engine", choices=("spark", "ray"))
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--search", choices=("random", "hyperband"), default="random")
     args = parser.parse_args()
-    (spark if args.engine == "spark" else ray_)(args.trials, args.epochs)
+    (spark if args.engine == "spark" else ray_)(args.trials, args.epochs, args.search)

@@ -31,8 +31,10 @@ def _timed(cls, name: str, into: list[float]) -> None:
     setattr(cls, name, run)
 
 
-def report(trials: int, epochs: int, plain: bool = False) -> dict:
-    """Run the search as this process's tuner; print and return its `TUNE` report."""
+def report(trials: int, epochs: int, plain: bool = False, search: str = "random") -> dict:
+    """Run the search as this process's tuner; print and return its `TUNE` report. `search`: "random" (a
+    RandomSearch of `trials` trials of `epochs` epochs) or "hyperband" (a Hyperband search with `max_epochs=epochs`,
+    factor 3: its brackets decide the trials and their epochs)."""
     import keras_tuner
 
     own: list[float] = []
@@ -48,8 +50,12 @@ def report(trials: int, epochs: int, plain: bool = False) -> dict:
         _timed(TunerState, "upload", inside)
     digits = example.load_digits()
     x, y = (digits.data / 16).astype("float32"), digits.target
-    tuner = keras_tuner.RandomSearch(example.build_model, objective="val_accuracy", max_trials=trials, seed=1,
-                                     directory="tuning", project_name="digits")
+    if search == "hyperband":
+        tuner = keras_tuner.Hyperband(example.build_model, objective="val_accuracy", max_epochs=epochs, factor=3,
+                                      seed=1, directory="tuning", project_name="digits")
+    else:
+        tuner = keras_tuner.RandomSearch(example.build_model, objective="val_accuracy", max_trials=trials, seed=1,
+                                         directory="tuning", project_name="digits")
     if not plain:
         import stratkit
 
@@ -68,5 +74,6 @@ if __name__ == "__main__":
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--search", choices=("random", "hyperband"), default="random")
     args = parser.parse_args()
-    report(args.trials, args.epochs, args.plain)
+    report(args.trials, args.epochs, args.plain, args.search)
