@@ -39,10 +39,12 @@ from stratkit.data.shards import Layout, steps_for
 from stratkit.data.steps import Chunk, Splitter, batch_counts
 from stratkit.errors import ConfigError
 
-#: Rows pyarrow decodes at a time (`iter_batches`): measured on 16 float32s + a label, 65,536-row groups, one
-#: thread: 3.7M rows/s at 4,096, 3.6M at 8,192, 1.6M at 19,421, 1.3M at 65,536 (larger batches cost more than
-#: they save: fresh buffers each time); a window is read as several of these.
-DECODE_ROWS = 4096
+#: Rows pyarrow decodes at a time (`iter_batches`) is a lane's window, within these bounds. pyarrow alone decodes
+#: faster in small batches (one thread, 16 float32s + a label, 65,536-row groups: 3.7M rows/s at 4,096, 1.6M at
+#: 19,421), but the whole reader into `Dataset.reduce` was slower with them (1M rows, 4 alternating rounds, load
+#: 0.9-1.1: 0.81M rows/s at 4,096, 0.93M at 8,192, 1.12M at the window's 19,421, 1.03M at 65,536): each batch
+#: costs the assembling thread its slicing and concatenation under the GIL.
+DECODE_ROWS_BOUNDS = (4096, 65536)
 #: Finished chunks kept ready for the training step.
 READY_CHUNKS = 2
 #: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`): the Python
@@ -236,7 +238,8 @@ class WorkerReader:
         counts = batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:]
         stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
         first_block = layout.first_block(start) if start < spec.plan.rows else layout.blocks()
-        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, DECODE_ROWS, self.fs, self.cache,
+        batch_rows = int(min(max(layout.window, DECODE_ROWS_BOUNDS[0]), DECODE_ROWS_BOUNDS[1]))
+        lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
                             first_block) for s, e in zip(layout.window_starts(first_block, a, b),
                                                          layout.starts[a + 1:b + 1])]
         splitter = Splitter(counts, spec.replicas, self.feed, self.per_chunk)
