@@ -277,7 +277,7 @@ class DistributedStudy:
                 return
             state, error = TrialState.FAIL, exc
             try:  # why, for the trial's MLflow run (stored with its end)
-                storage.set_trial_system_attr(trial._trial_id, ERROR_ATTR, _failure(trial, exc)[-4000:])
+                storage.set_trial_system_attr(trial.number, ERROR_ATTR, _failure(trial, exc)[-4000:])  # ids: numbers
             except TrialLost:
                 pass
             if not isinstance(exc, catch) and lease.first and not storage.reported:  # before its end opens the gate
