@@ -315,14 +315,8 @@ class SearchTracking:
         run_id = self._child(trial_id)
         logged = self._known(run_id)
         stamp = int(time.time() * 1000)
-        new = []
-        for key, value in metrics.items():
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                continue
-            if step not in logged.get(key, ()):
-                new.append(Metric(str(key), number, stamp, step))
+        new = [Metric(key, value, stamp, step) for key, value in metrics.items()  # (numbers: `trial_metrics`)
+               if step not in logged.get(key, ())]
         if new:
             self.client.log_batch(run_id, metrics=new)
             for metric in new:
