@@ -56,6 +56,20 @@ def _objective(objective: Any) -> Any:
     return {"name": getattr(objective, "name", None), "direction": getattr(objective, "direction", None)}
 
 
+def trial_from_state(state: dict[str, Any]) -> Any:
+    """A KerasTuner `Trial` from its state, without touching Python's global `random`.
+
+    `Trial.from_state` first makes a Trial with a generated id (`random.randint` on the process's one global
+    generator), then overwrites the id. The search service answers other tuners in the chief tuner's process, in a
+    thread of its own: a draw there, between the chief's `set_random_seed` and its model's last default seed (a
+    Dropout's), gave that trial other weights than one process gives it, at random and mostly under load."""
+    from keras_tuner.engine.trial import Trial
+
+    trial = Trial(hyperparameters=None, trial_id=state["trial_id"])
+    trial.set_state(state)
+    return trial
+
+
 def initial_points(oracle: Any) -> int:
     """BayesianOptimization's random start: its `num_initial_points`, else 3 per dimension (at least 3)."""
     return int(getattr(oracle, "num_initial_points", None) or max(3 * len(oracle.hyperparameters.space), 3))
@@ -133,14 +147,12 @@ class KerasTunerPlanner:
         return {"status": trial.status}
 
     def finish(self, trial_id: str, data: dict[str, Any]) -> None:
-        from keras_tuner.engine.trial import Trial
-
-        self.oracle.end_trial(Trial.from_state(data["trial"]))
+        self.oracle.end_trial(trial_from_state(data["trial"]))
 
     def give_up(self, trial_id: str, reason: str) -> None:
-        from keras_tuner.engine.trial import Trial, TrialStatus
+        from keras_tuner.engine.trial import TrialStatus
 
-        trial = Trial.from_state(self.oracle.get_trial(trial_id).get_state())
+        trial = trial_from_state(self.oracle.get_trial(trial_id).get_state())
         trial.status, trial.message = TrialStatus.FAILED, reason
         self.oracle.end_trial(trial)
 
@@ -168,11 +180,9 @@ class KerasTunerPlanner:
                 "trials": [_json(t.get_state()) for t in self.oracle.trials.values()]}
 
     def restore(self, state: dict[str, Any]) -> None:
-        from keras_tuner.engine.trial import Trial
-
         self.oracle.trials = {}
         for item in state.get("trials") or []:
-            trial = Trial.from_state(item)
+            trial = trial_from_state(item)
             self.oracle.trials[trial.trial_id] = trial
         if state.get("oracle"):
             self.oracle.set_state(state["oracle"])
@@ -201,4 +211,4 @@ class KerasTunerPlanner:
         return "failed", trial.message or f"KerasTuner ended the trial {trial.status}", None
 
 
-__all__ = ["PRIVATE", "KerasTunerPlanner", "initial_points", "needs_results"]
+__all__ = ["PRIVATE", "KerasTunerPlanner", "initial_points", "needs_results", "trial_from_state"]

@@ -47,13 +47,13 @@ from typing import Any
 
 import keras
 import keras_tuner
-from keras_tuner.engine.trial import Trial, TrialStatus
+from keras_tuner.engine.trial import TrialStatus
 
 from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.training.checkpoint import Backup
 from stratkit.tuning.devices import own_devices_strategy
-from stratkit.tuning.kt_oracle import KerasTunerPlanner
+from stratkit.tuning.kt_oracle import KerasTunerPlanner, trial_from_state
 from stratkit.tuning import environment
 from stratkit.tuning import tracking as tracking_lib
 from stratkit.tuning.kt_trials import (EpochReports, FirstBuildFailed, LeaseGuard, LeaseLost, RunningTrial, TunerState,
@@ -141,12 +141,12 @@ class OracleProxy:
     def get_trial(self, trial_id: str) -> Any:
         if self._final is not None:
             return self._final.get_trial(trial_id)
-        return Trial.from_state(self._state.client.query("trial", trial_id=trial_id))
+        return trial_from_state(self._state.client.query("trial", trial_id=trial_id))
 
     def get_best_trials(self, num_trials: int = 1) -> list[Any]:
         if self._final is not None:
             return self._final.get_best_trials(num_trials)
-        return [Trial.from_state(s) for s in self._state.client.query("best", num_trials=num_trials)]
+        return [trial_from_state(s) for s in self._state.client.query("best", num_trials=num_trials)]
 
     def remaining_trials(self) -> Any:
         if self._final is not None:
@@ -157,7 +157,7 @@ class OracleProxy:
     def trials(self) -> dict[str, Any]:
         if self._final is not None:
             return self._final.trials
-        return {k: Trial.from_state(v) for k, v in self._state.client.query("trials").items()}
+        return {k: trial_from_state(v) for k, v in self._state.client.query("trials").items()}
 
     def get_state(self) -> dict[str, Any]:
         return (self._final or self._oracle).get_state()
@@ -180,7 +180,7 @@ class DistributedTuner:
             lease = state.client.next()
             if lease is None:
                 break
-            trial = Trial.from_state(lease.payload["trial"])
+            trial = trial_from_state(lease.payload["trial"])
             trial.status = TrialStatus.RUNNING
             state.current = RunningTrial(lease, trial)
             try:
