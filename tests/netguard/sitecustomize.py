@@ -100,7 +100,12 @@ def _check(event: str, args: tuple) -> None:
             target = f"name lookup of {host!r}"
     if target is None:
         return
-    message = (f"network rule: {event} to {target} refused before any packet was sent (pid {os.getpid()}). "
+    import traceback
+
+    caller = " < ".join(f"{os.path.basename(frame.filename)}:{frame.lineno}"
+                        for frame in reversed(traceback.extract_stack(limit=8)[:-3]))
+    message = (f"network rule: {event} to {target} refused before any packet was sent (pid {os.getpid()}: "
+               f"{' '.join(sys.argv)[:160]!r}, from {caller}). "
                "Tests may reach only 127.0.0.0/8, ::1 and test hosts in 198.18.0.0/15 "
                "(tests/netguard/sitecustomize.py).")
     log = os.environ.get(LOG_VARIABLE)

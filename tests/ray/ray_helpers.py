@@ -82,8 +82,9 @@ def local_ray(num_cpus: int = 4, num_gpus: int = 0) -> Iterator[object]:
     global _imported
     assert _imported or "ray" not in sys.modules, \
         "Ray was imported before its environment was set (it reads RAY_AUTH_MODE then)"
-    saved = {key: os.environ.get(key) for key in (*RAY_ENV, "RAY_AUTH_TOKEN", "PYTHONPATH")}
+    saved = {key: os.environ.get(key) for key in (*RAY_ENV, *NO_REACH_OUT, "RAY_AUTH_TOKEN", "PYTHONPATH")}
     os.environ.update(RAY_ENV)
+    os.environ.update(NO_REACH_OUT)
     if num_gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(num_gpus)))
     os.environ["RAY_AUTH_TOKEN"] = TOKEN
@@ -121,6 +122,15 @@ def local_ray(num_cpus: int = 4, num_gpus: int = 0) -> Iterator[object]:
 #: The `ray` command of the venv that runs the tests, and the head's GCS port on test host h1.
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 PORT = 6380
+
+
+#: Ray's dashboard process (started by `ray.init()` too, minimal without the dashboard) probes cloud metadata
+#: (169.254.169.254, metadata.google.internal) at its start, whatever RAY_USAGE_STATS_ENABLED says (Ray 2.60:
+#: `usage_lib.get_cluster_config_to_report`). Its HTTP goes through `requests`, which honours these: a loopback
+#: port where nothing listens, so nothing leaves. Refused by the network guard instead, the probe was charged to
+#: whichever test ran at that moment, in any xdist worker (the guard's log is the session's).
+NO_REACH_OUT = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+                "NO_PROXY": "127.0.0.1,localhost,::1"}
 
 
 def hosts_env(extra: dict[str, str] | None = None) -> dict[str, str]:
