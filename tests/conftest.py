@@ -202,6 +202,12 @@ SAME_SESSION = frozenset({"tests/spark/test_spark_runner.py", "tests/spark/test_
                           "tests/spark/test_spark_lake.py", "tests/spark/test_spark_tune.py"})
 
 
+#: The Ray engine's modules: one work unit, first (the longest), so `make test-cluster` runs them one after another
+#: in one worker while the other runs the test-host modules. Two local Ray sessions side by side each look for
+#: cloud metadata (which the network guard refuses) and see "multiple active Ray instances".
+RAY_MODULES = "tests/ray/"
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadfile` with the SAME_SESSION modules as one work unit."""
     if config.getoption("dist", None) != "loadfile":
@@ -211,6 +217,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class Scheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
+            if module.startswith(RAY_MODULES):
+                return "tests/ray (one Ray at a time)"
             return "tests/spark (one shared session)" if module in SAME_SESSION else module
 
     return Scheduling(config, log)
@@ -221,4 +229,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return                      # a serial run keeps the collection order
     rank = {module: n for n, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
+
+    def order(item: pytest.Item) -> int:
+        module = item.path.relative_to(config.rootpath).as_posix()
+        return -1 if module.startswith(RAY_MODULES) else rank.get(module, len(rank))
+
+    items.sort(key=order)
