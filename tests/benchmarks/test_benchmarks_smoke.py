@@ -38,22 +38,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Nor bench_spark_lake.py: its --quick starts a 2-executor SparkSession and runs four 2-worker trainings (~2 min on
 # the shared 2 cores); `python benchmarks/bench_spark_lake.py --quick` checks it, and tests/spark/test_spark_lake.py
 # trains both ways' code paths.
+# Marked bench_long (`make test-bench`, not `make test` nor CI): scaling, spark and ps, 1.4-2.8 min each on the
+# shared 2 cores (CPU 68-137 s); the rest stay in `make test`.
 EXPECTED = {
     "overhead": ({"benchmark", "machine", "quick", "rows", "goal_ratio"},
                  {"strategy", "replicas", "stratkit steps/s", "hand steps/s", "ratio"}, ()),
     "ps": ({"benchmark", "machine", "quick", "runs", "median_examples_per_sec", "ratio_2_vs_1"}, None,
-           (pytest.mark.multiworker,)),
+           (pytest.mark.multiworker, pytest.mark.bench_long)),
     "scaling": ({"benchmark", "machine", "quick", "model", "goal_efficiency", "rows", "definition", "rounds",
                  "loadavg_before", "loadavg_after"},
                 {"setting", "2-worker ex/s", "pair ex/s", "alone ex/s", "efficiency", "naive", "vs default", "raw"},
-                (pytest.mark.multiworker,)),
+                (pytest.mark.multiworker, pytest.mark.bench_long)),
     "allreduce": ({"benchmark", "machine", "quick", "workers", "bus_factor", "tcp_bandwidth_Bps", "rows",
                    "tcp_before", "tcp_after", "peak_busbw_over_tcp", "gradient_rows", "bf16_over_float32"},
                   {"size", "bytes", "time_ms", "algbw_MBps", "busbw_MBps", "tcp_same_size_MBps", "busbw/TCP",
                    "bound_ms", "correct"}, (pytest.mark.multiworker,)),
     "spark": ({"benchmark", "machine", "quick", "job", "master", "rows", "raw"},
               {"way", "master", "session s", "cold wall s", "warm wall s", "to first step s", "training s",
-               "status"}, (pytest.mark.spark, pytest.mark.multiworker)),
+               "status"}, (pytest.mark.spark, pytest.mark.multiworker, pytest.mark.bench_long)),
     "input": ({"benchmark", "machine", "quick", "goal_ratio", "rows"},
               {"model", "reader", "reader rows/s", "model ex/s", "ratio", "goal met"}, ()),
     "backups": ({"benchmark", "machine", "quick", "rows", "two_workers", "rounds", "backup_every"},
