@@ -7,7 +7,8 @@ once per lane that reads it); a block is put together when every lane's window i
 order (the feed's arrays, `batching.Batcher.arrays` through `columns.py`, gathered by numpy), cut
 at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
 batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
-queue; tf.data cuts each into its steps in the graph (one Python hand-off per chunk, not per step).
+queue; tf.data cuts each into its steps (`unbatch` of its runs of equal parts: one Python hand-off per run, not
+per step).
 
 Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
 chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded
@@ -48,7 +49,7 @@ DECODE_ROWS_BOUNDS = (4096, 65536)
 #: Finished chunks kept ready for the training step.
 READY_CHUNKS = 2
 #: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`): the Python
-#: hand-off to tf.data costs per chunk, the steps are cut from it in the graph.
+#: hand-off to tf.data costs per chunk, the steps are cut from it by tf.data (`Chunk.stacked`, `unbatch`).
 CHUNK_ROWS = 8192
 MAX_CHUNK_STEPS = 64
 #: The newest failure a reader of this process raised (`last_failure`).

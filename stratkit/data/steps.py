@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from stratkit.data.batching import Batcher
-from stratkit.data.shards import Layout
+from stratkit.data.shards import Layout, steps_for
 
 
 @dataclass
@@ -29,6 +29,19 @@ class Chunk:
     def parts(self, feed: Batcher) -> Iterator[tuple]:
         for a, b in zip(self.splits[:-1], self.splits[1:]):
             yield feed.pack([array[a:b] for array in self.arrays])
+
+    def stacked(self, feed: Batcher) -> Iterator[tuple]:
+        """The parts in order, each run of consecutive parts of one size as one packed batch with a leading axis
+        of the run's length (`tf.data`'s `unbatch` cuts them into the parts in C++: no Python, no graph function
+        per step). Every part of a chunk has the same size but those of a worker's uneven steps and the last."""
+        sizes = np.diff(self.splits)
+        if not len(sizes):
+            return
+        ends = np.flatnonzero(np.diff(sizes)) + 1
+        for first, stop in zip(np.concatenate([[0], ends]), np.concatenate([ends, [len(sizes)]])):
+            at, size, count = int(self.splits[first]), int(sizes[first]), int(stop - first)
+            yield feed.pack([array[at:at + size * count].reshape((count, size, *array.shape[1:]))
+                             for array in self.arrays])
 
 
 class Splitter:
@@ -87,6 +100,14 @@ class Splitter:
         if len(taken) == 1:
             return taken[0]
         return [np.concatenate(column) for column in zip(*taken)]
+
+
+def has_empty_parts(layout: Layout, batch: int, world: int, rank: int, replicas: int) -> bool:
+    """Whether a replica of worker `rank` gets no rows in some step (a step of fewer rows of this worker than it has
+    replicas: a worker owning no lanes, the last small batch); the same every pass."""
+    first, stop = layout.owned(world, rank)
+    counts = batch_counts(layout, batch, first, stop, steps_for(layout.rows, batch))
+    return bool(len(counts)) and int(counts.min()) < max(int(replicas), 1)
 
 
 def batch_counts(layout: Layout, batch: int, first: int, stop: int, steps: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from stratkit.data.batching import Batcher
 from stratkit.data.plan import Plan
 from stratkit.data.readahead import ReaderSpec, WorkerReader, lane_bytes
 from stratkit.data.shards import Layout, steps_for
+from stratkit.data.steps import has_empty_parts
 from stratkit.data.table import Table
 from stratkit.errors import ConfigError
 
@@ -217,20 +218,20 @@ class TableInput:
                 reader = self.reader(batch, world, rank, replicas=replicas, start=start, passes=passes, feed=feed)
                 try:
                     for chunk in reader.chunks():
-                        yield (*chunk.arrays, chunk.splits)
+                        yield from chunk.stacked(feed)
                 finally:
                     reader.close()
 
-            flat = [tf.TensorSpec(s.shape, s.dtype) for s in tf.nest.flatten(specs)]
-            signature = (*flat, tf.TensorSpec((None,), tf.int64))
-
-            def parts(*values: Any) -> Any:   # a chunk's per-replica parts, cut in the graph
-                arrays, splits = values[:-1], values[-1]
-                return tf.data.Dataset.range(tf.size(splits, out_type=tf.int64) - 1).map(
-                    lambda i: feed.pack([a[splits[i]:splits[i + 1]] for a in arrays]))
-
+            # Runs of equal per-replica parts, cut by `unbatch` in C++ (no graph function per step). TensorFlow
+            # 2.21's unbatch crashes the process on an element with an empty axis (a run of empty parts): a worker
+            # with such steps cuts each run with `from_tensor_slices` instead.
+            signature = tf.nest.map_structure(lambda s: tf.TensorSpec((None, *s.shape), s.dtype), specs)
             dataset = tf.data.Dataset.from_generator(chunks, output_signature=signature).prefetch(1)
-            return dataset.flat_map(parts).prefetch(2 * replicas)
+            if has_empty_parts(self.layout(), batch, world, rank, replicas):
+                dataset = dataset.flat_map(lambda *run: tf.data.Dataset.from_tensor_slices(run))
+            else:
+                dataset = dataset.unbatch()
+            return dataset.prefetch(2 * replicas)
 
         return dataset_fn
 

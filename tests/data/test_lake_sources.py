@@ -297,3 +297,29 @@ def test_the_default_shuffle_window_fits_the_read_ahead_budget_of_one_process(tm
         reader.close()
     assert np.array_equal(np.sort(ids), np.arange(rows))
     assert data.layout().window < -(-rows // data.layout().lanes)      # the budget, not the lane, bounds it
+
+
+@pytest.mark.parametrize("batch,replicas,world", [(ROWS - 1, 2, 1), (300, 3, 2), (256, 2, 40)],
+                         ids=["one-row-steps-over-2-replicas", "3-replicas-on-2-workers", "workers-without-lanes"])
+def test_dataset_fn_yields_the_readers_per_replica_parts_in_order_empty_ones_included(parquet_dir, batch, replicas,
+                                                                                      world):
+    """What tf.data hands each replica is the reader's part, in its order: uneven splits, a step of fewer rows than
+    replicas (empty parts) and workers that own no lane. (TensorFlow 2.21's `unbatch` crashed the process on an
+    empty part: the pipeline cuts such a worker's runs another way.)"""
+    data = TableInput(Table.parquet(parquet_dir), features=["id", "x"], label="y", seed=5, shuffle_window=64)
+    assert data.steps_per_epoch(batch) * batch - ROWS < batch
+    for rank in sorted({0, world // 2, world - 1}):
+        context = tf.distribute.InputContext(num_input_pipelines=world, input_pipeline_id=rank,
+                                             num_replicas_in_sync=world * replicas)
+        reader = data.reader(batch, world, rank, replicas=replicas, passes=1)
+        try:
+            expected = [part for step in reader for part in step]
+        finally:
+            reader.close()
+        got = list(data.dataset_fn(batch, passes=1)(context).as_numpy_iterator())
+        assert len(got) == len(expected) == data.steps_per_epoch(batch) * replicas
+        for mine, theirs in zip(got, expected):
+            for a, b in zip(tf.nest.flatten(mine), tf.nest.flatten(theirs)):
+                assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+        if world == 1:
+            assert min(len(tf.nest.flatten(part)[0]) for part in expected) == 0   # the empty parts were there
