@@ -90,6 +90,19 @@ def _network_rule():
         pytest.fail(f"traffic outside loopback and the test hosts:\n{refused}", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_environment():
+    """MLflow's fluent calls in a test's own process write the environment (`set_experiment` sets
+    MLFLOW_EXPERIMENT_ID, `set_tracking_uri` MLFLOW_TRACKING_URI) so that subprocesses inherit them: restored after
+    each test. Left, the experiment id of one test's server went to a later test's searches in the same xdist worker,
+    whose server has no such experiment (their runs were never logged)."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith("MLFLOW_")}
+    yield
+    for key in [key for key in os.environ if key.startswith("MLFLOW_") and key not in saved]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("hosts") is not None:
         hosts.gate()
