@@ -98,7 +98,8 @@ def options(mode: str, *, run_name: str | None = None, params: Mapping[str, Any]
     or the run active in this process, if any; `mlflow`: that, else a new run.
 
     Raises:
-        ConfigError: a bad mode, `mlflow` without MLflow installed, or a tracking server that does not answer.
+        ConfigError: a bad mode, `mlflow` without MLflow installed, a tracking server that does not answer, or an
+            experiment (MLFLOW_EXPERIMENT_ID) it does not have.
     """
     import importlib.util
     import sys
@@ -126,8 +127,13 @@ def options(mode: str, *, run_name: str | None = None, params: Mapping[str, Any]
         uri = imported.get_tracking_uri()
     uri = handoff.absolute_uri(uri)
     runs.probe(uri)  # an unreachable tracking server: a ConfigError here, before any trial
-    return TrackingOptions(tracking_uri=uri, parent=parent, experiment_id=handoff.handed_experiment(env),
-                           experiment_name=env.get(runs.EXPERIMENT_NAME_VAR, "").strip() or None,
+    experiment = handoff.handed_experiment(env)
+    name = env.get(runs.EXPERIMENT_NAME_VAR, "").strip() or None
+    if parent is None and experiment is not None:  # an experiment the server lacks: no run of the search is made
+        import mlflow as imported
+
+        runs.check_experiment(imported.MlflowClient(uri), experiment, name, uri)
+    return TrackingOptions(tracking_uri=uri, parent=parent, experiment_id=experiment, experiment_name=name,
                            run_name=run_name, params={str(k): str(v)[:500] for k, v in (params or {}).items()})
 
 

@@ -90,3 +90,26 @@ def test_a_directory_mlflow_refuses_as_its_store_is_a_config_error_before_any_tr
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI.*Fix: a database, e.g. MLFLOW_TRACKING_URI=sqlite"):
         study.optimize(lambda trial: ran.append(trial.suggest_float("x", 0, 1)) or 0.0, n_trials=2)
     assert ran == []
+
+
+def test_an_experiment_id_the_server_lacks_is_a_config_error_before_any_trial(server):
+    """MLFLOW_EXPERIMENT_ID of another server (here: left in the environment by a notebook's `set_experiment`) made
+    every MLflow call of the search fail while its trials ran: nothing was logged, with a warning. Now `options`
+    refuses it, naming the variable; with MLFLOW_EXPERIMENT_NAME as well, the two must name one experiment."""
+    import mlflow
+
+    from stratkit.errors import ConfigError
+    from stratkit.tuning.tracking import options
+
+    client = mlflow.MlflowClient(server.uri)
+    first, second = (client.create_experiment(f"journal-{name}") for name in ("first", "second"))
+    env = {"MLFLOW_TRACKING_URI": server.uri}
+    with pytest.raises(ConfigError) as caught:
+        options("mlflow", environ={**env, "MLFLOW_EXPERIMENT_ID": "424242"})
+    assert "MLFLOW_EXPERIMENT_ID='424242'" in str(caught.value) and "Fix:" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        options("mlflow", environ={**env, "MLFLOW_EXPERIMENT_ID": first, "MLFLOW_EXPERIMENT_NAME": "journal-second"})
+    assert "MLFLOW_EXPERIMENT_NAME='journal-second'" in str(caught.value)
+    chosen = options("mlflow", environ={**env, "MLFLOW_EXPERIMENT_ID": second,
+                                        "MLFLOW_EXPERIMENT_NAME": "journal-second"})
+    assert chosen.experiment_id == second and chosen.tracking_uri == server.uri

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from stratkit import files, status
 from stratkit.errors import ConfigError
-from stratkit.training.tracking.handoff import TRACKING_URI_VAR, handed_experiment, handed_run_id
+from stratkit.training.tracking.handoff import EXPERIMENT_ID_VAR, TRACKING_URI_VAR, handed_experiment, handed_run_id
 
 log = status.logger(__name__)
 
@@ -94,6 +94,29 @@ def experiment_id(client: Any, name: str | None, environ: Mapping[str, str]) -> 
     if found is not None:
         return found.experiment_id
     return client.create_experiment(name)
+
+
+def check_experiment(client: Any, experiment: str | None, name: str | None, uri: str) -> None:
+    """Refuse, before training, an experiment id (MLFLOW_EXPERIMENT_ID) the server does not have, or one that is not
+    the experiment MLFLOW_EXPERIMENT_NAME names there (MLflow's own rule for the two). Every run of the search would
+    fail to be made: said once, here, not as a warning per call while the trials run."""
+    if experiment is None:
+        return
+    from mlflow.exceptions import MlflowException
+
+    try:
+        found = client.get_experiment(experiment)
+    except MlflowException:
+        found = None
+    if found is None or getattr(found, "lifecycle_stage", "active") != "active":
+        raise ConfigError(f"{EXPERIMENT_ID_VAR}={experiment!r} is no active experiment of the tracking server at "
+                          f"{safe_uri(uri)}. Fix: unset {EXPERIMENT_ID_VAR} (and name the experiment with "
+                          f"{EXPERIMENT_NAME_VAR}), or set it to an experiment of that server")
+    if name:
+        named = client.get_experiment_by_name(name)
+        if named is not None and named.experiment_id != found.experiment_id:
+            raise ConfigError(f"{EXPERIMENT_ID_VAR}={experiment!r} and {EXPERIMENT_NAME_VAR}={name!r} name two "
+                              f"experiments (the name's id is {named.experiment_id!r}). Fix: unset one of them")
 
 
 def logged_steps(client: Any, run_id: str) -> dict[str, set[int]]:
