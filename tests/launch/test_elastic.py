@@ -190,20 +190,28 @@ def _train(tmp_path: Path) -> list[str]:
 
 
 @contextmanager
-def _two_hosts_training(tmp_path: Path, pause: str, late: float, script: list[str] | None = None,
-                        fast: bool = True) -> Iterator[tuple[Any, Any, _Node, _Node]]:
+def _two_hosts_training(tmp_path: Path, pause: str, late: float = 0.0, script: list[str] | None = None,
+                        fast: bool = True, together: bool = False) -> Iterator[tuple[Any, Any, _Node, _Node]]:
     """Test hosts h1, h2 with `--nnodes 1:2` launchers of the training (`pause` s after each epoch, or `script`):
     h1's, then `late` s later h2's, as two machines would start (the two-host tests differ only in what happens
-    next); `fast`: --stop-grace 2 --rdzv-last-call 2, else the defaults."""
+    next); `fast`: --stop-grace 2 --rdzv-last-call 2, else the defaults. `together`: both in the first round, by
+    an event, not a head start: h2's launcher first, and h1's (which serves the rendezvous) once h2's TensorFlow is
+    imported and it waits for the rendezvous (h1 1 s ahead, an h2 slower than --rdzv-last-call under load missed
+    the first round and h1 trained alone)."""
     import hosts
 
     env = child_env(None, {TOKEN_VAR: TOKEN})
     script = script or [*_train(tmp_path), pause]
     with hosts.make_hosts(2) as (h1, h2):
         endpoint = f"{h1.address}:29400"
-        first = _Node(h1, _launcher("1:2", endpoint, script, tmp_path / "log1", fast=fast), env)
-        time.sleep(late)
-        second = _Node(h2, _launcher("1:2", endpoint, script, tmp_path / "log2", fast=fast), env)
+        if together:
+            second = _Node(h2, _launcher("1:2", endpoint, script, tmp_path / "log2", fast=fast), env)
+            second.wait_for("waiting for the rendezvous", 180)
+            first = _Node(h1, _launcher("1:2", endpoint, script, tmp_path / "log1", fast=fast), env)
+        else:
+            first = _Node(h1, _launcher("1:2", endpoint, script, tmp_path / "log1", fast=fast), env)
+            time.sleep(late)
+            second = _Node(h2, _launcher("1:2", endpoint, script, tmp_path / "log2", fast=fast), env)
         yield h1, h2, first, second
 
 
@@ -211,7 +219,7 @@ def _two_hosts_training(tmp_path: Path, pause: str, late: float, script: list[st
 @pytest.mark.hosts
 @pytest.mark.multiworker
 def test_host_two_lost_for_good_after_epoch_1_host_one_finishes_alone_as_one_process(tmp_path, one_process):
-    with _two_hosts_training(tmp_path, "1.5", late=1) as (h1, h2, first, second):
+    with _two_hosts_training(tmp_path, "1.5", together=True) as (h1, h2, first, second):
         first.wait_for("[worker:0] EPOCH 1 replicas 2", 90)
         lost = time.monotonic()
         h2.kill_all()  # the host dies: every process on it, at once
@@ -415,7 +423,7 @@ def test_host_two_cut_off_silently_its_task_failure_on_host_one_is_not_a_failure
         tmp_path, one_process):
     """A host that goes silent (power cut, network gone) sends no FIN: host 1's task fails first (its collective
     aborts), and the rendezvous weighs that failure only once the silent node is lost: a membership change."""
-    with _two_hosts_training(tmp_path, "1.5", late=1) as (h1, h2, first, second):
+    with _two_hosts_training(tmp_path, "1.5", together=True) as (h1, h2, first, second):
         first.wait_for("[worker:0] EPOCH 1 replicas 2", 90)
         h2.run(["ip", "link", "set", "eth0", "down"], timeout=10, check=True)
         codes = [first.finish(150), second.finish(60)]
