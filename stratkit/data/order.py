@@ -49,7 +49,8 @@ def _sorted_by(keys: np.ndarray, index: np.ndarray, index_bits: int, high: np.nd
     combined = (keys >> np.uint64(64 - hash_bits)) << np.uint64(index_bits) | index.astype(np.uint64)
     if high is not None and high_bits:
         combined |= high.astype(np.uint64) << np.uint64(64 - high_bits)
-    return np.argsort(combined).astype(np.int64)
+    # the index is the low bits of its own key: sorting the keys (SIMD, 3x numpy's argsort) gives the argsort
+    return (np.sort(combined) & np.uint64((1 << index_bits) - 1)).astype(np.int64)
 
 
 def permutation(count: int, *key: int) -> np.ndarray:
