@@ -2,7 +2,8 @@
 
     python lake_train.py TABLE_URL [BACKUP_DIR]
 
-Environment: LAKE_KIND (parquet, delta, tfrecord), LAKE_VERSION (a Delta version), LAKE_EPOCHS (2),
+Environment: LAKE_KIND (parquet, delta, tfrecord), LAKE_VERSION (a Delta version), LAKE_REPLICAS (Mirrored over
+that many logical CPUs in one process), LAKE_EPOCHS (2),
 LAKE_BATCH (256), LAKE_EVERY (backup_every, steps), LAKE_KILL_AT ("global step:rank:restart count", several
 comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to
 appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "ids", "resumed"}`: the weights,
@@ -23,7 +24,8 @@ def train(table_url, backup_dir: str | None = None) -> dict:
     """`table_url`: a URL, or a `TableInput` handed over by a runner (trained with this script's order settings)."""
     import stratkit
 
-    trainer = stratkit.Trainer()
+    replicas = int(os.environ.get("LAKE_REPLICAS", "0"))    # one process, N logical CPUs under Mirrored
+    trainer = stratkit.Trainer(strategy="mirrored", logical_cpus=replicas) if replicas else stratkit.Trainer()
     import keras
     import numpy as np
     import tensorflow as tf

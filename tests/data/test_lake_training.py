@@ -95,6 +95,18 @@ def test_two_workers_under_launch_equal_one_process_and_train_every_row_once_per
         assert min(len(results[0]["ids"][epoch]), len(results[1]["ids"][epoch])) > ROWS // 3  # both read
 
 
+def test_four_replicas_under_mirrored_equal_one_device_and_train_every_row_once_per_epoch(lake, reference):
+    """One process, 4 logical CPUs: each step's rows split over 4 replicas (47 steps, the last of 112 rows: 28 a
+    replica; with 6000 rows and 128 a batch, each replica's part of a step is 32 or 28 rows)."""
+    url, env = lake
+    done = run_process(str(SCRIPT), args=[url], env={**env, "LAKE_REPLICAS": "4"}, timeout=300)
+    assert done.ok, describe([done])
+    (result,) = _result(done.stdout)
+    _same(reference, result)
+    for epoch in ("0", "1"):
+        assert sorted(result["ids"][epoch]) == list(range(ROWS)), epoch
+
+
 def test_a_sigkill_mid_epoch_on_two_workers_resumes_at_the_step_on_three_under_local_runner(lake, reference, tmp_path,
                                                                                             monkeypatch):
     """2 workers under launch: worker 1 SIGKILLed before global step 70 (epoch 2, step 23), no restart. Then 3
