@@ -44,7 +44,14 @@ def _env(extra: dict) -> dict:
 
 
 def _results(stdout: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines() if "RESULT " in line]
+    """The RESULT lines, each read from the file it names (LAKE_RESULT_DIR: a worker's million ids are a line
+    longer than `stratkit launch` forwards whole)."""
+    out = []
+    for line in stdout.splitlines():
+        if "RESULT " in line:
+            result = json.loads(line.split("RESULT ", 1)[1])
+            out.append(json.loads(Path(result["file"]).read_text()) if set(result) == {"file"} else result)
+    return out
 
 
 def _run(argv: list[str], env: dict, timeout: float = 7200) -> tuple[subprocess.CompletedProcess, float]:
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         lake_tables.write_parquet(fs, base, 64, rows)
         url = "s3://bench/t64"
         env = _env({**s3.env, "LAKE_BATCH": str(batch), "LAKE_EVERY": str(every), "LAKE_EPOCHS": str(epochs),
-                    "LAKE_LANES": "240" if not args.quick else "12"})
+                    "LAKE_LANES": "240" if not args.quick else "12", "LAKE_RESULT_DIR": scratch})
         one, seconds = _run([sys.executable, str(SCRIPT), url], env)
         if one.returncode:
             raise RuntimeError(one.stderr[-4000:])

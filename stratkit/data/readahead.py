@@ -8,7 +8,9 @@ order (the feed's arrays, `batching.Batcher.arrays` through `columns.py`, gather
 at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
 batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
 queue; tf.data cuts each into its steps (`unbatch` of its runs of equal parts: one Python hand-off per run, not
-per step).
+per step). A block's order (`shards.Layout.block`, numpy sorts without the GIL) is worked out in the pool beside
+its windows' decode, and the blocks run on across passes: the next pass's first blocks are read while this
+pass's last ones are put together, so an epoch boundary of `fit` does not wait for a whole block.
 
 Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
 chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded

@@ -8,7 +8,8 @@ LAKE_BATCH (256), LAKE_EVERY (backup_every, steps), LAKE_KILL_AT ("global step:r
 comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to
 appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "ids", "resumed"}`: the weights,
 the history, the row ids each epoch trained on this worker (recorded inside the replica step) and the global
-step it started at (a resume's).
+step it started at (a resume's); with LAKE_RESULT_DIR set, written to a file there and `RESULT {"file": path}`
+printed instead.
 """
 
 from __future__ import annotations
@@ -111,4 +112,10 @@ def train(table_url, backup_dir: str | None = None) -> dict:
 
 if __name__ == "__main__":
     result = train(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    into = os.environ.get("LAKE_RESULT_DIR")    # a million ids make a line longer than a launcher forwards whole
+    if into:
+        path = os.path.join(into, f"rank{result['rank']}-{os.getpid()}.json")
+        with open(path, "w") as out:
+            json.dump(result, out)
+        result = {"file": path}
     print("RESULT " + json.dumps(result), flush=True)
