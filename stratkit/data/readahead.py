@@ -166,7 +166,7 @@ class WorkerReader:
         self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
         share = max(1, spec.batch // max(spec.world, 1))
         fits = int(spec.budget // (8 * share * max(spec.plan.row_bytes, 1.0)))   # 2 ready chunks: a quarter
-        block_rows = int(layout_rows_per_block(spec.layout, self.first_lane, self.stop_lane))
+        block_rows = layout_rows_per_block(spec.layout, self.first_lane, self.stop_lane)
         # no more than a block's rows either: a chunk spanning blocks would hold the first step back
         self.per_chunk = max(1, min(MAX_CHUNK_STEPS, -(-min(CHUNK_ROWS, max(block_rows, 1)) // share), fits))
         self.ready: queue.Queue = queue.Queue(READY_CHUNKS)
@@ -276,7 +276,7 @@ class WorkerReader:
         total = layout.blocks()
         while spec.passes is None or done < spec.passes:
             start = cursor.global_position(spec.batch)
-            pass_ = _Pass(cursor.pass_, start, batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:])
+            pass_ = _Pass(start, batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:])
             stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
             first_block = layout.first_block(start) if start < spec.plan.rows else total
             lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
@@ -297,7 +297,6 @@ class WorkerReader:
 class _Pass:
     """One pass as the assembler cuts it: where it starts (a global position) and this worker's rows per step."""
 
-    number: int
     start: int
     counts: np.ndarray
 
