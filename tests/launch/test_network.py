@@ -48,8 +48,8 @@ def _netns(pid: int | str = "self") -> int:
     return os.stat(f"/proc/{pid}/ns/net").st_ino
 
 
-def _listening(pid: int | str = "self") -> set[tuple[str, int]]:
-    """(local address in hex, port) of every TCP socket in LISTEN in `pid`'s network namespace."""
+def _listeners(pid: int | str = "self") -> set[tuple[str, int, int]]:
+    """(local address in hex, port, socket inode) of every TCP socket in LISTEN in `pid`'s network namespace."""
     found = set()
     for name in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{name}") as handle:
@@ -57,8 +57,57 @@ def _listening(pid: int | str = "self") -> set[tuple[str, int]]:
                 fields = line.split()
                 if fields[3] == "0A":
                     address, port = fields[1].rsplit(":", 1)
-                    found.add((address, int(port, 16)))
+                    found.add((address, int(port, 16), int(fields[9])))
     return found
+
+
+def _listening(pid: int | str = "self") -> set[tuple[str, int]]:
+    """(local address in hex, port) of every TCP socket in LISTEN in `pid`'s network namespace."""
+    return {(address, port) for address, port, _ in _listeners(pid)}
+
+
+def _tree(root: int) -> set[int]:
+    """`root` and every process descended from it, alive now."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass                                # ended while we looked
+    tree, grew = {root}, True
+    while grew:
+        added = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= added
+        grew = bool(added)
+    return tree
+
+
+def _sockets_of(pids: set[int]) -> set[int]:
+    """Inodes of the sockets the processes `pids` hold open (an inode is unique across network namespaces)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue                                # ended while we looked
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def _ours_here(ours: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of the LISTEN sockets in this machine's namespace that the processes holding `ours` own.
+
+    By owner, not by port number: under `make test` other tests' programs listen here too, and one of them may
+    hold, by chance, the number a task's server holds inside its own namespace."""
+    return {(address, port) for address, port, inode in _listeners() if inode in ours}
 
 
 def _interfaces(pid: int | str = "self") -> set[str]:
@@ -168,13 +217,28 @@ def test_an_isolated_two_worker_launch_listens_on_loopback_only(tmp_path):
             assert _interfaces(pid) == {"lo"}                  # ... but in one that has only loopback
             inside |= _listening(pid)
             assert {port for _, port in _listening(pid)} >= set(ports.values())   # TF listens there (on 0.0.0.0)
-        outside = _listening()
+        pids = _tree(launcher.proc.pid) | set(_holder(launcher.stderr)) | {
+            p for ps in _pids(launcher.stderr).values() for p in ps}
+        ours = _sockets_of(pids)
+        assert ours, f"no socket found among the launch's processes {sorted(pids)}"
+        here = _ours_here(ours)
         for task, port in ports.items():
             # not listening in the machine's namespace at all (so on none of its addresses: exposed or not)
-            assert port not in {p for _, p in outside}, f"{task}'s port {port} listens in the machine's namespace"
-            assert _refused("127.0.0.1", port), f"{task}'s TF server is reachable at 127.0.0.1:{port}"
+            assert port not in {p for _, p in here}, f"{task}'s port {port} listens in the machine's namespace"
+            if port not in {p for _, p in _listening()}:      # else a stranger holds that number here
+                assert _refused("127.0.0.1", port), f"{task}'s TF server is reachable at 127.0.0.1:{port}"
             assert port in _exposed(inside)                    # TF's wildcard bind: exposed, but only to `lo`
-        assert not _exposed(outside) & set(ports.values())
+        assert not _exposed(here), f"the launch listens beyond loopback in the machine's namespace: {here}"
+        # Owners told apart: strangers listening here on the tasks' port numbers are in the table, not ours.
+        strangers = [socket.create_server(("127.0.0.1", port)) for port in ports.values()
+                     if port not in {p for _, p in _listening()}]
+        try:
+            taken = {s.getsockname()[1] for s in strangers}
+            assert taken <= {p for _, p in _listening()} and not taken & {p for _, p in _ours_here(ours)}
+            assert taken <= {p for _, p in _ours_here(ours | _sockets_of({os.getpid()}))}
+        finally:
+            for stranger in strangers:
+                stranger.close()
         assert WARNING not in launcher.stderr
         assert launcher.stderr.count("private network namespace") == 1
         checked.touch()
