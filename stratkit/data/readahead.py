@@ -15,8 +15,8 @@ pass's last ones are put together, so an epoch boundary of `fit` does not wait f
 Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
 chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded
 ahead, and two finished chunks (`CHUNK_ROWS` rows each, within a quarter of the budget). The blocks ahead are
-what `read_ahead_bytes` leaves room for (at least one); a budget without room for one is refused before
-step 1, naming what takes the bytes.
+what `read_ahead_bytes` leaves room for (at least one, at most `MAX_AHEAD_BLOCKS`); a budget without room for
+one is refused before step 1, naming what takes the bytes.
 
 A failure in a thread (a file that vanished, a store that refuses) is raised by the iterator, once, as a
 `TableReadError` naming the file; the threads stop.
@@ -56,6 +56,10 @@ READY_CHUNKS = 2
 #: 1M rows of 16 float32s into `Dataset.reduce`, pre-made chunks: 5.3M rows/s at 8,192 rows, 7.1M at 65,536.
 CHUNK_ROWS = 32768
 MAX_CHUNK_STEPS = 64
+#: Blocks read ahead at most, whatever room the budget leaves: 4 threads are kept busy by fewer, and the blocks run
+#: on across passes, so a table of a few rows would otherwise read a budget's worth of passes ahead before its
+#: first step (256 MiB of 12-row blocks: the first step never came, the memory grew).
+MAX_AHEAD_BLOCKS = 8
 #: The newest failure a reader of this process raised (`last_failure`).
 _FAILURES: list[BaseException] = []
 
@@ -358,7 +362,7 @@ def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) 
     lanes = (stop - first) * lane_bytes(plan)
     block = block_bytes(layout, plan, first, stop)
     room = budget - lanes - budget // 4
-    return max(1, room // max(block, 1) - 1), block, lanes
+    return max(1, min(MAX_AHEAD_BLOCKS, room // max(block, 1) - 1)), block, lanes
 
 
 def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:

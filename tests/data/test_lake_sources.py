@@ -323,3 +323,28 @@ def test_dataset_fn_yields_the_readers_per_replica_parts_in_order_empty_ones_inc
                 assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
         if world == 1:
             assert min(len(tf.nest.flatten(part)[0]) for part in expected) == 0   # the empty parts were there
+
+
+def test_a_tiny_table_read_endlessly_gives_its_steps_at_once_not_after_reading_far_ahead(tmp_path):
+    """12 rows in 2 files, a pass of 3 steps, read without end (`fit`'s repeat): the first steps come within
+    seconds. (The blocks ahead were a budget's worth: 256 MiB of 12-row blocks, hundreds of thousands of passes
+    submitted to the pool before the first step came out, the process's memory growing.)"""
+    import threading
+
+    for i, (lo, hi) in enumerate(((0, 5), (5, 12))):
+        pq.write_table(pa.table({"id": np.arange(lo, hi, dtype="int64"), "y": np.zeros(hi - lo, "float32")}),
+                       tmp_path / f"part-{i}.parquet", row_group_size=3)
+    data = TableInput(Table.parquet(tmp_path), features="id", label="y", seed=3)
+    reader = data.reader(5)
+    got: list[np.ndarray] = []
+    taker = threading.Thread(target=lambda: got.extend(
+        np.concatenate([part[0].reshape(-1) for part in step]) for step, _ in zip(reader, range(12))), daemon=True)
+    try:
+        taker.start()
+        taker.join(60)
+        assert not taker.is_alive(), f"{len(got)} of 12 steps within 60 s; the reader keeps {reader.ahead} blocks ahead"
+    finally:
+        reader.close()
+    assert [len(ids) for ids in got] == [5, 5, 2] * 4
+    for n in range(4):
+        assert sorted(np.concatenate(got[3 * n:3 * n + 3]).tolist()) == list(range(12))
