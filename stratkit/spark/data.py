@@ -40,8 +40,9 @@ smaller than the number of workers: when the largest shard needs one batch
 more than the smallest (N mod (W x per-replica batch) in 1..W-1), that last
 small batch is skipped for the epoch (a different row each epoch, as shards are
 reshuffled), because a worker with no rows left cannot take part in the step.
-No Petastorm: pyarrow reads Parquet directly, through the store layer
-(`stratkit.storage`), so a store URL reads as a local directory does.
+No Petastorm: the shard's rows are read by the table reader's Parquet source
+(`stratkit.data.sources`, the one that reads tables in place), through the store
+layer's filesystems, so a store URL reads as a local directory does.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stratkit import storage
-from stratkit.data.columns import Column, column_of
+from stratkit.data.columns import Column
 from stratkit.data.feeds import FeedPlan, Names, plan_feeds, plan_for_model
 from stratkit.data.signature import ModelSignature, Port
 from stratkit.errors import ConfigError
@@ -211,6 +211,7 @@ class ParquetShard:
         self.start = index * total // count
         self.stop = (index + 1) * total // count
         self._schema: dict[str, Column] | None = None
+        self._plan: tuple[Any, int, int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -227,58 +228,58 @@ class ParquetShard:
         total = self.staged.num_rows
         return [(i + 1) * total // self.count - i * total // self.count for i in range(self.count)]
 
-    # -- reading --------------------------------------------------------------------------------
-    def _open(self, uri: str, stores: dict[str, storage.Store]) -> Any:
-        parent, name = uri.rstrip("/").rsplit("/", 1)
-        if parent not in stores:
-            stores[parent] = storage.open_store(parent, "the staged DataFrame")
-        return stores[parent].open(name)
+    # -- reading ----------------------------------------------------------------------------------
+    def _planned(self) -> tuple[Any, int, int]:
+        """(the table reader's plan of this shard's files, first row, end row in them): only the files holding
+        the shard's rows (else the first file with rows, for its schema, and no rows)."""
+        if self._plan is None:
+            from stratkit.data.table import Table
+
+            uris, first, at = [], None, 0
+            for uri, rows in self.staged.files:
+                if rows and at + rows > self.start and at < self.stop:
+                    first = at if first is None else first
+                    uris.append(uri)
+                at += rows
+            if not uris:
+                uris = [next((uri for uri, rows in self.staged.files if rows), None)]
+                if uris[0] is None:
+                    raise ConfigError("the staged DataFrame has no rows")
+                first = self.start
+            plan = Table.parquet(uris, columns=list(self.staged.columns)).plan()
+            staged = dict(self.staged.files)
+            found = [int(plan.unit_rows[plan.unit_file == i].sum()) for i in range(len(plan.files))]
+            if found != [staged[uri] for uri in uris]:
+                raise ConfigError(f"the staged files {uris} hold {found} rows, not the {[staged[u] for u in uris]} "
+                                  "the staging wrote: the staging directory was changed during the run. Fix: "
+                                  "give each run a staging directory of its own (staging_dir=)")
+            self._plan = (plan, self.start - first, self.stop - first)
+        return self._plan
 
     def record_batches(self, batch_rows: int = 4096) -> Iterator[Any]:
-        """This shard's rows as Arrow `RecordBatch`es in file order, every staged column in its own type."""
-        import pyarrow.parquet as pq
+        """This shard's rows as Arrow `RecordBatch`es in file order, every staged column in its own type.
 
-        offset = 0
-        stores: dict[str, storage.Store] = {}
-        for uri, rows in self.staged.files:
-            lo, hi = max(self.start, offset), min(self.stop, offset + rows)
-            if lo < hi:
-                with self._open(uri, stores) as handle:
-                    yield from self._read_range(pq.ParquetFile(handle), lo - offset, hi - offset, batch_rows)
-            offset += rows
-            if offset >= self.stop:
-                break
+        Read by the table reader's Parquet source (`stratkit.data.sources`), the one that reads tables in place:
+        only the row groups holding the shard's rows, only the staged columns."""
+        import numpy as np
 
-    def _read_range(self, parquet: Any, lo: int, hi: int, batch_rows: int) -> Iterator[Any]:
-        groups, first_row, position = [], None, 0
-        for i in range(parquet.metadata.num_row_groups):
-            n = parquet.metadata.row_group(i).num_rows
-            if position + n > lo and position < hi:
-                groups.append(i)
-                first_row = position if first_row is None else first_row
-            position += n
-        if not groups:
+        from stratkit.data import sources
+        from stratkit.data.plan import Stream
+        from stratkit.storage.arrow import arrow_filesystem
+
+        plan, first, stop = self._planned()
+        if first >= stop:
             return
-        row = first_row
-        for batch in parquet.iter_batches(batch_size=batch_rows, row_groups=groups, columns=list(self.staged.columns)):
-            a, b = max(lo - row, 0), min(hi - row, batch.num_rows)
-            if a < b:
-                yield batch.slice(a, b - a)
-            row += batch.num_rows
-            if row >= hi:
-                break
+        fs = arrow_filesystem(plan.root, "the staged DataFrame")[0]
+        footers: dict[int, Any] = {}
+        for piece in Stream(plan, np.arange(len(plan.unit_rows))).pieces(first, stop):
+            yield from sources.read_piece(plan, piece, list(self.staged.columns), batch_rows, fs, footers)
 
     def schema(self) -> dict[str, Column]:
         """Each staged column's dtype and per-row shape (`stratkit.data.columns.Column`), from the Parquet schema."""
         if self._schema is None:
-            import pyarrow.parquet as pq
-
-            uri = next((uri for uri, rows in self.staged.files if rows), None)
-            if uri is None:
-                raise ConfigError("the staged DataFrame has no rows")
-            with self._open(uri, {}) as handle:
-                arrow = pq.ParquetFile(handle).schema_arrow
-            self._schema = {name: column_of(name, arrow.field(name).type) for name in self.staged.columns}
+            plan = self._planned()[0]
+            self._schema = {column.name: column for column in plan.columns}
         return self._schema
 
     def plan(self, model: Any = None, names: Names = NAMES) -> FeedPlan:
@@ -446,6 +447,40 @@ class ParquetShard:
             return dataset.prefetch(tf.data.AUTOTUNE)
 
         return fn
+
+    def table_input(self, *, seed: int | None = None, shuffle: bool = True, **options: Any) -> Any:
+        """The whole staged DataFrame as a `stratkit.data.TableInput`, for `trainer.fit(model, data.table_input(),
+        global_batch_size=G)`: read as a table on the store is, by the same reader, so each row is trained once
+        per epoch (the last global batch partial, none skipped) in one order whatever the number of workers, each
+        worker fetching only the row groups its share needs. Every worker's shard gives the same table.
+
+        Args:
+            seed, shuffle, options: as `TableInput`'s (`shuffle_window`, `lanes`, `read_ahead_bytes`, `threads`).
+
+        The staged copy is the run's own: a later run stages anew, so a backup's mid-epoch position is for a
+        retry of this run, not for a new one (a table on the store, read in place, keeps it across runs).
+
+        Raises:
+            ConfigError: several label columns or `feature_dtype` (a `TableInput` has one label and takes each
+                column's dtype from the model), naming the fix.
+        """
+        from stratkit.data.table import Table
+        from stratkit.data.table_input import TableInput
+
+        if len(self.staged.label_cols) > 1:
+            raise ConfigError(f"table_input() takes one label column, not {list(self.staged.label_cols)}. Fix: "
+                              "DataFrameInput(label_col=<one column>), or this shard's dataset_fn(G, model=model)")
+        if self.staged.feature_dtype is not None:
+            raise ConfigError(f"table_input() gives each column its model input's dtype, and feature_dtype="
+                              f"{self.staged.feature_dtype!r} chose one for all. Fix: drop feature_dtype from the "
+                              "DataFrameInput")
+        uris = [uri for uri, rows in self.staged.files if rows]
+        if not uris:
+            raise ConfigError("the staged DataFrame has no rows")
+        table = Table.parquet(uris, columns=list(self.staged.columns))
+        return TableInput(table, features=list(self.staged.feature_cols),
+                          label=self.staged.label_cols[0] if self.staged.label_cols else None,
+                          sample_weight=self.staged.weight_col, seed=seed, shuffle=shuffle, **options)
 
     def __repr__(self) -> str:
         return (f"ParquetShard(index={self.index}, count={self.count}, rows={self.num_rows} of {self.total_rows}, "

@@ -102,6 +102,14 @@ class ScannedTable(TableInput):
             seed=self.seed if seed is None else int(seed), seed_given=True, shuffle=self.shuffle and shuffle)
         return TableInput.dataset_fn(data, global_batch_size, model, **kwargs)
 
+    def table_input(self, *, seed: int | None = None, shuffle: bool = True, **options: Any) -> TableInput:
+        """`ParquetShard.table_input`'s counterpart: this table as a `TableInput` (itself, unless settings are
+        given), so a train_fn that fits `data.table_input()` runs on a staged DataFrame and on one read in place."""
+        if seed is None and shuffle and not options:
+            return self
+        return TableInput(self.table, features=self.features, label=self.label, sample_weight=self.sample_weight,
+                          seed=seed, shuffle=shuffle, **options)
+
     def __getattr__(self, name: str) -> Any:
         if name in _SHARD_ONLY:
             raise ConfigError(f"{name}() is a ParquetShard method: this DataFrame is a plain Parquet scan, read in "

@@ -89,6 +89,8 @@ def test_two_workers_under_launch_equal_one_process_and_train_every_row_once_per
     assert set(results) == {0, 1}
     for result in results.values():
         _same(reference, result)
+    for w0, w1 in zip(results[0]["w"], results[1]["w"]):      # one model, not two close ones: bit for bit
+        assert np.array_equal(w0, w1), float(np.max(np.abs(np.subtract(w0, w1))))
     for epoch in ("0", "1"):
         ids = results[0]["ids"][epoch] + results[1]["ids"][epoch]
         assert len(ids) == ROWS and sorted(ids) == list(range(ROWS)), epoch   # each row once, none padded

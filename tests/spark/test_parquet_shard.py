@@ -77,3 +77,74 @@ def test_without_a_model_the_matrix_refuses_ids_its_dtype_would_change_before_a_
         numbers.shard(0, 1).dataset_fn(4)
     with pytest.raises(ConfigError, match=r"feature_dtype='float64' and model= both choose"):
         _staged(tmp_path, feature_dtype="float64").shard(0, 1).dataset_fn(4, model=_model())
+
+
+def test_every_worker_count_reads_exactly_its_contiguous_rows_through_the_table_reader(tmp_path):
+    """Files of unequal sizes, several row groups, an empty one between: worker i of W gets rows
+    [i*N//W, (i+1)*N//W) in file order, each once, whatever W (more workers than rows included)."""
+    ids = np.arange(23, dtype="int64")
+    files = []
+    for i, (lo, hi) in enumerate(((0, 7), (7, 7), (7, 19), (19, 23))):
+        path = tmp_path / f"part-{i:05d}-a0.parquet"
+        pq.write_table(pa.table({"id": ids[lo:hi], "label": ids[lo:hi] % 2}), path, row_group_size=4)
+        files.append((str(path), hi - lo))
+    staged = StagedData(path=str(tmp_path), files=tuple(files), feature_cols=("id",), label_col="label")
+    for count in (1, 2, 3, 5, 23, 30):
+        seen = []
+        for index in range(count):
+            shard = staged.shard(index, count)
+            got = [v for b in shard.record_batches(batch_rows=3) for v in b.column("id").to_pylist()]
+            assert got == list(range(index * 23 // count, (index + 1) * 23 // count)), (index, count)
+            assert shard.schema()["id"].dtype == "int64"
+            seen += got
+        assert seen == list(range(23)), count
+
+
+def test_a_staged_file_rewritten_during_the_run_is_refused_naming_it(tmp_path):
+    staged = _staged(tmp_path)
+    path = tmp_path / "part-00001.parquet"
+    pq.write_table(pa.table({"id": np.arange(3, dtype="int64"), "word": ["a"] * 3, "label": np.zeros(3, "int64"),
+                             "weight": np.ones(3)}), path)
+    with pytest.raises(ConfigError, match=r"part-00001\.parquet.* hold \[3\] rows, not the \[7\] the staging wrote"):
+        list(staged.shard(1, 2).record_batches())
+
+
+def test_table_input_is_the_whole_staged_table_on_every_shard_and_one_process_trains_each_row_once(tmp_path):
+    import keras
+
+    import stratkit
+
+    staged = _staged(tmp_path)
+    inputs = [staged.shard(i, 3).table_input(seed=5) for i in range(3)]
+    plans = [data.plan() for data in inputs]
+    assert all(p.files == plans[0].files and p.rows == 12 for p in plans)
+    assert inputs[0].features == ["word", "id"] and inputs[0].label == "label" and inputs[0].sample_weight == "weight"
+    seen = []
+
+    class Recorded(keras.Model):
+        def train_step(self, data):
+            import tensorflow as tf
+
+            tf.py_function(lambda ids: seen.append(ids.numpy().ravel().tolist()) or 0, [data[0]["id"]], tf.int32)
+            return super().train_step(data)
+
+    word = keras.Input((1,), dtype="string", name="word")
+    ids = keras.Input((1,), dtype="int64", name="id")
+    looked = keras.layers.StringLookup(vocabulary=["w0", "w1", "w2"])(word)
+    joined = keras.layers.Concatenate()([keras.ops.cast(keras.layers.Hashing(16)(ids), "float32"),
+                                         keras.ops.cast(looked, "float32")])
+    model = Recorded({"word": word, "id": ids}, keras.layers.Dense(1, activation="sigmoid")(joined))
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    stratkit.Trainer(strategy="one_device").fit(model, inputs[1], epochs=2, global_batch_size=5, verbose=0)
+    assert [len(batch) for batch in seen] == [5, 5, 2] * 2                  # the last batch partial, none skipped
+    for epoch in (seen[:3], seen[3:]):
+        assert sorted(v for batch in epoch for v in batch) == list(range(BASE, BASE + 12))
+
+
+def test_table_input_refuses_what_a_table_input_cannot_take_naming_the_fix(tmp_path):
+    staged = _staged(tmp_path)
+    two = StagedData(staged.path, staged.files, ("id",), ("label", "weight"))
+    with pytest.raises(ConfigError, match=r"one label column, not \['label', 'weight'\]. Fix"):
+        two.shard(0, 1).table_input()
+    with pytest.raises(ConfigError, match=r"feature_dtype='float64' chose one for all. Fix: drop feature_dtype"):
+        _staged(tmp_path, feature_dtype="float64").shard(0, 1).table_input()

@@ -153,6 +153,40 @@ def test_a_dataframe_scanning_a_parquet_table_is_read_in_place_not_staged(spark,
     assert calls == [] and list(scratch.iterdir()) == []
 
 
+def train_staged_and_keep(data, out_dir):
+    """A staged DataFrame's shard, trained as the table it was staged into (`ParquetShard.table_input`); worker 0
+    first copies the staged files to `out_dir/staged` (one process then reads the same table)."""
+    import os
+    import shutil
+
+    table = data.table_input()
+    if data.index == 0:
+        os.makedirs(os.path.join(out_dir, "staged"))
+        for path in table.plan().files:
+            shutil.copy(path, os.path.join(out_dir, "staged"))
+    return train_and_keep(table, out_dir)
+
+
+def test_a_staged_dataframe_trains_through_the_table_reader_on_two_executors_as_one_process_reads_the_copy(
+        spark, table_dir, no_staging, tmp_path):
+    """A DataFrame Spark computes is staged; `data.table_input()` reads the staged copy with the table reader:
+    each row once per epoch (the last batch partial, none skipped), the 2 executors equal to one process reading
+    the same files."""
+    from stratkit.spark import DataFrameInput, SparkRunner
+
+    calls, _ = no_staging
+    out = tmp_path / "out"
+    out.mkdir()
+    frame = spark.read.parquet(table_dir).filter("id >= 0")            # computed: staged
+    data = DataFrameInput(frame, feature_cols=["x", "id"], label_col="y", in_place=None)
+    assert SparkRunner(num_workers=2, spark=spark, timeout=600).run(train_staged_and_keep, data, str(out)) == 0
+    assert calls == ["data"]
+    one = run_process(str(DATA / "lake_train.py"), args=[str(out / "staged")], timeout=300)
+    assert one.ok, describe([one])
+    (line,) = [s for s in one.stdout.splitlines() if s.startswith("RESULT ")]
+    _check_run(out, json.loads(line[len("RESULT "):]), ["TableInput", ["x", "id"], "y"])
+
+
 def test_only_a_plain_parquet_scan_is_read_in_place(spark, table_dir, tmp_path):
     from pyspark.sql import functions as F
 
