@@ -179,7 +179,8 @@ def test_a_staged_dataframe_trains_through_the_table_reader_on_two_executors_as_
     out.mkdir()
     frame = spark.read.parquet(table_dir).filter("id >= 0")            # computed: staged
     data = DataFrameInput(frame, feature_cols=["x", "id"], label_col="y", in_place=None)
-    assert SparkRunner(num_workers=2, spark=spark, timeout=600).run(train_staged_and_keep, data, str(out)) == 0
+    runner = SparkRunner(num_workers=2, spark=spark, timeout=600)
+    assert runner.run(train_staged_and_keep, data=data, out_dir=str(out)) == 0
     assert calls == ["data"]
     one = run_process(str(DATA / "lake_train.py"), args=[str(out / "staged")], timeout=300)
     assert one.ok, describe([one])
