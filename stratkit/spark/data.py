@@ -40,9 +40,8 @@ smaller than the number of workers: when the largest shard needs one batch
 more than the smallest (N mod (W x per-replica batch) in 1..W-1), that last
 small batch is skipped for the epoch (a different row each epoch, as shards are
 reshuffled), because a worker with no rows left cannot take part in the step.
-No Petastorm: the shard's rows are read by the table reader's Parquet source
-(`stratkit.data.sources`, the one that reads tables in place), through the store
-layer's filesystems, so a store URL reads as a local directory does.
+No Petastorm: the table reader's Parquet source (`stratkit.data.sources`) reads the rows, through the
+store layer's filesystems; `table_input()` reads the staged copy as a table in place is read.
 """
 
 from __future__ import annotations
@@ -230,8 +229,7 @@ class ParquetShard:
 
     # -- reading ----------------------------------------------------------------------------------
     def _planned(self) -> tuple[Any, int, int]:
-        """(the table reader's plan of this shard's files, first row, end row in them): only the files holding
-        the shard's rows (else the first file with rows, for its schema, and no rows)."""
+        """(the plan of the files holding the shard's rows, or of the first file with rows; first row, end row)."""
         if self._plan is None:
             from stratkit.data.table import Table
 
@@ -449,20 +447,18 @@ class ParquetShard:
         return fn
 
     def table_input(self, *, seed: int | None = None, shuffle: bool = True, **options: Any) -> Any:
-        """The whole staged DataFrame as a `stratkit.data.TableInput`, for `trainer.fit(model, data.table_input(),
-        global_batch_size=G)`: read as a table on the store is, by the same reader, so each row is trained once
-        per epoch (the last global batch partial, none skipped) in one order whatever the number of workers, each
-        worker fetching only the row groups its share needs. Every worker's shard gives the same table.
+        """The whole staged copy as a `stratkit.data.TableInput` (the same on every worker), for
+        `trainer.fit(model, data.table_input(), global_batch_size=G)`: each row once per epoch, the last batch
+        partial, one order at any number of workers. The copy is the run's own: a mid-epoch backup serves a
+        retry of this run, not a new run (which stages anew).
 
         Args:
-            seed, shuffle, options: as `TableInput`'s (`shuffle_window`, `lanes`, `read_ahead_bytes`, `threads`).
-
-        The staged copy is the run's own: a later run stages anew, so a backup's mid-epoch position is for a
-        retry of this run, not for a new one (a table on the store, read in place, keeps it across runs).
+            seed: the order's seed (as `TableInput`'s).
+            shuffle: shuffle the order (as `TableInput`'s).
+            **options: `TableInput`'s `shuffle_window`, `lanes`, `read_ahead_bytes`, `threads`.
 
         Raises:
-            ConfigError: several label columns or `feature_dtype` (a `TableInput` has one label and takes each
-                column's dtype from the model), naming the fix.
+            ConfigError: several label columns, or `feature_dtype` (each column takes its model input's dtype).
         """
         from stratkit.data.table import Table
         from stratkit.data.table_input import TableInput

@@ -11,6 +11,8 @@ arrays. Environment:
                         TERM followed by a SIGKILL 5 s later (as a platform does); or EXTERNAL: it writes
                         ready-<rank>.json (its pid) and waits there (up to 120 s) for the file `sent`, which
                         the test writes after it signalled this process from outside (an engine's tests)
+  HOLD_AT               rank 0's first attempt waits before global step HOLD_AT (up to 120 s) for the file `go`,
+                        which the test writes once what it changed outside (a store back up) is in place
   DROPOUT               add a Dropout layer (random state must carry over; one strategy only)
   STEP_SECONDS          sleep this long after each step (a notice from outside then lands mid-run)
   STRATKIT_BACKUP_STAGING  with a store URL as BACKUP_DIR: "{rank}" in it is this worker's rank (a host's own disk)
@@ -74,6 +76,10 @@ class Evidence(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self.epoch * STEPS_PER_EPOCH + batch
+        if os.environ.get("HOLD_AT") and step == int(os.environ["HOLD_AT"]) and RANK == 0 and ATTEMPT == 0:
+            go, waited = os.path.join(OUT, "go"), time.monotonic()
+            while not os.path.exists(go) and time.monotonic() - waited < 120:
+                time.sleep(0.02)
         if (ATTEMPT == int(os.environ.get("KILL_ATTEMPT", "0")) and os.environ.get("KILL_AT") and step == int(os.environ["KILL_AT"])
                 and RANK == int(os.environ.get("KILL_RANK", "0"))):
             if os.environ.get("KILL_SIGNAL", "KILL") == "KILL":

@@ -239,8 +239,10 @@ def test_sigkill_during_an_upload_resumes_from_the_previous_commit(tmp_path, ref
 def test_the_store_down_mid_run_training_goes_on_and_the_run_says_what_never_arrived(tmp_path, store_server):
     server = store_server("s3")
     url = server.url(server.make_bucket(_unique("outage")), "run1")
+    # HOLD_AT: step 33 waits for the store to be back, so the backup of step 35 is made after it (under load the
+    # run once trained to its end before the test saw the warning and brought the store up: nothing said "again")
     env = _env(server, url, tmp_path, KILL_AT="16", KILL_RANK="0", KILL_SIGNAL="EXTERNAL", STEP_SECONDS="0.1",
-               EPOCHS="4", AWS_MAX_ATTEMPTS="2")   # (botocore's own retries would hide each failure for ~8 s)
+               EPOCHS="4", AWS_MAX_ATTEMPTS="2", HOLD_AT="33")   # (botocore's own retries hide a failure ~8 s)
     run = Running(tmp_path, env)
     steps = tmp_path / "steps-0.log"
     try:
@@ -258,6 +260,7 @@ def test_the_store_down_mid_run_training_goes_on_and_the_run_says_what_never_arr
         assert _committed(server, url, direct)[0] == AT_14   # still the resume point (the newest commit)
     finally:
         server.up()
+        (tmp_path / "go").write_text("")
     assert run.finish() == 0, run.err[-5000:]
     assert run.err.count("uploads are failing") == 1, run.err[-5000:]   # one warning for the outage, not per retry
     assert "the newest committed backup is epoch 1 + 4 steps" in run.err
