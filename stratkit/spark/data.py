@@ -178,6 +178,15 @@ class StagedData:
         """Worker `index` of `count`'s share of the rows."""
         return ParquetShard(self, index, count)
 
+    def table(self, uris: Sequence[str] | None = None) -> Any:
+        """The staged files `uris` (default: every one with rows) as a `stratkit.data.Table` of the staged columns."""
+        from stratkit.data.table import Table
+
+        chosen = [uri for uri, rows in self.files if rows] if uris is None else list(uris)
+        if not chosen:
+            raise ConfigError("the staged DataFrame has no rows")
+        return Table.parquet(chosen, columns=list(self.columns))
+
 
 class ParquetShard:
     """One worker's rows of a staged DataFrame; what train_fn receives for a DataFrame argument.
@@ -231,22 +240,18 @@ class ParquetShard:
     def _planned(self) -> tuple[Any, int, int]:
         """(the plan of the files holding the shard's rows, or of the first file with rows; first row, end row)."""
         if self._plan is None:
-            from stratkit.data.table import Table
+            import numpy as np
 
-            uris, first, at = [], None, 0
+            uris, first, at = [], self.start, 0
             for uri, rows in self.staged.files:
                 if rows and at + rows > self.start and at < self.stop:
-                    first = at if first is None else first
+                    first = at if not uris else first
                     uris.append(uri)
                 at += rows
-            if not uris:
-                uris = [next((uri for uri, rows in self.staged.files if rows), None)]
-                if uris[0] is None:
-                    raise ConfigError("the staged DataFrame has no rows")
-                first = self.start
-            plan = Table.parquet(uris, columns=list(self.staged.columns)).plan()
+            uris = uris or [uri for uri, rows in self.staged.files if rows][:1]   # no rows here: one, for the schema
+            plan = self.staged.table(uris).plan()
             staged = dict(self.staged.files)
-            found = [int(plan.unit_rows[plan.unit_file == i].sum()) for i in range(len(plan.files))]
+            found = np.bincount(plan.unit_file, weights=plan.unit_rows, minlength=len(plan.files)).astype(int).tolist()
             if found != [staged[uri] for uri in uris]:
                 raise ConfigError(f"the staged files {uris} hold {found} rows, not the {[staged[u] for u in uris]} "
                                   "the staging wrote: the staging directory was changed during the run. Fix: "
@@ -460,7 +465,6 @@ class ParquetShard:
         Raises:
             ConfigError: several label columns, or `feature_dtype` (each column takes its model input's dtype).
         """
-        from stratkit.data.table import Table
         from stratkit.data.table_input import TableInput
 
         if len(self.staged.label_cols) > 1:
@@ -470,11 +474,7 @@ class ParquetShard:
             raise ConfigError(f"table_input() gives each column its model input's dtype, and feature_dtype="
                               f"{self.staged.feature_dtype!r} chose one for all. Fix: drop feature_dtype from the "
                               "DataFrameInput")
-        uris = [uri for uri, rows in self.staged.files if rows]
-        if not uris:
-            raise ConfigError("the staged DataFrame has no rows")
-        table = Table.parquet(uris, columns=list(self.staged.columns))
-        return TableInput(table, features=list(self.staged.feature_cols),
+        return TableInput(self.staged.table(), features=list(self.staged.feature_cols),
                           label=self.staged.label_cols[0] if self.staged.label_cols else None,
                           sample_weight=self.staged.weight_col, seed=seed, shuffle=shuffle, **options)
 
