@@ -118,6 +118,8 @@ def _check_run(out_dir, reference, received):
     for rank, result in results.items():
         assert result["received"] == received, rank
         _same(reference, result)
+    for w0, w1 in zip(results[0]["w"], results[1]["w"]):      # one model on both executors, bit for bit
+        assert np.array_equal(w0, w1), float(np.max(np.abs(np.subtract(w0, w1))))
     for epoch in ("0", "1"):
         ids = results[0]["ids"][epoch] + results[1]["ids"][epoch]
         assert len(ids) == ROWS and sorted(ids) == list(range(ROWS)), epoch   # each row once, none padded
