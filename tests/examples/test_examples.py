@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import REPO_ROOT, child_env, describe, free_ports, run_cluster, run_process, worker_tf_configs
+from procs import REPO_ROOT, Result, child_env, describe, free_ports, run_cluster, run_process, worker_tf_configs
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,17 @@ def _quickstart(argv: list[str], cwd: Path, env: dict[str, str | None] | None = 
     return output
 
 
+def _sample(script: str, cwd: Path, args: list[str] = (), ok: bool = True) -> Result:
+    """`python script args` in `cwd`, forked from the tests' fork servers (tests/procs.py): the script runs as in
+    a new interpreter, without importing TensorFlow again (~3.5 CPU-s quiet; nothing here tests process start-up)."""
+    (result,) = run_cluster(script, [None], env={"STRATKIT_WORKERS": None}, args=args, cwd=cwd, timeout=300)
+    assert result.ok or not ok, describe([result])
+    return result
+
+
 def test_quickstart_runs_as_one_process(tmp_path):
-    output = _quickstart([sys.executable, str(EXAMPLES / "quickstart.py")], tmp_path)
+    run = _sample(str(EXAMPLES / "quickstart.py"), tmp_path)
+    output = run.stdout + run.stderr
     evaluation = ast.literal_eval(re.findall(r"^(\{'accuracy'.*\})$", output, re.M)[-1])
     assert set(evaluation) == {"accuracy", "loss"} and evaluation["accuracy"] >= 0.9
     assert (tmp_path / "out" / "digits.keras").is_file() and not (tmp_path / "backup").exists()
@@ -95,11 +104,11 @@ def test_spark_example_trains_on_a_dataframe_with_two_workers(tmp_path):
 def test_the_callback_state_sample_counts_every_step_once_across_a_crash(tmp_path):
     """docs/fault-tolerance.md includes examples/callback_state.py: a user's get_state/set_state in the backups."""
     sample = str(EXAMPLES / "callback_state.py")
-    crashed = subprocess.run([sys.executable, sample, "--stop-at", "23"], cwd=tmp_path, env=child_env(None, None),
-                             capture_output=True, text=True, timeout=300)
-    assert crashed.returncode == -9, crashed.stderr[-3000:]
+    crashed = _sample(sample, tmp_path, ["--stop-at", "23"], ok=False)
+    assert crashed.returncode == -9, describe([crashed])
     assert "steps counted" not in crashed.stdout
-    output = _quickstart([sys.executable, sample], tmp_path)
+    resumed = _sample(sample, tmp_path)
+    output = resumed.stdout + resumed.stderr
     assert "resumed from" in output and "at epoch 2 + 1 steps" in output  # the backup of step 21
     assert "steps counted: 50" in output and not (tmp_path / "backup").exists()
 
