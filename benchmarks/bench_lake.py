@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                "arrays steps/s": round(statistics.mean(r["arrays"] for r in cnn["rounds"]), 2),
                "table/arrays": round(statistics.mean(ratios), 3),
                "min-max": f"{min(ratios):.3f}-{max(ratios):.3f}"}
-    memory_rows = [{"worker": w["rank"], "peak RSS MiB": round(w["big_peak_kb"] / 1024, 1),
+    memory_rows = [{"worker": w["rank"], "Arrow pool": w.get("arrow_pool", "?"), "peak RSS MiB": round(w["big_peak_kb"] / 1024, 1),
                     "small-table peak MiB": round(w["small_peak_kb"] / 1024, 1),
                     "growth MiB": round((w["big_peak_kb"] - w["small_peak_kb"]) / 1024, 1),
                     "budget MiB": round(w["budget"] / 2**20, 1),

@@ -183,7 +183,10 @@ def memory(small: str, big: str, budget: int) -> dict:
     small_rows, _ = fit(small)
     small_peak = peak()
     big_rows, row_bytes = fit(big)
-    return {"rank": max(trainer.spec.worker_rank, 0), "before_kb": before, "small_peak_kb": small_peak,
+    import pyarrow as pa
+
+    return {"rank": max(trainer.spec.worker_rank, 0), "arrow_pool": pa.default_memory_pool().backend_name,
+            "before_kb": before, "small_peak_kb": small_peak,
             "big_peak_kb": peak(), "small_rows": small_rows, "big_rows": big_rows,
             "big_decoded_bytes": int(big_rows * row_bytes), "budget": budget}
 

@@ -218,7 +218,10 @@ def test_a_child_decodes_arrow_in_jemalloc_unless_its_environment_names_a_pool(a
 
 
 def test_the_workers_of_stratkit_launch_get_the_pool_too(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--", *POOL_OF],
+    script = tmp_path / "pool.py"            # `python script.py`, as a user starts their tasks
+    script.write_text(POOL_OF[2])
+    out = subprocess.run([sys.executable, "-m", "stratkit.cli", "launch", "--workers", "2", "--", sys.executable,
+                          str(script)],
                          env=child_env(None, {"ARROW_DEFAULT_MEMORY_POOL": None}), capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
