@@ -397,6 +397,16 @@ def run_cluster(
         return results
 
 
+def start_process(argv: Sequence[str], env: Mapping[str, str], stdout: IO[bytes], stderr: IO[bytes],
+                  cwd: str | os.PathLike[str] | None = None) -> subprocess.Popen[bytes] | ForkedTask:
+    """Start `argv` (``[python, script, *args]``) in the background with the whole environment `env` (see
+    :func:`child_env`) and its output to `stdout`/`stderr` (files, or pipes' write ends): forked from a fork
+    server when :func:`run_cluster` would fork it, else a new interpreter. The caller waits for it (`poll`,
+    `wait`, `returncode`, as :class:`subprocess.Popen` has them) and kills its group (`pid`) if need be."""
+    return _start(list(argv), dict(env), stdout, stderr, os.fspath(cwd) if cwd is not None else str(REPO_ROOT),
+                  True, 0)
+
+
 def run_process(
     script: str | os.PathLike[str],
     env: Mapping[str, str | None] | None = None,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import stores
-from procs import REPO_ROOT, child_env, describe, run_process
+from procs import REPO_ROOT, child_env, describe, run_process, start_process
 
 from stratkit.training.checkpoint.layout import Position
 
@@ -90,15 +90,22 @@ class Running:
 
     def __init__(self, out: Path, env: dict, workers: int = 0, extra: list[str] = ()) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        argv = ([sys.executable, "-m", "stratkit.cli", "launch", "--workers", str(workers), "--max-restarts", "0",
-                 "--no-private-network", *extra, "--", sys.executable, SCRIPT] if workers else
-                [sys.executable, SCRIPT])
         clean = {k: None for k in os.environ if k.startswith(("STRATKIT_", "SLURM_")) or k == "TF_CONFIG"}
-        self.proc = subprocess.Popen(argv, env=child_env(None, {**clean, **env}), cwd=REPO_ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        clean.pop("STRATKIT_TEST_IMPORT_LOG", None)   # a measuring run's (tests/cpu_times.py): forks as without it
+        if workers:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stratkit.cli", "launch", "--workers", str(workers), "--max-restarts", "0",
+                 "--no-private-network", *extra, "--", sys.executable, SCRIPT], env=child_env(None, {**clean, **env}),
+                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            streams = (self.proc.stdout, self.proc.stderr)
+        else:   # one process: forked from a fork server when its environment allows it (S3's does), as
+            pipes = (os.pipe(), os.pipe())  # run_process forks (tests/procs.py): no TensorFlow import to pay
+            with os.fdopen(pipes[0][1], "wb") as stdout, os.fdopen(pipes[1][1], "wb") as stderr:
+                self.proc = start_process([sys.executable, SCRIPT], child_env(None, {**clean, **env}), stdout, stderr)
+            streams = tuple(os.fdopen(read, "r") for read, _ in pipes)   # (its own copies of the write ends)
         self._lines: dict[str, list[str]] = {"out": [], "err": []}
         self._readers = [threading.Thread(target=self._read, args=(stream, self._lines[name]), daemon=True)
-                         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))]
+                         for name, stream in zip(("out", "err"), streams)]
         for reader in self._readers:
             reader.start()
 
