@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from procs import child_env, describe, run_process
+from procs import child_env, describe, free_ports, run_cluster, run_process, worker_tf_configs
 
 pytestmark = [pytest.mark.slow]
 
@@ -172,11 +172,15 @@ def test_sigterm_to_the_launcher_saves_every_worker_and_exits_75(tmp_path, refer
 
 @pytest.mark.multiworker
 def test_a_two_worker_step_backup_resumes_on_one_process_at_the_same_global_batch(tmp_path, reference):
-    """Elastic: the position is global (epoch, step of the global batch), so another world size continues it."""
-    launch = subprocess.run(_launch_argv("--workers", "2", "--max-restarts", "0"),
-                            env=_launch_env(tmp_path, {"KILL_AT": "23", "KILL_RANK": "1", "KILL_SIGNAL": "KILL"}),
-                            capture_output=True, text=True, timeout=600)
-    assert launch.returncode == 128 + signal.SIGKILL and "killed by SIGKILL" in launch.stderr, launch.stderr[-3000:]
+    """Elastic: the position is global (epoch, step of the global batch), so another world size continues it.
+    The 2 workers are a TF_CONFIG cluster forked from the fork servers (tests/procs.py): what a launcher does when
+    a task dies is the tests above (and tests/launch/test_launch.py's exit status 137); the 2 TensorFlow imports
+    of a launch cost ~7 CPU-s quiet."""
+    clean = {k: None for k in os.environ if k.startswith(("STRATKIT_", "SLURM_")) and k != "STRATKIT_TEST_IMPORT_LOG"}
+    killed = run_cluster(SCRIPT, worker_tf_configs(free_ports(2)), timeout=600, grace_after_failure=10,
+                         env={**clean, "OUT": str(tmp_path), "BACKUP_DIR": str(tmp_path / "backup"), "KILL_AT": "23",
+                              "KILL_RANK": "1", "KILL_SIGNAL": "KILL"})
+    assert killed[1].returncode == -signal.SIGKILL and not killed[1].killed, describe(killed)
     alone = _run(tmp_path, {}, attempt=1)  # the chief's backup in backup_dir, one process now
     assert alone.ok, describe([alone])
     assert "world size 2 -> 1" in alone.stderr and "the global batch is kept" in alone.stderr
