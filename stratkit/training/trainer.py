@@ -295,7 +295,9 @@ class Trainer:
                                     strategy=self.strategy)
         prepared = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                            global_batch_size=global_batch, steps_per_epoch=steps, training=False,
-                           tpu=self.spec.strategy == "tpu")
+                           tpu=self.spec.strategy == "tpu", model=model)   # the model decides a table's columns
+        if steps is None and prepared.kind == "table":   # one pass, as many steps on every worker
+            steps = prepared.steps_per_epoch
         return model.evaluate(prepared.dataset, steps=steps, verbose=verbose, return_dict=return_dict)
 
     def predict(self, model: Any, x: Any, global_batch_size: int | None = None,

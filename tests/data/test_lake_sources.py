@@ -348,3 +348,27 @@ def test_a_tiny_table_read_endlessly_gives_its_steps_at_once_not_after_reading_f
     assert [len(ids) for ids in got] == [5, 5, 2] * 4
     for n in range(4):
         assert sorted(np.concatenate(got[3 * n:3 * n + 3]).tolist()) == list(range(12))
+
+
+def test_trainer_evaluate_reads_a_table_as_fit_does_every_row_once_columns_side_by_side(trainer, parquet_dir):
+    # Trainer.evaluate built the table's batches without the model: two columns reached a one-input model as two
+    # tensors (Keras: "expected axis -1 of input shape to have value 4, but received input with shape (None, 3)").
+    def build():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        return model
+
+    data = TableInput(Table.parquet(parquet_dir), features=["x", "id"], label="y", shuffle=False)
+    model = trainer.build(build)
+    got = trainer.evaluate(model, data, global_batch_size=128)
+    rows = pq.read_table(str(parquet_dir), columns=["x", "id", "y"])
+    x = np.concatenate([np.stack(rows.column("x").to_numpy(zero_copy_only=False)),
+                        rows.column("id").to_numpy()[:, None]], axis=1).astype("float32")
+    # labels shaped as the output, as the table gives them: Keras's own evaluate, given labels of one rank and
+    # then another, retraces its step with a shape of unknown rank and fails (Keras alone does)
+    y = rows.column("y").to_numpy().reshape(-1, 1)
+    want = model.evaluate(x, y, batch_size=128, verbose=0, return_dict=True)
+    assert len(x) == ROWS
+    for key in ("loss", "mae"):
+        assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got, want)
