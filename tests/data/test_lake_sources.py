@@ -372,3 +372,18 @@ def test_trainer_evaluate_reads_a_table_as_fit_does_every_row_once_columns_side_
     assert len(x) == ROWS
     for key in ("loss", "mae"):
         assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (key, got, want)
+
+
+def test_a_glob_matches_within_one_directory_level_as_spark_and_the_shell_do(tmp_path):
+    # `*` matched across "/": "t/*.parquet" also took t/hive/part=1/c.parquet (fnmatch over the whole path)
+    table = pa.table({"x": pa.array([1.0, 2.0]), "y": pa.array([0.0, 1.0])})
+    for name in ("a.parquet", "b.parquet", "hive/part=1/c.parquet", "hive/part=2/d.parquet"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp_path / name)
+    names = lambda url: [os.path.relpath(f, tmp_path) for f in Table.parquet(url).plan().files]  # noqa: E731
+    assert names(f"{tmp_path}/*.parquet") == ["a.parquet", "b.parquet"]
+    assert names(f"{tmp_path}/hive/*/*.parquet") == ["hive/part=1/c.parquet", "hive/part=2/d.parquet"]
+    assert names(f"{tmp_path}/hive/part=[2]/*") == ["hive/part=2/d.parquet"]
+    assert names(f"{tmp_path}/hive/**/*.parquet") == ["hive/part=1/c.parquet", "hive/part=2/d.parquet"]
+    assert names(f"{tmp_path}/**/b.parquet") == ["b.parquet"]
+    assert TableInput(Table.parquet(f"{tmp_path}/*.parquet"), features="x", label="y").num_rows == 4

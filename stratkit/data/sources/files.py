@@ -2,7 +2,8 @@
 
 A directory is read recursively, every file except the ones Spark, Hive and Delta keep beside the data (names
 starting with "_" or ".", e.g. `_SUCCESS`, `_delta_log/`) and those not ending with the suffix asked for. A
-glob (`*`, `?`, `[`) matches names under the directory before its first wildcard. A hive-partitioned tree
+glob (`*`, `?`, `[`) matches names under the directory before its first wildcard, one directory level per part as
+Spark and the shell match (`t/*.parquet` is t's own files; `**` is any number of levels). A hive-partitioned tree
 (`.../date=2024-01-01/part=3/file.parquet`) gives each file its partition values: an integer when every
 file's value for that key is one, else a string. `filter` keeps the files whose partition values pass every
 condition (`[("date", ">=", "2024-01-01"), ("part", "in", [1, 2])]`: a conjunction); it prunes files, it
@@ -31,6 +32,15 @@ class FileEntry:
     path: str
     size: int
     tag: str
+
+
+def glob_match(parts: Sequence[str], pattern: Sequence[str]) -> bool:
+    """Whether a path's parts match a glob's: each part by `fnmatch` (no part crosses a "/"), `**` any number."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(glob_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and glob_match(parts[1:], pattern[1:])
 
 
 def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
@@ -67,7 +77,7 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
         relative = entry.path[len(base):].lstrip("/")
         if any(part.startswith(("_", ".")) for part in relative.split("/")):
             continue
-        if pattern is not None and not fnmatch.fnmatchcase(entry.path, pattern):
+        if pattern is not None and not glob_match(entry.path.split("/"), pattern.split("/")):
             continue
         if suffix and not entry.path.endswith(suffix) and pattern is None:
             continue
