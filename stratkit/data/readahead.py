@@ -49,6 +49,11 @@ from stratkit.errors import ConfigError
 #: 0.9-1.1: 0.81M rows/s at 4,096, 0.93M at 8,192, 1.12M at the window's 19,421, 1.03M at 65,536): each batch
 #: costs the assembling thread its slicing and concatenation under the GIL.
 DECODE_ROWS_BOUNDS = (4096, 65536)
+#: ... and at most about this many bytes (a row of 768 float32s: 1,363 rows). A lane holds one decoded batch at a
+#: time beside its fetched column chunks, so wide rows decoded 4,096 at a time took the budget's room for the shuffle
+#: window: a table of 3 KiB rows in 2,500-row groups got a window of 11 rows a lane (227 blocks a pass), and the
+#: reader fed a small CNN at 0.66x its steps/s on arrays.
+DECODE_BATCH_BYTES = 4 << 20
 #: Finished chunks kept ready for the training step.
 READY_CHUNKS = 2
 #: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`, at most a block's): the
@@ -276,7 +281,7 @@ class WorkerReader:
         spec, layout = self.spec, self.spec.layout
         a, b = self.first_lane, self.stop_lane
         cursor, done = spec.start, 0
-        batch_rows = int(min(max(layout.window, DECODE_ROWS_BOUNDS[0]), DECODE_ROWS_BOUNDS[1]))
+        batch_rows = decode_rows(spec.plan, layout.window)
         total = layout.blocks()
         while spec.passes is None or done < spec.passes:
             start = cursor.global_position(spec.batch)
@@ -348,10 +353,21 @@ def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: li
     return [np.take(array, index, axis=0) for array in feed.arrays(pa.Table.from_batches(batches, schema=schema))]
 
 
+def decode_rows(plan: Plan, window: int) -> int:
+    """Rows pyarrow decodes at a time: a lane's window within `DECODE_ROWS_BOUNDS`, within `DECODE_BATCH_BYTES`."""
+    rows = min(max(int(window), DECODE_ROWS_BOUNDS[0]), DECODE_ROWS_BOUNDS[1])
+    return int(max(1, min(rows, DECODE_BATCH_BYTES // max(int(plan.row_bytes), 1))))
+
+
 def lane_bytes(plan: Plan) -> int:
-    """What one lane holds while it reads a unit: its fetched column chunks and their decoded rows (the
-    largest unit's; pyarrow pre-buffers a row group's chunks and decodes them a page at a time)."""
-    return int((plan.unit_bytes + plan.unit_decoded).max()) if plan.units else 0
+    """What one lane holds while it reads a unit: its fetched column chunks (pyarrow pre-buffers a row group's) and
+    one decoded batch of its rows (`decode_rows`: at most `DECODE_BATCH_BYTES`, or one row wider than that), the
+    largest unit's."""
+    if not plan.units:
+        return 0
+    row = max(plan.row_bytes, 1.0)
+    batch = min(DECODE_ROWS_BOUNDS[1] * row, max(DECODE_BATCH_BYTES, row))
+    return int((plan.unit_bytes + np.minimum(plan.unit_decoded, batch)).max())
 
 
 def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) -> tuple[int, int, int]:
@@ -378,7 +394,8 @@ def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
     if needed > budget:
         raise ConfigError(
             f"read_ahead_bytes={budget} cannot hold what a worker of {world} reads at once: {most} lane(s), each "
-            f"holding a row group being read (up to {lane_bytes(plan)} bytes fetched and decoded) = {lanes} bytes, "
+            f"holding a row group being read (up to {lane_bytes(plan)} bytes fetched and one batch decoded) = {lanes} "
+            f"bytes, "
             f"and two blocks of shuffle_window={layout.window} rows a lane x ~{plan.row_bytes:.0f} bytes per row "
             f"(decoded, twice: rows and arrays) = {2 * block} bytes, and a quarter for finished steps. Fix: "
             f"read_ahead_bytes={int(1.34 * (lanes + 2 * block)) + 1} or more, a smaller shuffle_window, fewer lanes "
@@ -395,5 +412,6 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     return int(2 * layout_rows_per_block(layout, first, stop) * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["Chunk", "LaneReader", "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader",
-           "batch_counts", "block_bytes", "check_budget", "lane_bytes", "last_failure", "memory_plan"]
+__all__ = ["Chunk", "DECODE_BATCH_BYTES", "LaneReader", "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError",
+           "WorkerReader", "batch_counts", "block_bytes", "check_budget", "decode_rows", "lane_bytes", "last_failure",
+           "memory_plan"]
