@@ -12,11 +12,8 @@ per step). A block's order (`shards.Layout.block`, numpy sorts without the GIL) 
 its windows' decode, and the blocks run on across passes: the next pass's first blocks are read while this
 pass's last ones are put together, so an epoch boundary of `fit` does not wait for a whole block.
 
-Memory (`memory_plan`, from the sizes the footers give): each lane's open unit (a row group's fetched column
-chunks and decoded pages), the block being put together (its Arrow rows and its arrays), the blocks decoded
-ahead, and two finished chunks (`CHUNK_ROWS` rows each, within a quarter of the budget). The blocks ahead are
-what `read_ahead_bytes` leaves room for (at least one, at most `MAX_AHEAD_BLOCKS`); a budget without room for
-one is refused before step 1, naming what takes the bytes.
+Memory: what the read-ahead budget holds, and so how many blocks are read ahead, is `stratkit.data.budget`'s
+(`memory_plan`, `check_budget`; the names stay importable from here).
 
 A failure in a thread (a file that vanished, a store that refuses) is raised by the iterator, once, as a
 `TableReadError` naming the file; the threads stop.
@@ -38,22 +35,22 @@ import numpy as np
 from stratkit.data import sources
 from stratkit.data.cursor import Cursor
 from stratkit.data.batching import Batcher
+from stratkit.data.budget import (
+    DECODE_BATCH_BYTES,
+    DECODE_ROWS_BOUNDS,
+    MAX_AHEAD_BLOCKS,
+    block_bytes,
+    check_budget,
+    decode_rows,
+    lane_bytes,
+    layout_rows_per_block,
+    memory_plan,
+)
 from stratkit.data.plan import Plan, Stream
 from stratkit.data.shards import Layout, steps_for
 from stratkit.data.steps import Chunk, Splitter, batch_counts
 from stratkit.errors import ConfigError
 
-#: Rows pyarrow decodes at a time (`iter_batches`) is a lane's window, within these bounds. pyarrow alone decodes
-#: faster in small batches (one thread, 16 float32s + a label, 65,536-row groups: 3.7M rows/s at 4,096, 1.6M at
-#: 19,421), but the whole reader into `Dataset.reduce` was slower with them (1M rows, 4 alternating rounds, load
-#: 0.9-1.1: 0.81M rows/s at 4,096, 0.93M at 8,192, 1.12M at the window's 19,421, 1.03M at 65,536): each batch
-#: costs the assembling thread its slicing and concatenation under the GIL.
-DECODE_ROWS_BOUNDS = (4096, 65536)
-#: ... and at most about this many bytes (a row of 768 float32s: 1,363 rows). A lane holds one decoded batch at a
-#: time beside its fetched column chunks, so wide rows decoded 4,096 at a time took the budget's room for the shuffle
-#: window: a table of 3 KiB rows in 2,500-row groups got a window of 11 rows a lane (227 blocks a pass), and the
-#: reader fed a small CNN at 0.66x its steps/s on arrays.
-DECODE_BATCH_BYTES = 4 << 20
 #: Finished chunks kept ready for the training step.
 READY_CHUNKS = 2
 #: A chunk holds about this many of a worker's rows (whole steps, at most `MAX_CHUNK_STEPS`, at most a block's): the
@@ -61,10 +58,6 @@ READY_CHUNKS = 2
 #: 1M rows of 16 float32s into `Dataset.reduce`, pre-made chunks: 5.3M rows/s at 8,192 rows, 7.1M at 65,536.
 CHUNK_ROWS = 32768
 MAX_CHUNK_STEPS = 64
-#: Blocks read ahead at most, whatever room the budget leaves: 4 threads are kept busy by fewer, and the blocks run
-#: on across passes, so a table of a few rows would otherwise read a budget's worth of passes ahead before its
-#: first step (256 MiB of 12-row blocks: the first step never came, the memory grew).
-MAX_AHEAD_BLOCKS = 8
 #: The newest failure a reader of this process raised (`last_failure`).
 _FAILURES: list[BaseException] = []
 
@@ -353,65 +346,6 @@ def _gathered(windows: list[list[Any]], index: np.ndarray, plan: Plan, names: li
     return [np.take(array, index, axis=0) for array in feed.arrays(pa.Table.from_batches(batches, schema=schema))]
 
 
-def decode_rows(plan: Plan, window: int) -> int:
-    """Rows pyarrow decodes at a time: a lane's window within `DECODE_ROWS_BOUNDS`, within `DECODE_BATCH_BYTES`."""
-    rows = min(max(int(window), DECODE_ROWS_BOUNDS[0]), DECODE_ROWS_BOUNDS[1])
-    return int(max(1, min(rows, DECODE_BATCH_BYTES // max(int(plan.row_bytes), 1))))
-
-
-def lane_bytes(plan: Plan) -> int:
-    """What one lane holds while it reads a unit: its fetched column chunks (pyarrow pre-buffers a row group's) and
-    one decoded batch of its rows (`decode_rows`: at most `DECODE_BATCH_BYTES`, or one row wider than that), the
-    largest unit's."""
-    if not plan.units:
-        return 0
-    row = max(plan.row_bytes, 1.0)
-    batch = min(DECODE_ROWS_BOUNDS[1] * row, max(DECODE_BATCH_BYTES, row))
-    return int((plan.unit_bytes + np.minimum(plan.unit_decoded, batch)).max())
-
-
-def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) -> tuple[int, int, int]:
-    """(blocks read ahead, one block's bytes, the lanes' bytes) for lanes [first, stop) within `budget`.
-
-    The budget holds the lanes' open units, the block being put together, the blocks decoded ahead and the
-    ready chunks (kept within a quarter of the budget by their size)."""
-    lanes = (stop - first) * lane_bytes(plan)
-    block = block_bytes(layout, plan, first, stop)
-    room = budget - lanes - budget // 4
-    return max(1, min(MAX_AHEAD_BLOCKS, room // max(block, 1) - 1)), block, lanes
-
-
-def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
-    """Refuse a read-ahead budget that cannot hold what the worker with the most lanes needs: its lanes' open
-    units, a block put together and one decoded ahead, and the ready chunks.
-
-    Raises:
-        ConfigError: naming what takes the bytes, and the fix.
-    """
-    most = max(layout.owned(world, rank)[1] - layout.owned(world, rank)[0] for rank in range(world))
-    _, block, lanes = memory_plan(layout, plan, 0, most, budget)
-    needed = lanes + 2 * block + budget // 4
-    if needed > budget:
-        raise ConfigError(
-            f"read_ahead_bytes={budget} cannot hold what a worker of {world} reads at once: {most} lane(s), each "
-            f"holding a row group being read (up to {lane_bytes(plan)} bytes fetched and one batch decoded) = {lanes} "
-            f"bytes, "
-            f"and two blocks of shuffle_window={layout.window} rows a lane x ~{plan.row_bytes:.0f} bytes per row "
-            f"(decoded, twice: rows and arrays) = {2 * block} bytes, and a quarter for finished steps. Fix: "
-            f"read_ahead_bytes={int(1.34 * (lanes + 2 * block)) + 1} or more, a smaller shuffle_window, fewer lanes "
-            "per worker (lanes=), or smaller row groups")
-
-
-def layout_rows_per_block(layout: Layout, first: int, stop: int) -> int:
-    """Rows of lanes [first, stop) in a full block (its first)."""
-    return int(layout.window_lengths(0, first, stop).sum()) if stop > first else 0
-
-
-def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
-    """Bytes one block of lanes [first, stop) takes decoded, twice (its Arrow rows and its arrays)."""
-    return int(2 * layout_rows_per_block(layout, first, stop) * max(plan.row_bytes, 1.0))
-
-
-__all__ = ["Chunk", "DECODE_BATCH_BYTES", "LaneReader", "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError",
-           "WorkerReader", "batch_counts", "block_bytes", "check_budget", "decode_rows", "lane_bytes", "last_failure",
-           "memory_plan"]
+__all__ = ["CHUNK_ROWS", "Chunk", "DECODE_BATCH_BYTES", "DECODE_ROWS_BOUNDS", "LaneReader", "MAX_AHEAD_BLOCKS",
+           "READY_CHUNKS", "ReaderSpec", "Splitter", "TableReadError", "WorkerReader", "batch_counts", "block_bytes",
+           "check_budget", "decode_rows", "lane_bytes", "last_failure", "layout_rows_per_block", "memory_plan"]

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 from stratkit.data.cursor import Cursor, OrderRecord, check_resume
 from stratkit.data.batching import Batcher
 from stratkit.data.plan import Plan
-from stratkit.data.readahead import ReaderSpec, WorkerReader, lane_bytes
+from stratkit.data.budget import lane_bytes
+from stratkit.data.readahead import ReaderSpec, WorkerReader
 from stratkit.data.shards import Layout, steps_for
 from stratkit.data.steps import has_empty_parts
 from stratkit.data.table import Table
@@ -51,7 +52,7 @@ def auto_lanes(plan: Plan) -> int:
 
 def auto_window(plan: Plan, lanes: int, budget: int = DEFAULT_READ_AHEAD) -> int:
     """The shuffle window for `shuffle_window="auto"`: a block of all `lanes` within `WINDOW_BYTES`, at most a lane,
-    and small enough that one process (which holds every lane) fits `budget` (`readahead.check_budget`): its
+    and small enough that one process (which holds every lane) fits `budget` (`budget.check_budget`): its
     lanes' open row groups, two blocks decoded twice (rows and arrays) and a quarter for finished steps. Only
     the budget and the table decide it, never the world size, so the order is the same on any number of workers.
     """

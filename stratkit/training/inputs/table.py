@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 from stratkit import status
 from stratkit.data import TableInput
-from stratkit.data.readahead import check_budget, last_failure
+from stratkit.data.budget import check_budget
+from stratkit.data.readahead import last_failure
 from stratkit.data.table_input import lanes_note
 from stratkit.errors import ConfigError
 from stratkit.training.inputs import rules
