@@ -232,7 +232,11 @@ class TableInput:
                 dataset = dataset.flat_map(lambda *run: tf.data.Dataset.from_tensor_slices(run))
             else:
                 dataset = dataset.unbatch()
-            return dataset.prefetch(2 * replicas)
+            # No tf.data autotuning: nothing here has a tunable knob (the read-ahead is ours), and its model thread
+            # held the iterator's end up to 0.3 s in 4 of 15 passes (measured; none in 15 without it).
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            return dataset.prefetch(2 * replicas).with_options(options)
 
         return dataset_fn
 
