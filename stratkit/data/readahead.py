@@ -267,7 +267,6 @@ class WorkerReader:
                 if not self._put(step):
                     return
             del windows, job
-            _release()
 
     def _jobs(self) -> Iterator[_Job]:
         """Each pass's blocks from the cursor on, then its end; their reads submitted to the pool as taken."""
@@ -310,14 +309,6 @@ class _Job:
     pass_: _Pass
     reads: list[Future] | None
     arranged: Future | None
-
-
-def _release() -> None:
-    """Hand the memory pyarrow's allocator keeps after a block back to the system (mimalloc and jemalloc keep
-    freed pages for reuse: measured, the RSS grew twice what pyarrow held)."""
-    import pyarrow as pa
-
-    pa.default_memory_pool().release_unused()
 
 
 def _read_window(lane: LaneReader, block: int, rows: int) -> list[Any]:
