@@ -6,9 +6,9 @@ Environment: LAKE_KIND (parquet, delta, tfrecord), LAKE_VERSION (a Delta version
 that many logical CPUs in one process), LAKE_EPOCHS (2),
 LAKE_BATCH (256), LAKE_EVERY (backup_every, steps), LAKE_KILL_AT ("global step:rank:restart count", several
 comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to
-appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "ids", "resumed"}`: the weights,
-the history, the row ids each epoch trained on this worker (recorded inside the replica step) and the global
-step it started at (a resume's); with LAKE_RESULT_DIR set, written to a file there and `RESULT {"file": path}`
+appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "e", "ids", "resumed"}`: the
+weights, the history, `Trainer.evaluate`'s scores of the trained model on the table, the row ids each epoch
+trained on this worker (recorded inside the replica step) and the global step it started at (a resume's); with LAKE_RESULT_DIR set, written to a file there and `RESULT {"file": path}`
 printed instead.
 """
 
@@ -106,7 +106,9 @@ def train(table_url, backup_dir: str | None = None) -> dict:
             continue
         ids.setdefault(str(epoch), []).extend(int(i) for i in chunk)
     h = {k: [float(v) for v in vs] for k, vs in history.history.items() if k != "examples_per_sec"}
-    return {"w": [w.tolist() for w in model.get_weights()], "h": h, "ids": ids,
+    scores = trainer.evaluate(model, data, global_batch_size=batch)     # the trained model on the table, once over
+    e = {k: float(v) for k, v in scores.items()}
+    return {"w": [w.tolist() for w in model.get_weights()], "h": h, "e": e, "ids": ids,
             "rank": max(spec.worker_rank, 0), "epochs_run": len(history.history["loss"]), "first_step": first[0]}
 
 

@@ -73,6 +73,9 @@ def _same(a: dict, b: dict) -> None:
     assert gap <= 1e-5, gap
     for key in a["h"]:
         np.testing.assert_allclose(a["h"][key], b["h"][key], atol=1e-5, err_msg=key)
+    assert a["e"].keys() == b["e"].keys() == {"loss", "mae"}, (a["e"], b["e"])   # evaluate: one pass, every worker
+    for key in a["e"]:
+        np.testing.assert_allclose(a["e"][key], b["e"][key], atol=1e-5, err_msg=f"evaluate {key}")
 
 
 def _launch(workers: int, argv: list[str], env: dict, restarts: int = 0) -> subprocess.CompletedProcess:
