@@ -8,8 +8,8 @@ LAKE_BATCH (256), LAKE_EVERY (backup_every, steps), LAKE_KILL_AT ("global step:r
 comma-separated: SIGKILL that worker right before that step, on that attempt), LAKE_WAIT (a file: wait for it to
 appear before step 3, for a commit made while training). Prints `RESULT {"w", "h", "e", "ids", "resumed"}`: the
 weights, the history, `Trainer.evaluate`'s scores of the trained model on the table, the row ids each epoch
-trained on this worker (recorded inside the replica step) and the global step it started at (a resume's); with LAKE_RESULT_DIR set, written to a file there and `RESULT {"file": path}`
-printed instead.
+trained on this worker (recorded inside the replica step) and the global step it started at (a resume's); with
+LAKE_RESULT_DIR set, written to a file there and `RESULT {"file": path}` printed instead.
 """
 
 from __future__ import annotations
