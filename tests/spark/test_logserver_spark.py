@@ -18,7 +18,7 @@ import time
 import cloudpickle
 import pytest
 from spark_helpers import processes_of_run, shared_session
-from test_logserver import PeakRss, send_long_line, wait_for
+from test_logserver import PeakRss, send_long_line
 
 from stratkit.spark import SparkRunner, SparkTrainingError
 from stratkit.spark import runner as runner_module
@@ -48,15 +48,29 @@ def spark():
     return session
 
 
+class Servers(list):
+    """The LogServers run() creates, in order; `on_created` hooks run on each as it starts listening."""
+
+    def __init__(self):
+        super().__init__()
+        self.on_created: list = []
+
+
 @pytest.fixture
 def servers(monkeypatch):
-    """The LogServer each run() creates (the port an attacker would find by scanning)."""
-    created: list[LogServer] = []
+    """The LogServer each run() creates (the port an attacker would find by scanning).
+
+    A hook in `servers.on_created` runs in the driver's thread right after the server binds, before the
+    barrier stage is submitted: an attack started there is on before any task can connect, however long
+    the driver took to get there (waiting for executors to register, say)."""
+    created = Servers()
 
     class Recorded(LogServer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             created.append(self)
+            for hook in created.on_created:
+                hook(self)
 
     monkeypatch.setattr(runner_module, "LogServer", Recorded)
     return created
@@ -154,29 +168,25 @@ class Flood:
 def test_a_flooded_log_server_still_brings_back_the_result_and_every_tasks_lines(spark, servers, capsys):
     floods: list[Flood] = []
     tasks_at_start: list[int] = []
-    watcher_done = threading.Event()
 
-    def attack_when_listening():
-        assert wait_for(lambda: servers, 30)
-        floods.append(Flood(servers[0].port))
-        tasks_at_start.append(len(servers[0].tasks))
-        watcher_done.set()
+    def attack(server):
+        tasks_at_start.append(len(server.tasks))
+        floods.append(Flood(server.port))
 
-    threading.Thread(target=attack_when_listening, daemon=True).start()
+    servers.on_created.append(attack)
     runner = SparkRunner(num_workers=2)
     started = time.monotonic()
     try:
         result = runner.run(print_steps, 10, 0.3)
     finally:
-        watcher_done.wait(5)
         for flood in floods:
             flood.close()
     seconds = time.monotonic() - started
     out = capsys.readouterr().out
     flood, server = floods[0], servers[0]
     print(f"flooded run took {seconds:.1f}s; {flood.connections} attacking connections, {server.rejected} rejected; "
-          f"driver RSS growth during each 100 MB line: {[round(g, 1) for g in flood.long_line_growth_mb]} MiB",
-          file=sys.__stderr__)
+          f"driver RSS growth during each 100 MB line: {[round(g, 1) for g in flood.long_line_growth_mb]} MiB\n"
+          f"{runner.last_run.format_timeline()}", file=sys.__stderr__)
     assert len(flood.long_line_growth_mb) >= 1 and max(flood.long_line_growth_mb) < 30, flood.long_line_growth_mb
     assert tasks_at_start == [0], "the flood must be on before the tasks connect"
     assert result == "trained"
@@ -189,19 +199,31 @@ def test_a_flooded_log_server_still_brings_back_the_result_and_every_tasks_lines
 
 
 def test_a_log_server_that_stops_accepting_fails_the_run_at_once_with_the_reason(spark, servers, tmp_path):
+    run_over = threading.Event()
+    closed_at: list[float] = []
+
     def close_when_both_tasks_connected():
-        if wait_for(lambda: servers and len(servers[0].tasks) == 2, 60):
-            servers[0]._sock.close()  # the fault: the listening socket is gone under the server
+        # However long the stage takes to start: until both tasks are in, or the run has ended without them.
+        while not run_over.is_set():
+            if servers and len(servers[0].tasks) == 2:
+                servers[0]._sock.close()  # the fault: the listening socket is gone under the server
+                closed_at.append(time.monotonic())
+                return
+            run_over.wait(0.02)
 
     threading.Thread(target=close_when_both_tasks_connected, daemon=True).start()
     runner = SparkRunner(num_workers=2)
-    started = time.monotonic()
-    with pytest.raises(SparkTrainingError) as info:
-        runner.run(wait_for_file, str(tmp_path / "never"), 45)
-    seconds = time.monotonic() - started
+    try:
+        with pytest.raises(SparkTrainingError) as info:
+            runner.run(wait_for_file, str(tmp_path / "never"), 45)
+    finally:
+        run_over.set()
+    failed_at = time.monotonic()
+    assert closed_at, "both tasks never connected"
     message = str(info.value)
     assert "log server" in message and "stopped accepting" in message and "Fix:" in message, message
-    assert seconds < 30, f"took {seconds:.1f}s to fail"
+    # The tasks would wait 45 s for the file: failing well before that is failing at once.
+    assert failed_at - closed_at[0] < 30, f"took {failed_at - closed_at[0]:.1f}s after the close to fail"
     deadline = time.monotonic() + 10
     while processes_of_run(runner.last_run.run_id) and time.monotonic() < deadline:
         time.sleep(0.2)
