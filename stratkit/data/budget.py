@@ -45,8 +45,7 @@ def lane_bytes(plan: Plan) -> int:
     largest unit's."""
     if not plan.units:
         return 0
-    row = max(plan.row_bytes, 1.0)
-    batch = min(DECODE_ROWS_BOUNDS[1] * row, max(DECODE_BATCH_BYTES, row))
+    batch = decode_rows(plan, DECODE_ROWS_BOUNDS[1]) * max(plan.row_bytes, 1.0)   # the widest window's batch
     return int((plan.unit_bytes + np.minimum(plan.unit_decoded, batch)).max())
 
 
