@@ -179,7 +179,7 @@ class Table:
                                        features=self.features or {}, shown=shown)
         from stratkit.data.sources import parquet
 
-        root = base if not listing._WILDCARD.search(base) else base[:listing._WILDCARD.search(base).start()]
+        root = listing.glob_split(fs, base)[0]
         values, types = listing.hive_partitions([e.path for e in entries], root.rstrip("/"))
         conditions = listing.check_filter(self.filter, types)
         if conditions:

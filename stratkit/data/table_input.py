@@ -75,7 +75,8 @@ class TableInput:
         sample_weight: a column of per-row weights.
         seed: the order's seed (default: `Trainer(seed=...)`'s in `Trainer.fit`, else stratkit's default; the
             same on every worker).
-        shuffle: False reads the units in the plan's order and each window in order (validation).
+        shuffle: False reads the units in the plan's order and each window in order, the lanes interleaved row
+            by row (validation); the table's own row order only with `lanes=1`.
         shuffle_window: rows each lane shuffles together ("auto": a block of all lanes ~32 MiB decoded).
         lanes: the canonical partition count the order is built on ("auto": from the table, see `auto_lanes`);
             fixed for a run and recorded in its backups. World sizes that divide it share the rows evenly.

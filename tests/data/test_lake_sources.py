@@ -416,3 +416,71 @@ def test_a_glob_matches_within_one_directory_level_as_spark_and_the_shell_do(tmp
     assert names(f"{tmp_path}/hive/**/*.parquet") == ["hive/part=1/c.parquet", "hive/part=2/d.parquet"]
     assert names(f"{tmp_path}/**/b.parquet") == ["b.parquet"]
     assert TableInput(Table.parquet(f"{tmp_path}/*.parquet"), features="x", label="y").num_rows == 4
+
+
+def test_hive_partition_values_are_decoded_and_the_default_partition_is_a_null(tmp_path):
+    """pyarrow (as Spark and Hive) writes `city=New%20York` and `city=__HIVE_DEFAULT_PARTITION__`: the reader fed
+    the raw names (b"New%20York", b"__HIVE_DEFAULT_PARTITION__") to the model and a filter on "New York" kept no
+    file."""
+    import pyarrow.dataset as pads
+
+    city = ["New York", "Paris", None] * 10
+    pads.write_dataset(pa.table({"city": city, "x": np.arange(30, dtype="float32")}), tmp_path / "t",
+                       format="parquet", partitioning=["city"], partitioning_flavor="hive")
+    url = str(tmp_path / "t")
+    with pytest.raises(ConfigError, match=r"partition column 'city' is null for 1 file\(s\).*Fix"):
+        TableInput(Table.parquet(url), features=["city", "x"]).feed()
+    assert TableInput(Table.parquet(url), features="x").num_rows == 30          # not read: no refusal
+    kept = TableInput(Table.parquet(url, filter=[("city", "!=", "Paris")]), features=["city", "x"], shuffle=False)
+    (step,) = list(kept.reader(100, passes=1))
+    names, x = (a.reshape(-1) for a in step[0][0])
+    assert sorted({n.decode() if isinstance(n, bytes) else n for n in names}) == ["New York"]
+    assert sorted(x.tolist()) == [float(i) for i in range(0, 30, 3)]           # the null partition compares false
+    assert TableInput(Table.parquet(url, filter=[("city", "=", "New York")]), features="x").num_rows == 10
+    assert TableInput(Table.parquet(url, filter=[("city", "=", None)]), features="x").num_rows == 10
+
+
+def test_a_path_that_exists_with_glob_characters_is_read_as_written_and_a_glob_keeps_its_partitions(tmp_path):
+    table = pa.table({"x": pa.array([1.0, 2.0]), "y": pa.array([0.0, 1.0])})
+    (tmp_path / "run[1]").mkdir()
+    pq.write_table(table, tmp_path / "run[1]" / "part-0.parquet")
+    assert TableInput(Table.parquet(tmp_path / "run[1]"), features="x", label="y").num_rows == 2
+    for day in (1, 2):
+        (tmp_path / "t" / f"day={day}").mkdir(parents=True)
+        pq.write_table(table, tmp_path / "t" / f"day={day}" / "p.parquet")
+    # a glob inside the partition's directory name: the partition column is still there (it was lost)
+    data = TableInput(Table.parquet(f"{tmp_path}/t/day=*/*.parquet"), features=["x", "day"], shuffle=False)
+    (step,) = list(data.reader(10, passes=1))
+    assert sorted(step[0][0][1].reshape(-1).tolist()) == [1, 1, 2, 2]
+
+
+def test_a_null_first_row_and_an_empty_array_of_a_list_column_are_refused_as_what_they_are(tmp_path):
+    (tmp_path / "first").mkdir()
+    _bad(tmp_path / "first", "f.parquet", x=pa.array([None] + [[0.0] * 4] * 7, pa.list_(pa.float32())),
+         y=np.zeros(8, "float32"))
+    with pytest.raises(ConfigError, match=r"column 'x' has null value\(s\) in table file .*f\.parquet.*Fix"):
+        Table.parquet(tmp_path / "first").plan()           # was a TypeError from the array's width
+    (tmp_path / "empty").mkdir()
+    _bad(tmp_path / "empty", "e.parquet", x=pa.array([[0.0] * 4] * 7 + [[]], pa.list_(pa.float32())),
+         y=np.zeros(8, "float32"))
+    with pytest.raises(ConfigError, match=r"column 'x' has 1 null or empty value\(s\) .*an empty array.*e\.parquet"):
+        Table.parquet(tmp_path / "empty").plan()
+
+
+def test_a_delta_timestamp_before_the_table_is_refused_and_a_version_in_a_string_is_that_version(tmp_path):
+    """delta-rs reads version 0 for a timestamp before the table existed: training read a snapshot nobody had."""
+    from deltalake import write_deltalake
+
+    path = str(tmp_path / "delta")
+    write_deltalake(path, lake_tables.columns(0, 100))
+    write_deltalake(path, lake_tables.columns(100, 50), mode="append")
+    with pytest.raises(ConfigError, match=r"version='2000-01-01T00:00:00Z' is before the earliest commit .*Fix"):
+        Table.delta(path, version="2000-01-01T00:00:00Z").plan()
+    import datetime as dt
+
+    with pytest.raises(ConfigError, match=r"before the earliest commit"):
+        Table.delta(path, version=dt.datetime(2000, 1, 1)).plan()
+    assert Table.delta(path, version="0").plan().rows == 100
+    assert Table.delta(path, version=" 1 ").plan().rows == 150
+    assert Table.delta(path, version=dt.datetime.now(dt.timezone.utc)).plan().rows == 150
+

@@ -67,6 +67,8 @@ def open_table(url: str, version: Any, shown: str) -> Any:
     if version is None:
         return table
     latest = table.version()
+    if isinstance(version, str) and version.strip().isdigit():   # "3" from a config file or a command line
+        version = int(version.strip())
     try:
         if isinstance(version, bool):
             raise TypeError
@@ -85,7 +87,30 @@ def open_table(url: str, version: Any, shown: str) -> Any:
         raise ConfigError(f"the Delta table {shown!r} has no version {version!r} (its versions: 0 to {latest}; "
                           f"{type(exc).__name__}: {exc}). Fix: pass a version in that range (or a timestamp after "
                           "the table was created), or leave version= out to read the latest") from None
+    if not isinstance(version, int):
+        _check_not_before_creation(table, version, shown, latest)
     return table
+
+
+def _check_not_before_creation(table: Any, when: Any, shown: str, latest: int) -> None:
+    """Refuse a timestamp before the table's earliest commit: delta-rs reads that version for it (1.6.6,
+    measured), which the table did not hold at that time. A timestamp after the last commit reads the last version, as
+    "the table as of then" does (`fit` pins and records it)."""
+    import datetime as dt
+
+    try:
+        moment = when if isinstance(when, dt.datetime) else dt.datetime.fromisoformat(str(when).strip())
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=dt.timezone.utc)
+        first = min(int(entry["timestamp"]) for entry in table.history() if entry.get("timestamp") is not None)
+    except (ValueError, TypeError, KeyError):  # a form delta-rs read but Python does not, or no history: its answer
+        return
+    created = dt.datetime.fromtimestamp(first / 1000, dt.timezone.utc)
+    if moment < created:
+        raise ConfigError(f"version={when!r} is before the earliest commit the Delta table {shown!r} holds "
+                          f"({created.isoformat()}): no version of it can be read as of then. Fix: pass a timestamp "
+                          f"at or after that, a version number (0 to {latest}), or leave version= out to read the "
+                          "latest")
 
 
 def snapshot(table: Any, url: str, shown: str, columns: Any) -> dict[str, Any]:
@@ -111,9 +136,9 @@ def snapshot(table: Any, url: str, shown: str, columns: Any) -> dict[str, Any]:
         row = {}
         for name in partition_columns:
             raw = actions.column(f"partition.{name}")[i].as_py()
-            if raw is None:
-                raise ConfigError(f"the Delta table {shown!r} has a file whose partition column {name!r} is null "
-                                  f"({paths[i]}). Fix: leave {name!r} out of the features, or fill the partition")
+            if raw is None:   # refused only if read (`parquet.plan_files`); a filter's comparisons with it are false
+                row[name] = None
+                continue
             row[name] = int(raw) if types[name] == "int64" else (float(raw) if types[name] == "float64" else
                                                                    str(raw))
         values.append(row)

@@ -3,11 +3,12 @@
 A directory is read recursively, every file except the ones Spark, Hive and Delta keep beside the data (names
 starting with "_" or ".", e.g. `_SUCCESS`, `_delta_log/`) and those not ending with the suffix asked for. A
 glob (`*`, `?`, `[`) matches names under the directory before its first wildcard, one directory level per part as
-Spark and the shell match (`t/*.parquet` is t's own files; `**` is any number of levels). A hive-partitioned tree
-(`.../date=2024-01-01/part=3/file.parquet`) gives each file its partition values: an integer when every
-file's value for that key is one, else a string. `filter` keeps the files whose partition values pass every
-condition (`[("date", ">=", "2024-01-01"), ("part", "in", [1, 2])]`: a conjunction); it prunes files, it
-never reads rows, so it names partition columns only.
+Spark and the shell match (`t/*.parquet` is t's own files; `**` is any number of levels); a path that exists as
+written is read as written, wildcard characters and all. A hive-partitioned tree
+(`.../date=2024-01-01/part=3/file.parquet`) gives each file its partition values, %-decoded (`New%20York`), Hive's
+`__HIVE_DEFAULT_PARTITION__` a null: an integer when every file's value for that key is one, else a string.
+`filter` keeps the files whose partition values pass every condition (`[("date", ">=", "2024-01-01"), ("part",
+"in", [1, 2])]`: a conjunction); it prunes files, it never reads rows, so it names partition columns only.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
+from urllib.parse import unquote
 
 from stratkit.errors import ConfigError
 from stratkit.storage import redact
 
 _OPS = ("=", "==", "!=", "<", "<=", ">", ">=", "in", "not in")
 _WILDCARD = re.compile(r"[*?\[]")
+#: The directory name Hive, Spark and pyarrow give a partition whose value is null.
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,22 @@ def glob_match(parts: Sequence[str], pattern: Sequence[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and glob_match(parts[1:], pattern[1:])
 
 
+def glob_split(fs: Any, base: str) -> tuple[str, str | None]:
+    """(where a listing of `base` starts, its glob pattern or None). A path with `*`, `?` or `[` is a glob unless
+    it exists as written (a directory named `run[1]` is that directory)."""
+    import pyarrow.fs as pafs
+
+    match = _WILDCARD.search(base)
+    if not match:
+        return base, None
+    try:
+        if fs.get_file_info(base).type != pafs.FileType.NotFound:
+            return base, None
+    except (OSError, ValueError):
+        pass
+    return base[:match.start()].rsplit("/", 1)[0], base
+
+
 def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
     """Every data file `base` names (a file, a directory read recursively, or a glob), sorted by path.
 
@@ -51,11 +71,7 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
     """
     import pyarrow.fs as pafs
 
-    pattern = None
-    match = _WILDCARD.search(base)
-    if match:
-        pattern = base
-        base = base[:match.start()].rsplit("/", 1)[0]
+    base, pattern = glob_split(fs, base)
     try:
         info = fs.get_file_info(base)
     except OSError as exc:
@@ -94,15 +110,19 @@ def _tag(info: Any) -> str:
 
 
 def hive_partitions(paths: Sequence[str], base: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Each path's partition values (key=value directories below `base`), typed alike; and key -> dtype."""
-    raw: list[dict[str, str]] = []
+    """Each path's partition values (key=value directories below `base`), typed alike; and key -> dtype.
+
+    Values are %-decoded as Spark, Hive and pyarrow write them (`city=New%20York` is "New York"), and Hive's
+    `__HIVE_DEFAULT_PARTITION__` is a null (None): a filter's comparisons with it are false, and a partition
+    column read as a feature with a null is refused (`parquet.plan_files`)."""
+    raw: list[dict[str, str | None]] = []
     for path in paths:
         relative = path[len(base):].strip("/") if path.startswith(base) else path
-        values = {}
+        values: dict[str, str | None] = {}
         for part in relative.split("/")[:-1]:
             if "=" in part:
                 key, value = part.split("=", 1)
-                values[key] = value
+                values[unquote(key)] = None if value == HIVE_NULL else unquote(value)
         raw.append(values)
     keys = sorted({k for values in raw for k in values})
     types = {}
@@ -111,8 +131,10 @@ def hive_partitions(paths: Sequence[str], base: str) -> tuple[list[dict[str, Any
         if missing:
             raise ConfigError(f"partition key {key!r} is missing from the path of {missing[0]!r} (other files of the "
                               "table have it). Fix: read one partitioned tree, or list the files yourself")
-        types[key] = "int64" if all(re.fullmatch(r"-?\d{1,18}", values[key]) for values in raw) else "string"
-    typed = [{k: (int(v) if types[k] == "int64" else v) for k, v in values.items()} for values in raw]
+        given = [values[key] for values in raw if values[key] is not None]
+        types[key] = "int64" if given and all(re.fullmatch(r"-?\d{1,18}", v) for v in given) else "string"
+    typed = [{k: (int(v) if types[k] == "int64" and v is not None else v) for k, v in values.items()}
+             for values in raw]
     return typed, types
 
 
@@ -149,6 +171,10 @@ def passes(values: dict[str, Any], conditions: list[tuple[str, str, Any]]) -> bo
     """Whether a file's partition values pass every condition."""
     for key, op, wanted in conditions:
         have = values.get(key)
+        if have is None:   # a null partition: only `= None` and `in [..., None]` keep it (SQL's null compares false)
+            if not ((op in ("=", "==") and wanted is None) or (op == "in" and None in list(wanted))):
+                return False
+            continue
         if op in ("in", "not in"):
             inside = have in set(wanted) or str(have) in {str(w) for w in wanted}
             if inside != (op == "in"):
@@ -173,4 +199,5 @@ def shown_path(root: str | os.PathLike[str]) -> str:
     return redact(os.fspath(root))
 
 
-__all__ = ["FileEntry", "check_filter", "hive_partitions", "list_files", "passes", "shown_path"]
+__all__ = ["HIVE_NULL", "FileEntry", "check_filter", "glob_split", "hive_partitions", "list_files", "passes",
+           "shown_path"]

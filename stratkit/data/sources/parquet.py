@@ -69,6 +69,13 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
             raise ConfigError(f"column {name!r} is not in table file {shown(entries[0].path)!r} (its columns: "
                               f"{first.names}; partition columns: {list(partition_types)}). Fix: columns=/features=/"
                               "label= must name columns of the table")
+    for name in names:
+        if name in partition_types:
+            nulls = [entries[i].path for i, values in enumerate(partitions) if values.get(name, "") is None]
+            if nulls:
+                raise ConfigError(f"partition column {name!r} is null for {len(nulls)} file(s), e.g. "
+                                  f"{shown(nulls[0])!r}. Fix: leave {name!r} out of the features, filter those "
+                                  f"files out (filter=[({name!r}, '!=', ...)] keeps no null), or fill the partition")
     types = {n: _canonical([md.schema.to_arrow_schema() for md in footers], n) for n in stored}
     fields = [pa.field(n, types[n]) if n in types else pa.field(n, _arrow_type(partition_types[n])) for n in names]
     schema = pa.schema(fields)
@@ -114,7 +121,7 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
                     chunk = rg.column(i)
                     fetched += int(chunk.total_compressed_size)
                     decoded += int(chunk.total_uncompressed_size)
-                    _bounds(bounds, name, chunk.statistics, shown(entry.path))
+                    _bounds(bounds, name, chunk.statistics, shown(entry.path), nested="." in chunk.path_in_schema)
             live = rows if keep is None else int(keep[raw:raw + rows].sum())
             unit_file.append(index)
             unit_part.append(group)
@@ -175,6 +182,9 @@ def _width(column: Column, fs: Any, entries: Sequence[FileEntry], footers: list[
         with fs.open_input_file(entry.path) as handle:
             batch = next(pq.ParquetFile(handle, metadata=md).iter_batches(batch_size=1, columns=[column.name]))
         value = batch.column(0)
+        if value.null_count:     # before the statistics are read (`_bounds`): refused as they refuse a null
+            raise ConfigError(f"column {column.name!r} has null value(s) in table file {shown(entry.path)!r} (its "
+                              "first row). Fix: fill or drop them before training, or leave the column out")
         shape = []
         while hasattr(value, "flatten") and value.type.num_fields == 1:
             shape.append(len(value[0]) if len(value) else 0)
@@ -192,13 +202,16 @@ def _arrow_type(dtype: str) -> Any:
     return pa.string() if dtype == "string" else pa.from_numpy_dtype(np.dtype(dtype))
 
 
-def _bounds(bounds: dict[str, tuple[Any, Any]], name: str, stats: Any, where: str) -> None:
-    """Fold one column chunk's statistics into `bounds`; refuse nulls."""
+def _bounds(bounds: dict[str, tuple[Any, Any]], name: str, stats: Any, where: str, nested: bool = False) -> None:
+    """Fold one column chunk's statistics into `bounds`; refuse nulls (of a list column, Parquet counts a null
+    row, an empty list and a null element alike: `nested`)."""
     if stats is None:
         bounds.setdefault(name, (None, None))
         return
     if stats.has_null_count and stats.null_count:
-        raise ConfigError(f"column {name!r} has {stats.null_count} null value(s) in table file {where!r}. Fix: fill "
+        what = ("null or empty value(s) (a null row, an empty array or a null element: each row must hold a full "
+                "array)" if nested else "null value(s)")
+        raise ConfigError(f"column {name!r} has {stats.null_count} {what} in table file {where!r}. Fix: fill "
                           "or drop them before training (e.g. df.na.fill / df.na.drop before writing the table), or "
                           "leave the column out")
     low, high = bounds.get(name, (None, None))
