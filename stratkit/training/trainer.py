@@ -246,6 +246,9 @@ class Trainer:
             callback_list.append(cb.PhaseMarks())
         if backup is not None:
             callback_list.insert(0, backup)
+        from_table = train.kind == "table" or (val is not None and prepared_val.kind == "table")
+        if from_table:
+            _untraced(model)
         try:
             return model.fit(train.dataset, epochs=epochs,
                              steps_per_epoch=train.steps_per_epoch if train.endless else steps_per_epoch,
@@ -265,6 +268,8 @@ class Trainer:
             side_effects.remove_dirs(temps)
             if backup is not None:
                 backup.release()  # (after an exception Keras skips on_train_end)
+            if from_table:
+                _untraced(model)
 
     @property
     def _multi_worker(self) -> bool:
@@ -296,9 +301,14 @@ class Trainer:
         prepared = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                            global_batch_size=global_batch, steps_per_epoch=steps, training=False,
                            tpu=self.spec.strategy == "tpu", model=model)   # the model decides a table's columns
-        if steps is None and prepared.kind == "table":   # one pass, as many steps on every worker
-            steps = prepared.steps_per_epoch
-        return model.evaluate(prepared.dataset, steps=steps, verbose=verbose, return_dict=return_dict)
+        if prepared.kind != "table":
+            return model.evaluate(prepared.dataset, steps=steps, verbose=verbose, return_dict=return_dict)
+        _untraced(model)
+        try:            # one pass, as many steps on every worker
+            return model.evaluate(prepared.dataset, steps=steps if steps is not None else prepared.steps_per_epoch,
+                                  verbose=verbose, return_dict=return_dict)
+        finally:
+            _untraced(model)
 
     def predict(self, model: Any, x: Any, global_batch_size: int | None = None,
                 per_replica_batch_size: int | None = None, verbose: Any = 0) -> Any:
@@ -386,3 +396,16 @@ def _check_not_legacy_keras(model: Any) -> None:
             "build it with Keras 3 (import keras instead of tf_keras), or keep tf_keras and train it yourself: "
             "strategy = stratkit.make_strategy(); build and compile the model inside strategy.scope(); then call "
             "model.fit(...)")
+
+
+def _untraced(model: Any) -> None:
+    """Drop the model's traced train/test/predict steps, around a call fed from a table.
+
+    Keras (3.15.1, measured; plain Keras on numpy alike) reuses a model's traced step on the next call, and a
+    step traced for labels of one rank fails on another ("Cannot take the length of shape with unknown rank").
+    A table's label takes its output's shape ((B, 1) for a `Dense(1)`), where numpy labels are often (B,): so a
+    model trained on a table and then scored on held-out arrays (or the reverse) failed. Keras traces anew on
+    the next call (`make_train_function` makes one when there is none)."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)

@@ -484,3 +484,22 @@ def test_a_delta_timestamp_before_the_table_is_refused_and_a_version_in_a_string
     assert Table.delta(path, version=" 1 ").plan().rows == 150
     assert Table.delta(path, version=dt.datetime.now(dt.timezone.utc)).plan().rows == 150
 
+
+def test_a_model_trained_on_a_table_then_scores_arrays_whose_labels_have_another_rank_and_the_reverse(
+        trainer, parquet_dir):
+    """Keras reuses a model's traced step, and one traced for (B, 1) labels (a table's, for a Dense(1)) failed on
+    numpy's (B,) ("Cannot take the length of shape with unknown rank"), and the reverse."""
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y", seed=1)
+    table = pq.read_table(parquet_dir, columns=["x", "y"])
+    x = np.stack(table.column("x").to_numpy(zero_copy_only=False)).astype("float32")
+    y = table.column("y").to_numpy().astype("float32")                       # (rows,)
+    model = trainer.build(_build)
+    trainer.fit(model, data, epochs=1, global_batch_size=256, verbose=0)
+    scored = trainer.evaluate(model, (x, y), global_batch_size=256)
+    assert np.isfinite(scored["loss"])
+    assert np.isclose(model.evaluate(x, y, batch_size=256, verbose=0, return_dict=True)["loss"], scored["loss"],
+                      rtol=1e-5)
+    other = trainer.build(_build)
+    trainer.fit(other, (x, y), epochs=1, global_batch_size=256, verbose=0)
+    assert np.isfinite(trainer.evaluate(other, data, global_batch_size=256)["loss"])
+    model.fit(x, y, batch_size=256, epochs=1, verbose=0)                        # the user's own fit after ours
