@@ -118,6 +118,8 @@ class LaneReader:
         for piece in pieces:
             try:
                 yield from sources.read_piece(plan, piece, names, batch_rows, fs, cache)
+            except ConfigError:          # the data itself is refused (a null), naming the file and the fix
+                raise
             except Exception as exc:  # noqa: BLE001 - said once with the file named
                 raise _read_error(plan, piece.unit, exc) from exc
 

@@ -503,3 +503,24 @@ def test_a_model_trained_on_a_table_then_scores_arrays_whose_labels_have_another
     trainer.fit(other, (x, y), epochs=1, global_batch_size=256, verbose=0)
     assert np.isfinite(trainer.evaluate(other, data, global_batch_size=256)["loss"])
     model.fit(x, y, batch_size=256, epochs=1, verbose=0)                        # the user's own fit after ours
+
+
+def test_a_null_in_a_file_without_statistics_is_refused_naming_the_file(trainer, tmp_path):
+    (tmp_path / "t").mkdir()
+    pq.write_table(pa.table({"x": pa.array([[1.0] * 3] * 4, pa.list_(pa.float32(), 3)),
+                             "y": pa.array([0.0, 1.0, 2.0, 3.0])}), tmp_path / "t" / "a.parquet")
+    pq.write_table(pa.table({"x": pa.array([[1.0] * 3] * 4, pa.list_(pa.float32(), 3)),
+                             "y": pa.array([0.0, None, 2.0, 3.0])}), tmp_path / "t" / "b.parquet",
+                   write_statistics=False)
+    data = TableInput(Table.parquet(tmp_path / "t"), features="x", label="y")
+    with pytest.raises(ConfigError, match=r"column 'y' has 1 null value\(s\) in table file .*b\.parquet.*Fix"):
+        trainer.fit(trainer.build(_build), data, epochs=1, global_batch_size=4, verbose=0)
+
+
+def test_files_without_the_suffix_beside_the_tables_are_left_out_with_a_warning_naming_one(tmp_path, caplog):
+    pq.write_table(pa.table({"x": [1.0, 2.0]}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"x": [3.0]}), tmp_path / "000000_0")          # as Hive names its data files
+    with caplog.at_level("WARNING", logger="stratkit"):
+        assert Table.parquet(tmp_path).plan().rows == 2
+    assert "1 file(s) without .parquet were not read, e.g. '000000_0'" in caplog.text
+    assert Table.parquet(f"{tmp_path}/*").plan().rows == 3

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 from urllib.parse import unquote
 
+from stratkit import status
 from stratkit.errors import ConfigError
 from stratkit.storage import redact
 
@@ -27,6 +28,8 @@ _OPS = ("=", "==", "!=", "<", "<=", ">", ">=", "in", "not in")
 _WILDCARD = re.compile(r"[*?\[]")
 #: The directory name Hive, Spark and pyarrow give a partition whose value is null.
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+
+log = status.logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
     except OSError as exc:
         raise ConfigError(f"table path {shown!r} cannot be listed: {exc}. Fix: check the store's endpoint and "
                           "credentials") from None
-    out = []
+    out, skipped = [], []
     for entry in infos:
         if entry.type != pafs.FileType.File:
             continue
@@ -96,11 +99,16 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
         if pattern is not None and not glob_match(entry.path.split("/"), pattern.split("/")):
             continue
         if suffix and not entry.path.endswith(suffix) and pattern is None:
+            skipped.append(relative)
             continue
         out.append(FileEntry(entry.path, int(entry.size), _tag(entry)))
     if not out:
         raise ConfigError(f"table path {shown!r} holds no {suffix or 'data'} files. Fix: point it at the table's "
                           "directory, a glob of its files, or a list of files")
+    if skipped:  # Hive writes its data files without a suffix (000000_0): say what was left out, once a listing
+        log.warning("table path %r: %d file(s) without %s were not read, e.g. %r. A table whose data files have "
+                    "no suffix is read with a glob (e.g. %r) or a list of its files", shown, len(skipped), suffix,
+                    sorted(skipped)[0], shown.rstrip("/") + "/*")
     return sorted(out, key=lambda e: e.path)
 
 

@@ -266,6 +266,12 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
                 part = batch.slice(lo, hi - lo)
                 if keep is not None:
                     part = part.filter(pa.array(keep[begin + at + lo:begin + at + hi]))
+                for name, column in zip(part.schema.names, part.columns):
+                    if column.null_count:   # a file without statistics: found here, named here
+                        raise ConfigError(f"column {name!r} has {column.null_count} null value(s) in table file "
+                                          f"{path!r} (its statistics did not say). Fix: fill or drop them before "
+                                          "training (e.g. df.na.fill / df.na.drop before writing the table), or "
+                                          "leave the column out")
                 yield _with_partitions(part, names, values, schema)
             at = end
             if at >= raw_stop:
