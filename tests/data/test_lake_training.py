@@ -12,6 +12,7 @@ The full-size run (1,000,000 rows; the same world size resumed too) is `benchmar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -84,6 +85,20 @@ def _launch(workers: int, argv: list[str], env: dict, restarts: int = 0) -> subp
                            *argv], env=child_env(env=env), capture_output=True, text=True, timeout=420)
 
 
+@contextlib.contextmanager
+def _by_value(cloudpickle, module):
+    """`module` pickled by value meanwhile, a registration made before kept: tests/spark/test_spark_lake.py
+    registers lake_train when it is imported, and a test here that unregistered it after its run left that
+    module's Spark tasks unable to import lake_train (when both ran in one process, this one first)."""
+    before = module.__name__ in cloudpickle.list_registry_pickle_by_value()
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        if not before:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 def test_two_workers_under_launch_equal_one_process_and_train_every_row_once_per_epoch(lake, reference):
     url, env = lake
     done = _launch(2, [url], env)
@@ -133,11 +148,8 @@ def test_a_sigkill_mid_epoch_on_two_workers_resumes_at_the_step_on_three_under_l
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("STRATKIT_BACKUP_STAGING", str(tmp_path / "staging-3"))   # a fresh host: only the store
     stores.refresh_clients()
-    cloudpickle.register_pickle_by_value(lake_train)
-    try:
+    with _by_value(cloudpickle, lake_train):
         resumed = LocalRunner(num_workers=3, private_network=False, timeout=420).run(lake_train.train, url, backup)
-    finally:
-        cloudpickle.unregister_pickle_by_value(lake_train)
     steps = -(-ROWS // BATCH)
     start = resumed["first_step"]
     # a committed step backup (every 10 steps) within an epoch: the newest one, which under load may be some
@@ -181,9 +193,6 @@ def test_tfrecord_shards_on_gcs_train_on_two_workers_as_on_one_process(gcs_shard
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     stores.refresh_clients()
-    cloudpickle.register_pickle_by_value(lake_train)
-    try:
+    with _by_value(cloudpickle, lake_train):
         two = LocalRunner(num_workers=2, private_network=False, timeout=420).run(lake_train.train, url)
-    finally:
-        cloudpickle.unregister_pickle_by_value(lake_train)
     _same(reference, two)
