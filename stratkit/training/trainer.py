@@ -167,6 +167,11 @@ class Trainer:
                                max(self.spec.num_workers, 1), scale_learning_rate)
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
+        if class_weight is not None and _is_table(data):
+            raise ConfigError("class_weight is not applied to a stratkit.data.TableInput (each worker makes its own "
+                              "batches from the table). Fix: write each row's class weight as a column and pass "
+                              "TableInput(..., sample_weight='that column') (in Spark: df.withColumn('w', "
+                              "F.when(F.col('label') == 1, 3.0).otherwise(1.0)))")
         if class_weight is not None and is_dataset_fn(data):
             raise ConfigError("class_weight cannot be applied to a dataset_fn's distributed dataset. Fix: yield "
                               "(x, y, sample_weight) from the dataset_fn, with each row's class weight as its "
@@ -319,6 +324,11 @@ class Trainer:
         """
         from stratkit.training.inputs import predict_data, predict_dataset, prepare, resolve_global_batch_size
 
+        if _is_table(x):
+            raise ConfigError("Trainer.predict does not read a stratkit.data.TableInput (it returns every row's "
+                              "prediction in order on every worker; the table reader shards and shuffles). Fix: "
+                              "Trainer.evaluate(model, table_input, ...) for scores, or read the feature columns "
+                              "into numpy (e.g. pyarrow.parquet.read_table(path, columns=[...])) and predict on them")
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=True, data=x)
         if self._ps or (self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1):
@@ -396,6 +406,12 @@ def _check_not_legacy_keras(model: Any) -> None:
             "build it with Keras 3 (import keras instead of tf_keras), or keep tf_keras and train it yourself: "
             "strategy = stratkit.make_strategy(); build and compile the model inside strategy.scope(); then call "
             "model.fit(...)")
+
+
+def _is_table(data: Any) -> bool:
+    from stratkit.data import TableInput
+
+    return isinstance(data, TableInput)
 
 
 def _untraced(model: Any) -> None:

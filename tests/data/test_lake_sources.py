@@ -524,3 +524,25 @@ def test_files_without_the_suffix_beside_the_tables_are_left_out_with_a_warning_
         assert Table.parquet(tmp_path).plan().rows == 2
     assert "1 file(s) without .parquet were not read, e.g. '000000_0'" in caplog.text
     assert Table.parquet(f"{tmp_path}/*").plan().rows == 3
+
+
+def test_class_weight_and_predict_with_a_table_are_refused_before_training_with_the_fix(trainer, parquet_dir):
+    """class_weight reached Keras, which cannot map a distributed dataset (AttributeError: ... has no attribute
+    'map'); predict said "data[0] is a TableInput" (and under launch raised TensorFlow's TypeError)."""
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y")
+    model = trainer.build(_build)
+    with pytest.raises(ConfigError, match=r"class_weight is not applied to a stratkit.data.TableInput.*"
+                                          r"sample_weight="):
+        trainer.fit(model, data, epochs=1, global_batch_size=64, class_weight={0: 1.0, 1: 2.0}, verbose=0)
+    with pytest.raises(ConfigError, match=r"Trainer.predict does not read a stratkit.data.TableInput.*Fix"):
+        trainer.predict(model, data, global_batch_size=64)
+
+
+def test_a_compressed_tfrecord_file_is_refused_as_compressed(tmp_path):
+    with tf.io.TFRecordWriter(str(tmp_path / "a.tfrecord"), options="GZIP") as writer:
+        for i in range(50):
+            example = tf.train.Example(features=tf.train.Features(feature={
+                "y": tf.train.Feature(float_list=tf.train.FloatList(value=[float(i)]))}))
+            writer.write(example.SerializeToString())
+    with pytest.raises(ConfigError, match=r"a\.tfrecord' is GZIP-compressed .*uncompressed TFRecord files only.*Fix"):
+        Table.tfrecord(tmp_path, features={"y": tf.io.FixedLenFeature([], tf.float32)}).plan()

@@ -64,9 +64,28 @@ def parse_spec(spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
         f["dtype"]), default_value=f["default"]) for name, f in spec.items()}
 
 
+def _compression(handle: Any) -> str | None:
+    """"GZIP" or "ZLIB" when a file that did not scan as TFRecord starts as one of those streams (asked only then:
+    a record's length can begin with the same bytes)."""
+    try:
+        head = bytes(handle.read_at(2, 0))
+    except (OSError, ValueError):
+        return None
+    if head == b"\x1f\x8b":
+        return "GZIP"
+    if len(head) == 2 and head[0] == 0x78 and (head[0] * 256 + head[1]) % 31 == 0:
+        return "ZLIB"
+    return None
+
+
 def _scan(fs: Any, entry: FileEntry, shown: str) -> tuple[list[tuple[int, int, int]], bytes]:
     """(first byte, end byte, records) of each unit of one file, and its first record."""
     def truncated(at: int) -> ConfigError:
+        kind = _compression(handle)
+        if kind:
+            return ConfigError(f"TFRecord file {shown!r} is {kind}-compressed (its first bytes say so): this reader "
+                               "reads uncompressed TFRecord files only. Fix: write the records uncompressed "
+                               "(tf.io.TFRecordWriter(path) without options), or decompress the files first")
         return ConfigError(f"TFRecord file {shown!r} ends inside a record (at byte {at} of {entry.size}): it is "
                            "truncated or not a TFRecord file. Fix: rewrite it, or leave it out of the table")
 

@@ -90,9 +90,6 @@ class TableAdapter(InputAdapter):
             raise ConfigError("a TableInput's last batch of a pass is partial (every row once, none dropped), which "
                               "TPUs cannot take. Fix: train on GPUs or CPUs, or pass a tf.data.Dataset")
         data = agreed(self.data.with_order(seed, shuffle) if training else self.data, strategy)
-        if not shard:
-            raise ConfigError("predict on a TableInput is not supported. Fix: read the rows with "
-                              "TableInput.reader(batch) and call model.predict on them")
         per_pass = data.steps_per_epoch(global_batch_size)
         layout = data.layout()
         world = _workers(strategy)
