@@ -150,6 +150,7 @@ class Trainer:
         from stratkit.training import callbacks as cb
         from stratkit.training import fit_args
         from stratkit.training.inputs import is_dataset_fn, is_py_dataset, prepare, resolve_global_batch_size
+        from stratkit.training.inputs import table as table_rules
 
         from stratkit.training.checkpoint import Backup, Position, check_every, resumable_input_for
 
@@ -167,11 +168,7 @@ class Trainer:
                                max(self.spec.num_workers, 1), scale_learning_rate)
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
-        if class_weight is not None and _is_table(data):
-            raise ConfigError("class_weight is not applied to a stratkit.data.TableInput (each worker makes its own "
-                              "batches from the table). Fix: write each row's class weight as a column and pass "
-                              "TableInput(..., sample_weight='that column') (in Spark: df.withColumn('w', "
-                              "F.when(F.col('label') == 1, 3.0).otherwise(1.0)))")
+        table_rules.refuse(data, class_weight=class_weight)
         if class_weight is not None and is_dataset_fn(data):
             raise ConfigError("class_weight cannot be applied to a dataset_fn's distributed dataset. Fix: yield "
                               "(x, y, sample_weight) from the dataset_fn, with each row's class weight as its "
@@ -252,14 +249,15 @@ class Trainer:
         if backup is not None:
             callback_list.insert(0, backup)
         from_table = train.kind == "table" or (val is not None and prepared_val.kind == "table")
-        if from_table:
-            _untraced(model)
         try:
-            return model.fit(train.dataset, epochs=epochs,
-                             steps_per_epoch=train.steps_per_epoch if train.endless else steps_per_epoch,
-                             validation_data=val, validation_steps=validation_steps, callbacks=callback_list, shuffle=False,
-                             verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose,
-                             class_weight=class_weight, initial_epoch=initial_epoch, validation_freq=validation_freq)
+            with table_rules.untraced(model, from_table):
+                return model.fit(train.dataset, epochs=epochs,
+                                 steps_per_epoch=train.steps_per_epoch if train.endless else steps_per_epoch,
+                                 validation_data=val, validation_steps=validation_steps, callbacks=callback_list,
+                                 shuffle=False,
+                                 verbose=side_effects.default_verbose(self.is_chief) if verbose is None else verbose,
+                                 class_weight=class_weight, initial_epoch=initial_epoch,
+                                 validation_freq=validation_freq)
         except Exception as exc:
             from stratkit.strategy.compression import overflow_error
 
@@ -273,8 +271,6 @@ class Trainer:
             side_effects.remove_dirs(temps)
             if backup is not None:
                 backup.release()  # (after an exception Keras skips on_train_end)
-            if from_table:
-                _untraced(model)
 
     @property
     def _multi_worker(self) -> bool:
@@ -293,7 +289,7 @@ class Trainer:
                  per_replica_batch_size: int | None = None, steps: int | None = None, verbose: Any = 0,
                  return_dict: bool = True) -> Any:
         """Evaluate over the whole of `data`, sharded across workers; every worker gets the same result."""
-        from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size
+        from stratkit.training.inputs import is_dataset_fn, prepare, resolve_global_batch_size, table as table_rules
 
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=not is_dataset_fn(data), data=data)
@@ -306,14 +302,10 @@ class Trainer:
         prepared = prepare(data, strategy=self.strategy, num_replicas=self.num_replicas,
                            global_batch_size=global_batch, steps_per_epoch=steps, training=False,
                            tpu=self.spec.strategy == "tpu", model=model)   # the model decides a table's columns
-        if prepared.kind != "table":
+        if steps is None and prepared.kind == "table":   # one pass, as many steps on every worker
+            steps = prepared.steps_per_epoch
+        with table_rules.untraced(model, prepared.kind == "table"):
             return model.evaluate(prepared.dataset, steps=steps, verbose=verbose, return_dict=return_dict)
-        _untraced(model)
-        try:            # one pass, as many steps on every worker
-            return model.evaluate(prepared.dataset, steps=steps if steps is not None else prepared.steps_per_epoch,
-                                  verbose=verbose, return_dict=return_dict)
-        finally:
-            _untraced(model)
 
     def predict(self, model: Any, x: Any, global_batch_size: int | None = None,
                 per_replica_batch_size: int | None = None, verbose: Any = 0) -> Any:
@@ -323,12 +315,9 @@ class Trainer:
         batched with the global batch; `(x, y)` elements are read as in Keras).
         """
         from stratkit.training.inputs import predict_data, predict_dataset, prepare, resolve_global_batch_size
+        from stratkit.training.inputs import table as table_rules
 
-        if _is_table(x):
-            raise ConfigError("Trainer.predict does not read a stratkit.data.TableInput (it returns every row's "
-                              "prediction in order on every worker; the table reader shards and shuffles). Fix: "
-                              "Trainer.evaluate(model, table_input, ...) for scores, or read the feature columns "
-                              "into numpy (e.g. pyarrow.parquet.read_table(path, columns=[...])) and predict on them")
+        table_rules.refuse(x, predicting=True)
         global_batch = resolve_global_batch_size(global_batch_size, per_replica_batch_size, self.num_replicas,
                                                  required=True, data=x)
         if self._ps or (self.spec.strategy == "multi_worker_mirrored" and self.spec.num_workers > 1):
@@ -406,22 +395,3 @@ def _check_not_legacy_keras(model: Any) -> None:
             "build it with Keras 3 (import keras instead of tf_keras), or keep tf_keras and train it yourself: "
             "strategy = stratkit.make_strategy(); build and compile the model inside strategy.scope(); then call "
             "model.fit(...)")
-
-
-def _is_table(data: Any) -> bool:
-    from stratkit.data import TableInput
-
-    return isinstance(data, TableInput)
-
-
-def _untraced(model: Any) -> None:
-    """Drop the model's traced train/test/predict steps, around a call fed from a table.
-
-    Keras (3.15.1, measured; plain Keras on numpy alike) reuses a model's traced step on the next call, and a
-    step traced for labels of one rank fails on another ("Cannot take the length of shape with unknown rank").
-    A table's label takes its output's shape ((B, 1) for a `Dense(1)`), where numpy labels are often (B,): so a
-    model trained on a table and then scored on held-out arrays (or the reverse) failed. Keras traces anew on
-    the next call (`make_train_function` makes one when there is none)."""
-    for name in ("train_function", "test_function", "predict_function"):
-        if getattr(model, name, None) is not None:
-            setattr(model, name, None)

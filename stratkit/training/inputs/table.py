@@ -17,7 +17,8 @@ starts every lane at its offset (`stratkit.data.cursor`): nothing is read twice,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 from stratkit import status
 from stratkit.data import TableInput
@@ -128,4 +129,50 @@ def _workers(strategy: Any) -> int:
     return max(int(strategy.num_replicas_in_sync) // local, 1)
 
 
-__all__ = ["TableAdapter", "agreed"]
+
+
+def refuse(data: Any, *, class_weight: Any = None, predicting: bool = False) -> None:
+    """Refuse what a `TableInput` cannot take, before anything runs (no-op for other data).
+
+    Raises:
+        ConfigError: `class_weight` with a table (Keras would map the distributed dataset, which it cannot), or
+            a table given to `Trainer.predict` (every row's prediction, in order, on every worker: the reader
+            shards and shuffles).
+    """
+    if not isinstance(data, TableInput):
+        return
+    if predicting:
+        raise ConfigError("Trainer.predict does not read a stratkit.data.TableInput (it returns every row's "
+                          "prediction in order on every worker; the table reader shards and shuffles). Fix: "
+                          "Trainer.evaluate(model, table_input, ...) for scores, or read the feature columns into "
+                          "numpy (e.g. pyarrow.parquet.read_table(path, columns=[...])) and predict on them")
+    if class_weight is not None:
+        raise ConfigError("class_weight is not applied to a stratkit.data.TableInput (each worker makes its own "
+                          "batches from the table). Fix: write each row's class weight as a column and pass "
+                          "TableInput(..., sample_weight='that column') (in Spark: df.withColumn('w', "
+                          "F.when(F.col('label') == 1, 3.0).otherwise(1.0)))")
+
+
+@contextlib.contextmanager
+def untraced(model: Any, active: bool = True) -> Iterator[None]:
+    """The model's traced train/test/predict steps dropped before and after (when `active`: a `Trainer` call fed
+    from a table).
+
+    Keras (3.15.1, measured; plain Keras on numpy alike) reuses a model's traced step on the next call, and a
+    step traced for labels of one rank fails on another ("Cannot take the length of shape with unknown rank").
+    A table's label takes its output's shape ((B, 1) for a `Dense(1)`), where numpy labels are often (B,): so a
+    model trained on a table and then scored on held-out arrays (or the reverse) failed. Keras traces anew on
+    the next call (`make_train_function` makes one when there is none)."""
+    def drop() -> None:
+        for name in ("train_function", "test_function", "predict_function"):
+            if active and getattr(model, name, None) is not None:
+                setattr(model, name, None)
+
+    drop()
+    try:
+        yield
+    finally:
+        drop()
+
+
+__all__ = ["TableAdapter", "agreed", "refuse", "untraced"]
