@@ -264,7 +264,7 @@ def to_numpy(array: Any, column: Column, dtype: str) -> Any:
     while pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type) or \
             pa.types.is_large_list(values.type):
         if values.null_count:
-            raise _nulls(column.name, values.null_count)
+            raise null_error(column.name, values.null_count)
         lengths = np.asarray(values.value_lengths()) if not pa.types.is_fixed_size_list(values.type) else None
         length = values.type.list_size if lengths is None else (int(lengths[0]) if len(lengths) else 0)
         if lengths is not None and len(lengths) and (lengths != length).any():
@@ -273,7 +273,7 @@ def to_numpy(array: Any, column: Column, dtype: str) -> Any:
         shape.append(length)
         values = values.flatten()
     if values.null_count:
-        raise _nulls(column.name, values.null_count)
+        raise null_error(column.name, values.null_count)
     if column.is_string:
         if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
             values = values.cast(pa.large_binary())
@@ -287,10 +287,17 @@ def to_numpy(array: Any, column: Column, dtype: str) -> Any:
     return out.reshape((rows, *shape))
 
 
-def _nulls(name: str, count: int) -> ConfigError:
-    return ConfigError(f"column {name!r} has {count} null value(s). Fix: fill or drop them before training "
-                       "(e.g. df.na.fill / df.na.drop, or a filter on the table)")
+def null_error(name: str, count: int | None = None, where: str | None = None, what: str = "null value(s)",
+               note: str = "") -> ConfigError:
+    """The refusal of nulls in column `name`: `where` the table file holding them (None: the data is not a
+    table's file), `what` they are, `note` how they were found."""
+    counted = f"{count} {what}" if count else what
+    if where is None:
+        return ConfigError(f"column {name!r} has {counted}{note}. Fix: fill or drop them before training (e.g. "
+                           "df.na.fill / df.na.drop, or a filter on the table)")
+    return ConfigError(f"column {name!r} has {counted} in table file {where!r}{note}. Fix: fill or drop them before "
+                       "training (e.g. df.na.fill / df.na.drop before writing the table), or leave the column out")
 
 
 __all__ = ["Column", "EXACT_INTEGERS", "INT_RANGES", "STRING", "cast_to", "check_range", "check_values", "column_of",
-           "label_dtype", "lossless_bounds", "may_lose", "to_numpy"]
+           "label_dtype", "lossless_bounds", "may_lose", "null_error", "to_numpy"]

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from stratkit.data.columns import Column, column_of
+from stratkit.data.columns import Column, column_of, null_error
 from stratkit.data.plan import Piece, Plan
 from stratkit.data.sources.files import FileEntry
 from stratkit.errors import ConfigError
@@ -183,8 +183,7 @@ def _width(column: Column, fs: Any, entries: Sequence[FileEntry], footers: list[
             batch = next(pq.ParquetFile(handle, metadata=md).iter_batches(batch_size=1, columns=[column.name]))
         value = batch.column(0)
         if value.null_count:     # before the statistics are read (`_bounds`): refused as they refuse a null
-            raise ConfigError(f"column {column.name!r} has null value(s) in table file {shown(entry.path)!r} (its "
-                              "first row). Fix: fill or drop them before training, or leave the column out")
+            raise null_error(column.name, where=shown(entry.path), note=" (its first row)")
         shape = []
         while hasattr(value, "flatten") and value.type.num_fields == 1:
             shape.append(len(value[0]) if len(value) else 0)
@@ -211,9 +210,7 @@ def _bounds(bounds: dict[str, tuple[Any, Any]], name: str, stats: Any, where: st
     if stats.has_null_count and stats.null_count:
         what = ("null or empty value(s) (a null row, an empty array or a null element: each row must hold a full "
                 "array)" if nested else "null value(s)")
-        raise ConfigError(f"column {name!r} has {stats.null_count} {what} in table file {where!r}. Fix: fill "
-                          "or drop them before training (e.g. df.na.fill / df.na.drop before writing the table), or "
-                          "leave the column out")
+        raise null_error(name, stats.null_count, where, what)
     low, high = bounds.get(name, (None, None))
     if not stats.has_min_max or isinstance(stats.min, (bytes, str)):
         bounds[name] = (low, high)
@@ -268,10 +265,7 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
                     part = part.filter(pa.array(keep[begin + at + lo:begin + at + hi]))
                 for name, column in zip(part.schema.names, part.columns):
                     if column.null_count:   # a file without statistics: found here, named here
-                        raise ConfigError(f"column {name!r} has {column.null_count} null value(s) in table file "
-                                          f"{path!r} (its statistics did not say). Fix: fill or drop them before "
-                                          "training (e.g. df.na.fill / df.na.drop before writing the table), or "
-                                          "leave the column out")
+                        raise null_error(name, column.null_count, path, note=" (its statistics did not say)")
                 yield _with_partitions(part, names, values, schema)
             at = end
             if at >= raw_stop:
