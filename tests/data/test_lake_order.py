@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from stratkit.data.columns import Column
 from stratkit.data.cursor import Cursor, OrderRecord, check_resume
-from stratkit.data.order import hash_keys, permutation, visit_order
+from stratkit.data.order import hash_keys, permutation, visit_order, window_order, window_orders
 from stratkit.data.plan import Plan
 from stratkit.data.readahead import batch_counts
 from stratkit.data.shards import Layout, steps_for, stream_rows
@@ -135,6 +135,21 @@ def test_the_order_is_pinned_not_drawn_from_numpy_generators():
     assert permutation(8, 1, 2).tolist() == [7, 5, 6, 1, 4, 3, 0, 2]
     # the golden-ratio visits: consecutive visits far apart, each lane once a round
     assert visit_order(12).tolist() == [0, 7, 3, 10, 5, 1, 8, 4, 11, 6, 2, 9]
+    # a full block (every window as long: its own faster path) and its rows' global order, as before that path
+    g, index = Layout(40, 4, 5).block(0, 0, 4, 1, 2)
+    assert g.tolist() == list(range(20))
+    assert index.tolist() == [0, 14, 7, 17, 2, 10, 6, 19, 1, 12, 5, 16, 3, 11, 8, 18, 4, 13, 9, 15]
+
+
+@settings(max_examples=40, deadline=None)
+@given(lanes=st.integers(2, 30), width=st.integers(1, 300), seed=st.integers(0, 2**40), epoch=st.integers(0, 9),
+       window=st.integers(0, 50))
+def test_several_lanes_windows_drawn_at_once_are_each_lanes_own_draw(lanes, width, seed, epoch, window):
+    """`window_orders` of equal windows (a full block, drawn as one row per lane) is `window_order` of each lane,
+    laid end to end: the block's shortcut draws the same order as the one-lane definition."""
+    together = window_orders(np.full(lanes, width), seed, epoch, np.arange(lanes), window)
+    alone = [window_order(width, seed, epoch, p, window) + p * width for p in range(lanes)]
+    assert together.tolist() == np.concatenate(alone).tolist()
 
 
 @pytest.mark.parametrize("lanes", [12, 24, 60])
