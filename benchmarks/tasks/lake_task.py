@@ -1,9 +1,10 @@
 """What bench_lake.py measures inside one process (the store's settings in its environment).
 
-    python lake_task.py throughput URL ROUNDS BATCH   -> {"rounds": [{"reader": rows/s, "limit": ..., "recipe": ...}]}
+    python lake_task.py throughput URL ROUNDS BATCH   -> {"rounds": [{"reader": rows/s, "reader, 3 passes": ...,
+                                                                   "limit": ..., "recipe": ...}]}
     python lake_task.py cnn URL ROUNDS BATCH          -> {"rounds": [{"table": steps/s, "arrays": steps/s}]}
-    python lake_task.py memory SMALL_URL BIG_URL BUDGET  (every task of `stratkit launch`)
-                                                       -> {"rank", "small_peak_kb", "big_peak_kb", ...}
+    python lake_task.py memory SMALL_URL BIG_URL BUDGET table|control  (every task of `stratkit launch`)
+                                                       -> {"rank", "feed", "small_peak_kb", "big_peak_kb", ...}
 
 Each prints one JSON line last. Rounds alternate the ways (their order rotates each round); the recipe's rounds
 come after the others' (`throughput`).
@@ -20,6 +21,10 @@ import time
 #: The recipe's rate is measured on the table's first rows: it hands tf.data one row at a time (about 3,000-5,000
 #: rows/s here, so the whole 1,000,000-row table would take ~5 min a round); a rate per row needs no more.
 RECIPE_ROWS = 100_000
+#: `fit` reads its epochs from one pipeline (`TableInput.dataset_fn(passes=None)`): its threads start and its first
+#: block is read once a fit, not once a pass. The reader is timed both ways: one pass a pipeline (every cost of a
+#: start in each pass) and this many passes in one pipeline (as `fit`'s epochs).
+STEADY_PASSES = 3
 
 
 def _files(url: str):
@@ -49,6 +54,9 @@ def throughput(url: str, rounds: int, batch: int) -> dict:
 
     def reader() -> int:
         return count(data.dataset_fn(batch, passes=1)(tf.distribute.InputContext()))
+
+    def reader_passes() -> int:    # as `fit` reads over epochs: one pipeline (its threads, first block) for all
+        return count(data.dataset_fn(batch, passes=STEADY_PASSES)(tf.distribute.InputContext()))
 
     def limit() -> int:
         n = 0
@@ -88,10 +96,10 @@ def throughput(url: str, rounds: int, batch: int) -> dict:
         finally:
             del os.environ["STRATKIT_LAKE_FILESYSTEM"]
 
-    ways = {"reader": reader, "limit": limit}
+    ways = {"reader": reader, f"reader, {STEADY_PASSES} passes": reader_passes, "limit": limit}
     if url.startswith("s3://"):
         ways["reader via s3fs"] = reader_fsspec
-    out = _alternate(ways, rounds, {name: rows for name in ways})
+    out = _alternate(ways, rounds, {name: rows * (STEADY_PASSES if "passes" in name else 1) for name in ways})
     # The recipe's rounds come after the others': run between them, it halved the reader's rate. The reader's
     # first pass after it took 0.58-0.66 s instead of 0.29-0.33 (its first block 0.35 s instead of 0.11), and
     # Arrow's decode threads twice their CPU, in pyarrow's default pool (mimalloc) only: after the recipe's
@@ -166,8 +174,16 @@ def cnn(url: str, rounds: int, batch: int) -> dict:
     return {"rows": int(len(labels)), "rounds": out}
 
 
-def memory(small: str, big: str, budget: int) -> dict:
+def memory(small: str, big: str, budget: int, feed: str) -> dict:
+    """Each worker: a fit on a tiny table (the reader, TensorFlow and Keras warmed), then one pass of the big table
+    (`feed` "table"), or as many steps of the same model fed from memory (`feed` "control": the big table's first
+    rows over and over, no reader). The peak's growth over the tiny fit's: the control's is the model's own (a
+    fit of 4,000 steps under MWMS grows 28-30 MiB with no reader at all, measured), the table's less the
+    control's is the reader's."""
     import keras
+    import numpy as np
+    import pyarrow.parquet as pq
+    import tensorflow as tf
 
     import stratkit
     from stratkit.data import Table, TableInput
@@ -183,25 +199,34 @@ def memory(small: str, big: str, budget: int) -> dict:
 
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # noqa: E731 - KiB on Linux
 
-    def fit(url: str) -> int:
+    def table(url: str):
         # lanes=12: "auto" picks lanes from the table's row groups, not the budget (the big table's ~945 groups
         # give 120 lanes, 60 a worker, whose open row groups alone are 48 MB); each lane holds one row group
-        data = TableInput(Table.parquet(url), features="x", label="y", seed=1, shuffle_window=512,
+        return TableInput(Table.parquet(url), features="x", label="y", seed=1, shuffle_window=512,
                           read_ahead_bytes=budget, lanes=12)
+
+    def fit(data, steps=None) -> None:
         model = trainer.build(build)
-        trainer.fit(model, data, epochs=1, global_batch_size=512, verbose=0)
-        return data.plan().rows, data.plan().row_bytes
+        trainer.fit(model, data, epochs=1, global_batch_size=512, verbose=0, steps_per_epoch=steps)
 
     before = peak()
-    small_rows, _ = fit(small)
+    fit(table(small))
     small_peak = peak()
-    big_rows, row_bytes = fit(big)
+    data = table(big)
+    plan = data.plan()
+    if feed == "table":
+        fit(data)
+    else:
+        fs, files = _files(big)
+        first = pq.ParquetFile(fs.open_input_file(files[0])).read_row_group(0, columns=["x", "y"])
+        x = np.asarray(first.column("x").combine_chunks().flatten().to_numpy()).reshape(first.num_rows, -1)
+        y = first.column("y").to_numpy().reshape(-1, 1)
+        fit(tf.data.Dataset.from_tensor_slices((x, y)).repeat(), data.steps_per_epoch(512))
     import pyarrow as pa
 
-    return {"rank": max(trainer.spec.worker_rank, 0), "arrow_pool": pa.default_memory_pool().backend_name,
-            "before_kb": before, "small_peak_kb": small_peak,
-            "big_peak_kb": peak(), "small_rows": small_rows, "big_rows": big_rows,
-            "big_decoded_bytes": int(big_rows * row_bytes), "budget": budget}
+    return {"rank": max(trainer.spec.worker_rank, 0), "feed": feed, "arrow_pool": pa.default_memory_pool().backend_name,
+            "before_kb": before, "small_peak_kb": small_peak, "big_peak_kb": peak(), "big_rows": plan.rows,
+            "big_decoded_bytes": int(plan.rows * plan.row_bytes), "budget": budget}
 
 
 if __name__ == "__main__":
@@ -211,5 +236,5 @@ if __name__ == "__main__":
     elif what == "cnn":
         result = cnn(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
-        result = memory(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        result = memory(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     print("RESULT " + json.dumps(result), flush=True)
