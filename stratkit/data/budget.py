@@ -3,9 +3,10 @@
 The budget (`read_ahead_bytes`, from the sizes the footers give) holds each lane's open unit (a row group's fetched
 column chunks, and one batch of its rows decoded: `decode_rows`, at most `DECODE_BATCH_BYTES`), the block being put
 together (its Arrow rows and its arrays), the blocks decoded ahead, and two finished chunks (`readahead.CHUNK_ROWS`
-rows each, within a quarter of the budget). The blocks ahead are what the budget leaves room for (at least one, at
-most `MAX_AHEAD_BLOCKS`); a budget without room for one is refused before step 1 (`check_budget`), naming what takes
-the bytes. `table_input.auto_window` sizes the default shuffle window from `lane_bytes`. Pure numpy, no I/O.
+rows each, within a quarter of the budget). The blocks ahead are what the budget leaves room for beside an eighth
+kept for the allocators (`SLACK_PART`), at least one and at most `MAX_AHEAD_BLOCKS`; a budget without room for one
+(the slack aside) is refused before step 1 (`check_budget`), naming what takes the bytes.
+`table_input.auto_window` sizes the default shuffle window from `lane_bytes`. Pure numpy, no I/O.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ DECODE_BATCH_BYTES = 4 << 20
 #: on across passes, so a table of a few rows would otherwise read a budget's worth of passes ahead before its
 #: first step (256 MiB of 12-row blocks: the first step never came, the memory grew).
 MAX_AHEAD_BLOCKS = 8
+#: The blocks read ahead leave this part of the budget (1/8) unplanned, for what the allocators keep of the reader's
+#: freed memory (pages jemalloc holds for up to a second, Python's and numpy's heaps). Planned to the whole budget,
+#: a worker's peak RSS grew 0.91-1.01x the budget more than the same steps fed from memory (2 workers, 24 MiB, a
+#: table 10x that, 3 rounds: `benchmarks/bench_lake.py`). It only takes blocks ahead: a budget that holds one is
+#: never refused for it, and the default shuffle window does not change.
+SLACK_PART = 8
 
 
 def decode_rows(plan: Plan, window: int) -> int:
@@ -53,10 +60,10 @@ def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) 
     """(blocks read ahead, one block's bytes, the lanes' bytes) for lanes [first, stop) within `budget`.
 
     The budget holds the lanes' open units, the block being put together, the blocks decoded ahead and the
-    ready chunks (kept within a quarter of the budget by their size)."""
+    ready chunks (kept within a quarter of the budget by their size), beside the allocators' slack (`SLACK_PART`)."""
     lanes = (stop - first) * lane_bytes(plan)
     block = block_bytes(layout, plan, first, stop)
-    room = budget - lanes - budget // 4
+    room = budget - lanes - budget // 4 - budget // SLACK_PART
     return max(1, min(MAX_AHEAD_BLOCKS, room // max(block, 1) - 1)), block, lanes
 
 
@@ -91,5 +98,5 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
     return int(2 * layout_rows_per_block(layout, first, stop) * max(plan.row_bytes, 1.0))
 
 
-__all__ = ["DECODE_BATCH_BYTES", "DECODE_ROWS_BOUNDS", "MAX_AHEAD_BLOCKS", "block_bytes", "check_budget",
+__all__ = ["DECODE_BATCH_BYTES", "DECODE_ROWS_BOUNDS", "MAX_AHEAD_BLOCKS", "SLACK_PART", "block_bytes", "check_budget",
            "decode_rows", "lane_bytes", "layout_rows_per_block", "memory_plan"]
