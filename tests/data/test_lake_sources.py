@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 
 import numpy as np
@@ -524,6 +525,26 @@ def test_files_without_the_suffix_beside_the_tables_are_left_out_with_a_warning_
         assert Table.parquet(tmp_path).plan().rows == 2
     assert "1 file(s) without .parquet were not read, e.g. '000000_0'" in caplog.text
     assert Table.parquet(f"{tmp_path}/*").plan().rows == 3
+
+
+def test_a_file_column_named_as_a_partition_is_warned_of_and_the_directorys_value_is_read(tmp_path, caplog):
+    """Files that also hold their partition's column (day=1/ holding a column `day`): the directory's value was
+    read and the file's ignored without a word, however the two differed."""
+    for day in (1, 2):
+        (tmp_path / f"day={day}").mkdir()
+        pq.write_table(pa.table({"x": [1.0, 2.0], "day": pa.array([7, 7], pa.int64())}),
+                       tmp_path / f"day={day}" / "p.parquet")
+    with caplog.at_level("WARNING", logger="stratkit"):
+        plan = Table.parquet(tmp_path, columns=["x", "day"]).plan()
+    assert [f.name for f in plan.arrow_schema] == ["x", "day"]
+    assert plan.partitions[0]["day"] in (1, 2)                     # the directory's value is what is read
+    assert re.search(r"column 'day' is both a partition \(the directories day=\.\.\.\) and a column of table file "
+                     r".*p\.parquet.*the directory's value is read.*Fix", caplog.text), caplog.text
+    assert [f.name for f in Table.parquet(tmp_path).plan().arrow_schema] == ["x", "day"]   # every column, once
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stratkit"):
+        assert [f.name for f in Table.parquet(tmp_path, columns=["x"]).plan().arrow_schema] == ["x"]
+    assert "is both a partition" not in caplog.text                  # not read: nothing to say
 
 
 def test_class_weight_and_predict_with_a_table_are_refused_before_training_with_the_fix(trainer, parquet_dir):

@@ -21,10 +21,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from stratkit import status
 from stratkit.data.columns import Column, column_of, null_error
 from stratkit.data.plan import Piece, Plan
 from stratkit.data.sources.files import FileEntry
 from stratkit.errors import ConfigError
+
+log = status.logger(__name__)
 
 FOOTER_THREADS = 16
 
@@ -62,7 +65,8 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
     with ThreadPoolExecutor(min(FOOTER_THREADS, max(len(entries), 1)), thread_name_prefix="stratkit-footers") as pool:
         footers = list(pool.map(lambda e: _footer(fs, e, shown(e.path)), entries))
     first = footers[0].schema.to_arrow_schema()
-    names = list(columns) if columns is not None else [f.name for f in first] + list(partition_types)
+    names = list(columns) if columns is not None else \
+        [f.name for f in first if f.name not in partition_types] + list(partition_types)
     stored = [n for n in names if n not in partition_types]
     for name in names:
         if name not in partition_types and first.get_field_index(name) < 0:
@@ -70,6 +74,11 @@ def plan_files(*, kind: str, root: str, source: dict[str, Any], fs: Any, entries
                               f"{first.names}; partition columns: {list(partition_types)}). Fix: columns=/features=/"
                               "label= must name columns of the table")
     for name in names:
+        if name in partition_types and first.get_field_index(name) >= 0:
+            log.warning("column %r is both a partition (the directories %s=...) and a column of table file %r: "
+                        "the directory's value is read, the file's column is not. Fix: rename the column in the "
+                        "files, or the partition directories, if the two can differ", name, name,
+                        shown(entries[0].path))
         if name in partition_types:
             nulls = [entries[i].path for i, values in enumerate(partitions) if values.get(name, "") is None]
             if nulls:
