@@ -178,6 +178,10 @@ class Uploads:
         deadline = time.monotonic() + max(seconds, 0.0)
         with self._cv:
             self._urgent += 1
+            # someone waits (a run's end, a notice): the store may be back, so try now and back off from the start,
+            # not after a backoff grown over a long outage (up to RETRY_MAX: longer than the wait, seen in CI)
+            self._not_before = min(self._not_before, time.monotonic())
+            self._backoff = RETRY_FIRST
             self._cv.notify_all()
             try:
                 while not self._reached(position) and self.fenced is None and self._alive():
