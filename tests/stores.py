@@ -115,7 +115,7 @@ class Outage:
             listener.listen(64)
             self._listener = listener
         self._stop.clear()
-        self._thread = threading.Thread(target=self._serve, name="store-outage-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(listener,), name="store-outage-proxy", daemon=True)
         self._thread.start()
 
     def hold(self, marker: bytes = b"") -> None:
@@ -143,10 +143,11 @@ class Outage:
         if self._thread is not None:
             self._thread.join(5)
 
-    def _serve(self) -> None:
-        listener = self._listener
+    def _serve(self, listener: socket.socket) -> None:
         buffers: dict[socket.socket, socket.socket] = {}
-        while not self._stop.is_set() and listener is not None:
+        # a thread that outlived `down()`'s join (a busy machine) ends when it sees another listener: revived by
+        # the next `up()` it would spin on its closed one beside the new thread
+        while not self._stop.is_set() and self._listener is listener:
             with self._lock:
                 pairs = list(self._pairs)
             marker = self._marker

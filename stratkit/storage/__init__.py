@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 
 from stratkit import files
 from stratkit.errors import ConfigError
+from stratkit.storage import clients
 from stratkit.storage import errors as _errors
 from stratkit.storage.errors import StoreError
 from stratkit.storage.mirror import Mirror
@@ -100,9 +101,7 @@ def open_store(path: str | os.PathLike[str], what: str = "path") -> Store:
     try:
         if known is not None:
             importlib.import_module(known.module)
-        import fsspec.core
-
-        fs, root = fsspec.core.url_to_fs(text, use_listings_cache=False)
+        fs, root = clients.filesystem(text)
     except ImportError as exc:
         raise _missing_package(scheme, what, text, exc) from None
     except ValueError as exc:  # fsspec: "Protocol not known"

@@ -157,6 +157,34 @@ def test_a_store_that_never_answers_times_out(monkeypatch, use_store):
                 thread.join(120)   # before this test's settings are undone under it
 
 
+def test_settings_fixed_in_a_running_process_are_used_by_the_next_call(monkeypatch, use_store):
+    """A notebook's (or a tuning host's) process lives on: after a refused secret or a wrong endpoint is fixed in
+    the environment, as the error's Fix says, the next call uses the new settings, with no restart (fsspec's
+    own cache answered with the client made under the old ones)."""
+    server = use_store("s3")
+    bucket = server.make_bucket(_unique("fixed"))
+    good_secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "d3Jvbmc=")
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        storage.check_store(server.url(bucket, "run1"), "backup_dir")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", good_secret)
+    storage.check_store(server.url(bucket, "run1"), "backup_dir")
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))                        # a port nothing listens on
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    try:
+        with pytest.raises(ConfigError, match="could not be reached"):
+            storage.check_store(server.url(bucket, "run2"), "backup_dir")
+    finally:
+        closed.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    store = storage.check_store(server.url(bucket, "run2"), "backup_dir")
+    store.write_bytes("kept", b"1")
+    assert server.fs().cat_file(f"{bucket}/run2/kept") == b"1"          # on the server the test started
+
+
 def test_a_url_whose_filesystem_is_missing_names_the_extra():
     code = ("import sys; sys.modules['s3fs'] = None; sys.modules['adlfs'] = None\n"
             "from stratkit import storage\n"
