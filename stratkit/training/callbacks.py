@@ -35,14 +35,22 @@ class Throughput(keras.callbacks.Callback):
     short by data that ran out reports what it did. Without an optimizer it
     falls back to Keras' `params["steps"]`.
 
+    An epoch that is one whole pass over data of known size (`epoch_examples` rows in `epoch_steps` steps, the
+    last batch partial) counts its rows, not its steps times the batch.
+
     Args:
         global_batch_size: examples per step across the cluster.
+        epoch_examples, epoch_steps: the rows and steps of one pass, when an epoch is one pass (None: unknown, or
+            every batch full).
         verbose: print a line per epoch (stratkit turns this off on non-chief workers).
     """
 
-    def __init__(self, global_batch_size: int, verbose: bool = True) -> None:
+    def __init__(self, global_batch_size: int, verbose: bool = True, epoch_examples: int | None = None,
+                 epoch_steps: int | None = None) -> None:
         super().__init__()
         self.global_batch_size = int(global_batch_size)
+        self.epoch_examples = epoch_examples
+        self.epoch_steps = epoch_steps
         self.verbose = verbose
         self.history: list[float] = []
         self._start = 0.0
@@ -78,13 +86,15 @@ class Throughput(keras.callbacks.Callback):
             steps = (self.params or {}).get("steps")
         if not steps:
             return  # unknown epoch length, or nothing ran: nothing honest to report
-        rate = steps * self.global_batch_size / seconds
+        whole_pass = self.epoch_examples is not None and steps == self.epoch_steps
+        examples = self.epoch_examples if whole_pass else steps * self.global_batch_size
+        rate = examples / seconds
         self.history.append(rate)
         if logs is not None:
             logs["examples_per_sec"] = rate
         if self.verbose:
-            log.info("epoch %d: %s examples/sec (%d steps x global batch %d, %.2fs)", epoch + 1, f"{rate:,.0f}",
-                     steps, self.global_batch_size, seconds)
+            log.info("epoch %d: %s examples/sec (%d examples in %d steps of global batch %d, %.2fs)", epoch + 1,
+                     f"{rate:,.0f}", examples, steps, self.global_batch_size, seconds)
 
 
 def _learning_rate_variable(model: Any) -> Any:

@@ -238,7 +238,10 @@ class Trainer:
             callback_list.insert(0, cb.LinearScalingWarmup(self.num_replicas, warmup_epochs,
                                                            train.steps_per_epoch or steps_per_epoch))
         if train.global_batch_size:
-            callback_list.append(cb.Throughput(train.global_batch_size, verbose=self.is_chief))
+            rows, batch = train.num_examples, train.global_batch_size
+            one_pass = steps_per_epoch is None and rows and train.steps_per_epoch == -(-rows // batch)
+            callback_list.append(cb.Throughput(batch, verbose=self.is_chief, epoch_examples=rows if one_pass else None,
+                                               epoch_steps=train.steps_per_epoch))
         for callback in callback_list:  # a run's logger records the global batch (stratkit.callbacks.MLflowLogger)
             if callable(getattr(callback, "set_global_batch_size", None)):
                 callback.set_global_batch_size(train.global_batch_size)

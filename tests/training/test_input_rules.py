@@ -92,7 +92,8 @@ def test_steps_per_epoch_beyond_the_data_runs_every_step(trainer, capsys, kind):
                 callbacks=[counter], verbose=0)
     assert counter.per_epoch == [STEPS] * EPOCHS
     assert int(model.optimizer.iterations.numpy()) == STEPS * EPOCHS
-    lines = re.findall(r"\[stratkit\] epoch \d+: .*\((\d+) steps x global batch (\d+)", capsys.readouterr().out)
+    lines = re.findall(r"\[stratkit\] epoch \d+: .*\(\d+ examples in (\d+) steps of global batch (\d+)",
+                       capsys.readouterr().out)
     assert lines == [(str(STEPS), str(BATCH))] * EPOCHS
 
 
@@ -114,7 +115,7 @@ def test_the_throughput_line_reports_the_steps_that_ran(trainer, capsys):
     trainer.fit(model, _arrays(), epochs=3, steps_per_epoch=STEPS, global_batch_size=BATCH,
                 callbacks=[StopAfterTenSteps()], verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 10
-    assert "(10 steps x global batch 64," in capsys.readouterr().out
+    assert "in 10 steps of global batch 64," in capsys.readouterr().out
 
 
 def test_a_batched_dataset_gives_the_global_batch_for_fit_evaluate_and_predict(trainer):
@@ -245,7 +246,7 @@ def test_mirrored_two_replicas_runs_every_step_of_every_input_kind(tmp_path):
     results = _run(tmp_path, None, STRATEGY="mirrored")
     report = json.loads((tmp_path / "report-local-0.json").read_text())
     _assert_every_step_ran([report])
-    assert results[0].stdout.count(f"({CLUSTER_STEPS} steps x global batch {BATCH},") == CLUSTER_EPOCHS * len(KINDS)
+    assert results[0].stdout.count(f"in {CLUSTER_STEPS} steps of global batch {BATCH},") == CLUSTER_EPOCHS * len(KINDS)
 
 
 @pytest.mark.multiworker

@@ -150,6 +150,26 @@ def test_throughput_is_reported_per_epoch(trainer, capsys):
     assert "examples/sec" in capsys.readouterr().out
 
 
+def test_throughput_counts_a_partial_last_batch_as_the_rows_it_holds(trainer, capsys, tmp_path):
+    """40 rows in global batches of 16 are 3 steps and 40 examples, not 48 (on arrays and on a table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stratkit.data import Table, TableInput
+
+    x, y = _data(40)
+    trainer.fit(trainer.build(_mlp), (x, y), global_batch_size=16, epochs=1, verbose=0)
+    assert "40 examples in 3 steps of global batch 16" in capsys.readouterr().out
+    columns = {"x": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 4),
+               "y": pa.FixedSizeListArray.from_arrays(pa.array(y.ravel()), 3)}
+    pq.write_table(pa.table(columns), tmp_path / "part-0.parquet")
+    table = TableInput(Table.parquet(str(tmp_path)), features=["x"], label="y", seed=1)
+    trainer.fit(trainer.build(_mlp), table, global_batch_size=16, epochs=1, verbose=0)
+    assert "40 examples in 3 steps of global batch 16" in capsys.readouterr().out
+    trainer.fit(trainer.build(_mlp), _data(40), global_batch_size=16, epochs=1, steps_per_epoch=3, verbose=0)
+    assert "48 examples in 3 steps of global batch 16" in capsys.readouterr().out   # the steps rule: all full
+
+
 # -- build / save ---------------------------------------------------------------------------------
 def test_build_refuses_an_uncompiled_model_or_a_non_model(trainer):
     with pytest.raises(ConfigError, match=r"not compiled"):
