@@ -115,6 +115,19 @@ def test_two_workers_under_launch_equal_one_process_and_train_every_row_once_per
         assert min(len(results[0]["ids"][epoch]), len(results[1]["ids"][epoch])) > ROWS // 3  # both read
 
 
+def test_lanes_that_do_not_divide_the_workers_are_warned_of_once_and_every_row_is_still_read_once(lake):
+    """3 lanes over 2 workers: one worker reads 2 lanes, the other 1 (the chief says so once, not each worker),
+    and the epoch is still every row once."""
+    url, env = lake
+    done = _launch(2, [url], {**env, "LAKE_LANES": "3", "LAKE_EPOCHS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = (done.stdout + done.stderr).count("3 lanes over 2 workers: some read 2 lanes, others 1")
+    assert said == 1, done.stderr[-4000:]
+    results = {r["rank"]: r for r in _result(done.stdout)}
+    ids = results[0]["ids"]["0"] + results[1]["ids"]["0"]
+    assert len(ids) == ROWS and sorted(ids) == list(range(ROWS))
+
+
 def test_four_replicas_under_mirrored_equal_one_device_and_train_every_row_once_per_epoch(lake, reference):
     """One process, 4 logical CPUs: each step's rows split over 4 replicas (47 steps, the last of 112 rows: 28 a
     replica; with 6000 rows and 128 a batch, each replica's part of a step is 32 or 28 rows)."""

@@ -98,7 +98,7 @@ class TableAdapter(InputAdapter):
         data.feed(self.model)                                              # the columns against the model
         if training:
             note = lanes_note(layout, world)
-            if note:
+            if note and getattr(strategy.extended, "should_checkpoint", True):   # the chief: said once, not per worker
                 log.warning("%s", note)
         passes = None if training else 1
         epoch, step = (first_epoch, first_step) if training else (0, 0)
