@@ -40,8 +40,8 @@ class Throughput(keras.callbacks.Callback):
 
     Args:
         global_batch_size: examples per step across the cluster.
-        epoch_examples, epoch_steps: the rows and steps of one pass, when an epoch is one pass (None: unknown, or
-            every batch full).
+        epoch_examples: the rows of one pass, when an epoch is one pass (None: unknown, or every batch full).
+        epoch_steps: the steps of that pass.
         verbose: print a line per epoch (stratkit turns this off on non-chief workers).
     """
 
