@@ -171,6 +171,7 @@ def test_settings_fixed_in_a_running_process_are_used_by_the_next_call(monkeypat
     storage.check_store(server.url(bucket, "run1"), "backup_dir")
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.setenv("STRATKIT_STORE_TIMEOUT", "120")   # the client's retries on a refused port end first
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))                        # a port nothing listens on
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
