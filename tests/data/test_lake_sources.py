@@ -567,3 +567,42 @@ def test_a_compressed_tfrecord_file_is_refused_as_compressed(tmp_path):
             writer.write(example.SerializeToString())
     with pytest.raises(ConfigError, match=r"a\.tfrecord' is GZIP-compressed .*uncompressed TFRecord files only.*Fix"):
         Table.tfrecord(tmp_path, features={"y": tf.io.FixedLenFeature([], tf.float32)}).plan()
+
+
+@pytest.mark.parametrize("groups", [(2, 8, 1000), (1, 2, 8000)],
+                         ids=["groups-shorter-than-lanes", "lanes-inside-a-group"])
+def test_the_rows_a_lane_decodes_before_its_start_are_kept_for_the_lane_ending_there_each_row_decoded_once(
+        tmp_path, monkeypatch, groups):
+    """A lane that starts inside a row group decodes it from its first row; those rows end the lane before it, which
+    one process reads too: they are kept for it (the budget has room). With row groups shorter than the lanes each
+    row is decoded once (lanes span more windows than blocks are read ahead, so the lane that keeps the rows reads
+    them before the lane before it reaches them); with lanes inside one group, read side by side from the first
+    block, no more than with nothing kept. The batches are the same either way."""
+    from stratkit.data import readahead
+
+    files, per_file, group = groups
+    rows = files * per_file * group
+    for f in range(files):
+        first = f * per_file * group
+        pq.write_table(pa.table({"id": np.arange(first, first + per_file * group), "y": np.zeros(per_file * group)}),
+                       tmp_path / f"part-{f}.parquet", row_group_size=group)
+    decoded = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
+    data = TableInput(Table.parquet(tmp_path), features="id", label="y", seed=5, lanes=6, shuffle_window=100)
+    kept = _ids(data, 256)
+    with_kept = sum(decoded)
+    assert np.array_equal(np.sort(np.concatenate(kept)), np.arange(rows))
+    if group < rows // 6:
+        assert with_kept == rows
+    decoded.clear()
+    monkeypatch.setattr(readahead, "spare_room", lambda *args: 0)     # no room: every lane decodes its own way in
+    alone = _ids(data, 256)
+    assert with_kept <= sum(decoded) and sum(decoded) > rows
+    assert len(alone) == len(kept) and all(np.array_equal(a, b) for a, b in zip(alone, kept))
