@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import keras
@@ -26,7 +27,11 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--store", default=None)
 parser.add_argument("--slow", type=float, default=0.0, help="seconds each epoch sleeps (room to kill a tuner)")
 parser.add_argument("--build-fails-on", type=int, default=None, help="the build raises for this many units")
+parser.add_argument("--signal-at", nargs="*", default=[],
+                    help="TUNER:SIGNAL (1:KILL, 2:STOP): that tuner sends itself the signal on its first trial's "
+                         "second-epoch line, at that point exactly (a test's own kill lands later on a loaded machine)")
 args = parser.parse_args()
+SIGNAL_AT = {int(t): getattr(signal, f"SIG{name}") for t, name in (item.split(":") for item in args.signal_at)}
 
 TUNER: list = []
 
@@ -55,6 +60,8 @@ class Trace(keras.callbacks.Callback):
             lease = state.current.lease
             print(f"TRIAL {lease.trial_id} RUN {lease.run} EPOCH {self.epoch} TUNER {state.session.tuner} "
                   f"PID {os.getpid()}", flush=True)
+            if self.epoch == 1 and lease.run == 1 and state.session.tuner in SIGNAL_AT:
+                os.kill(os.getpid(), SIGNAL_AT.pop(state.session.tuner))   # killed or hung mid-trial, here
 
     def on_epoch_end(self, epoch, logs=None):
         if args.slow:

@@ -192,24 +192,23 @@ def test_a_killed_and_a_hung_tuner_lose_their_trials_and_the_search_ends_as_one_
     """3 tuners; tuner 1 SIGKILLed and tuner 2 SIGSTOPped, each in its trial's second epoch: both trials run
     again on a tuner alive (from the epoch their backups hold, not from the start), within 30 s of the kill;
     every trial scores as in one process (the resumed ones too); the search ends, the launch succeeds."""
+    # Each tuner signals itself on its line (`--signal-at`): the test's own kill, on a loaded machine, once landed
+    # after the trial's training had ended (its backups removed, its end not yet reported), and the trial ran again
+    # from its start.
     run = _launch(tmp_path, "--exit-grace", "3", "--stop-grace", "3", workers=3,
-                  script=["--search", "random", "--trials", "4", "--slow", "0.5"],
+                  script=["--search", "random", "--trials", "4", "--slow", "0.5", "--signal-at", "1:KILL", "2:STOP"],
                   env={"STRATKIT_TUNE_LEASE_SECONDS": "6"})
-    _, killed = run.wait_for(r"TRIAL (\S+) RUN 1 EPOCH 1 TUNER 1 PID (\d+)")
-    os.kill(int(killed[2]), signal.SIGKILL)
-    kill_time = time.monotonic()
+    killed_at, killed = run.wait_for(r"TRIAL (\S+) RUN 1 EPOCH 1 TUNER 1 PID (\d+)")
+    kill_time = run.lines[killed_at][0]
     _, hung = run.wait_for(r"TRIAL (\S+) RUN 1 EPOCH 1 TUNER 2 PID (\d+)")
-    os.kill(int(hung[2]), signal.SIGSTOP)
     try:
         index, again = run.wait_for(rf"TRIAL {re.escape(killed[1])} RUN 2 EPOCH (\d+) TUNER [02]", timeout=120)
         assert run.lines[index][0] - kill_time < 30  # its trial runs again elsewhere within 30 s
         assert again[1] == "1"  # from its last epoch's backup: the second epoch, not the first
-        # The trial tuner 2 held when it stopped: the one whose second epoch the test saw, or (on a loaded
-        # machine, where the SIGSTOP came after that trial ended) its next one; the service names it.
         _, lost = run.wait_for(r"tuner 2 lost trial (\S+) \(run 1", timeout=120)
+        assert lost[1] == hung[1]                    # the trial it held when it hung
         _, resumed = run.wait_for(rf"TRIAL {re.escape(lost[1])} RUN 2 EPOCH (\d+) TUNER [01]", timeout=120)
-        if lost[1] == hung[1]:
-            assert resumed[1] == "1"  # from its backup, as the killed one
+        assert resumed[1] == "1"  # from its backup, as the killed one
         assert run.finish(timeout=600) == 0, run.text[-8000:]
     finally:
         try:
