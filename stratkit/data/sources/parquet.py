@@ -252,7 +252,7 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
     values = plan.partitions[file] if plan.partitions else {}
     stored = [n for n in names if n not in values]
     schema = pa.schema([plan.arrow_schema.field(n) for n in names])
-    if spares is not None and plan.deletions.get(file) is not None:
+    if spares is not None and plan.keep_mask(file) is not None:
         spares = None                  # deleted rows: the kept rows would need the keep-mask's count, not kept
     kept = spares.take(unit, piece.stop) if spares is not None else None
     if kept is not None:
