@@ -67,13 +67,6 @@ def memory_plan(layout: Layout, plan: Plan, first: int, stop: int, budget: int) 
     return max(1, min(MAX_AHEAD_BLOCKS, room // max(block, 1) - 1)), block, lanes
 
 
-def spare_room(layout: Layout, plan: Plan, first: int, stop: int, budget: int) -> int:
-    """Bytes of `budget` the plan leaves unused beside its slack (`memory_plan`: the blocks ahead are at most
-    `MAX_AHEAD_BLOCKS`), which the rows kept for a neighbouring lane may take (`stratkit.data.spares`)."""
-    ahead, block, lanes = memory_plan(layout, plan, first, stop, budget)
-    return max(0, budget - lanes - budget // 4 - budget // SLACK_PART - (ahead + 1) * block)
-
-
 def check_budget(layout: Layout, plan: Plan, world: int, budget: int) -> None:
     """Refuse a read-ahead budget that cannot hold what the worker with the most lanes needs: its lanes' open
     units, a block put together and one decoded ahead, and the ready chunks.
@@ -106,4 +99,4 @@ def block_bytes(layout: Layout, plan: Plan, first: int, stop: int) -> int:
 
 
 __all__ = ["DECODE_BATCH_BYTES", "DECODE_ROWS_BOUNDS", "MAX_AHEAD_BLOCKS", "SLACK_PART", "block_bytes", "check_budget",
-           "decode_rows", "lane_bytes", "layout_rows_per_block", "memory_plan", "spare_room"]
+           "decode_rows", "lane_bytes", "layout_rows_per_block", "memory_plan"]

@@ -3,8 +3,7 @@ the per-replica batches of each global step.
 
 A worker reads block after block (`shards.Layout.block`: window j of each of its lanes). Decode threads fetch
 each lane's window (a lane reader keeps its place in the stream between windows, so a row group is opened
-once per lane that reads it, and the rows a lane decodes before its start are kept for the lane before it:
-`stratkit.data.spares`); a block is put together when every lane's window is in: the rows taken in global
+once per lane that reads it); a block is put together when every lane's window is in: the rows taken in global
 order (the feed's arrays, `batching.Batcher.arrays` through `columns.py`, gathered by numpy), cut
 at the global batch boundaries (this worker's rows of batch k: `shards.Layout` in closed form) and each
 batch split into its replicas' parts, a chunk of steps at a time. The step only takes finished chunks from a
@@ -46,11 +45,9 @@ from stratkit.data.budget import (
     lane_bytes,
     layout_rows_per_block,
     memory_plan,
-    spare_room,
 )
 from stratkit.data.plan import Plan, Stream
 from stratkit.data.shards import Layout, steps_for
-from stratkit.data.spares import PassSpares, Spares
 from stratkit.data.steps import Chunk, Splitter, batch_counts
 from stratkit.errors import ConfigError
 
@@ -109,18 +106,18 @@ class LaneReader:
     """One lane of one pass: its stream rows from `first` to `stop`, read in order, a window at a time."""
 
     def __init__(self, plan: Plan, stream: Stream, first: int, stop: int, names: list[str], batch_rows: int,
-                 fs: Any, cache: dict[int, Any], block: int = 0, spares: PassSpares | None = None) -> None:
-        self.batches = self._batches(plan, stream.pieces(first, stop), names, batch_rows, fs, cache, spares)
+                 fs: Any, cache: dict[int, Any], block: int = 0) -> None:
+        self.batches = self._batches(plan, stream.pieces(first, stop), names, batch_rows, fs, cache)
         self.left: Any = None
         self.next = block                       # the window this lane reads next
         self.turn = threading.Condition()
 
     @staticmethod
     def _batches(plan: Plan, pieces: list, names: list[str], batch_rows: int, fs: Any,
-                 cache: dict[int, Any], spares: PassSpares | None) -> Iterator[Any]:
+                 cache: dict[int, Any]) -> Iterator[Any]:
         for piece in pieces:
             try:
-                yield from sources.read_piece(plan, piece, names, batch_rows, fs, cache, spares)
+                yield from sources.read_piece(plan, piece, names, batch_rows, fs, cache)
             except ConfigError:          # the data itself is refused (a null), naming the file and the fix
                 raise
             except Exception as exc:  # noqa: BLE001 - said once with the file named
@@ -170,7 +167,6 @@ class WorkerReader:
                                                       spec.budget)
         self.fs = arrow_filesystem(spec.plan.root, "table path")[0]
         self.cache: dict[int, Any] = {}
-        self.spares = Spares(spare_room(spec.layout, spec.plan, self.first_lane, self.stop_lane, spec.budget))
         self.pool = ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="stratkit-table-read")
         share = max(1, spec.batch // max(spec.world, 1))
         fits = int(spec.budget // (8 * share * max(spec.plan.row_bytes, 1.0)))   # 2 ready chunks: a quarter
@@ -257,7 +253,6 @@ class WorkerReader:
                 return
             job = pending.popleft()
             if job.reads is None:                   # the pass's end: its last steps (empty ones of a lane-less worker)
-                self.spares.drop_pass(job.pass_.number)
                 for step in (splitter.finish() if splitter is not None else ()):
                     if not self._put(step):
                         return
@@ -284,13 +279,12 @@ class WorkerReader:
         total = layout.blocks()
         while spec.passes is None or done < spec.passes:
             start = cursor.global_position(spec.batch)
-            pass_ = _Pass(start, batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:], cursor.pass_)
+            pass_ = _Pass(start, batch_counts(layout, spec.batch, a, b, self.steps)[cursor.batch:])
             stream = spec.plan.stream(spec.seed, cursor.pass_, spec.shuffle)
             first_block = layout.first_block(start) if start < spec.plan.rows else total
-            spares = self.spares.of(cursor.pass_)
             lanes = [LaneReader(spec.plan, stream, int(s), int(e), self.names, batch_rows, self.fs, self.cache,
-                                first_block, spares) for s, e in zip(layout.window_starts(first_block, a, b),
-                                                                     layout.starts[a + 1:b + 1])]
+                                first_block) for s, e in zip(layout.window_starts(first_block, a, b),
+                                                             layout.starts[a + 1:b + 1])]
             for j in range(first_block, total):
                 lengths = layout.window_lengths(j, a, b)
                 reads = [self.pool.submit(_read_window, lane, j, int(n)) for lane, n in zip(lanes, lengths)]
@@ -308,7 +302,6 @@ class _Pass:
 
     start: int
     counts: np.ndarray
-    number: int = 0
 
 
 @dataclass

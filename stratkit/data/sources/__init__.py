@@ -13,16 +13,15 @@ from stratkit.data.plan import Piece, Plan
 
 
 def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, fs: Any,
-               cache: dict[int, Any], spares: Any = None) -> Iterator[Any]:
-    """The rows of `piece` as RecordBatches of the columns `names` (`cache`: per-reader footers/specs; `spares`:
-    a pass's `stratkit.data.spares.PassSpares`, for Parquet)."""
+               cache: dict[int, Any]) -> Iterator[Any]:
+    """The rows of `piece` as RecordBatches of the columns `names` (`cache`: per-reader footers/specs)."""
     if plan.kind == "tfrecord":
         from stratkit.data.sources import tfrecord
 
         return tfrecord.read_piece(plan, piece, names, batch_rows, fs, cache)
     from stratkit.data.sources import parquet
 
-    return parquet.read_piece(plan, piece, names, batch_rows, fs, cache, spares)
+    return parquet.read_piece(plan, piece, names, batch_rows, fs, cache)
 
 
 __all__ = ["read_piece"]

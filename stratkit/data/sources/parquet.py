@@ -25,7 +25,6 @@ from stratkit import status
 from stratkit.data.columns import Column, column_of, null_error
 from stratkit.data.plan import Piece, Plan
 from stratkit.data.sources.files import FileEntry
-from stratkit.data.spares import PassSpares, sliced
 from stratkit.errors import ConfigError
 
 log = status.logger(__name__)
@@ -234,11 +233,8 @@ def _bounds(bounds: dict[str, tuple[Any, Any]], name: str, stats: Any, where: st
 
 
 def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, fs: Any,
-               footers: dict[int, Any], spares: PassSpares | None = None) -> Iterator[Any]:
+               footers: dict[int, Any]) -> Iterator[Any]:
     """The rows of `piece` as `pyarrow.RecordBatch`es of the columns `names` (the plan's schema, in that order).
-
-    `spares`: the rows before a piece's start, decoded on the way to it, are kept there for the lane that ends
-    at them; a piece found there is not read again (`stratkit.data.spares`).
 
     Raises:
         FileNotFoundError: the file is gone; OSError: it cannot be read, or it changed size since the plan.
@@ -251,16 +247,6 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
     path = plan.files[file]
     values = plan.partitions[file] if plan.partitions else {}
     stored = [n for n in names if n not in values]
-    schema = pa.schema([plan.arrow_schema.field(n) for n in names])
-    if spares is not None and plan.keep_mask(file) is not None:
-        spares = None                  # deleted rows: the kept rows would need the keep-mask's count, not kept
-    kept = spares.take(unit, piece.stop) if spares is not None else None
-    if kept is not None:
-        if piece.first:                # this lane starts inside the unit too: the rows before it, for the next one
-            spares.put(unit, piece.first, sliced(kept, 0, piece.first))
-        for part in sliced(kept, piece.first, piece.stop):
-            yield _checked(part, names, values, schema, path)
-        return
     handle = fs.open_input_file(path)
     if handle.size() != plan.sizes[file]:
         raise OSError(f"{path} is {handle.size()} bytes, not the {plan.sizes[file]} it had when the run planned "
@@ -275,43 +261,26 @@ def read_piece(plan: Plan, piece: Piece, names: Sequence[str], batch_rows: int, 
         raw_first, raw_stop = int(live[piece.first]), int(live[piece.stop - 1]) + 1
     else:
         raw_first, raw_stop = piece.first, piece.stop
+    schema = pa.schema([plan.arrow_schema.field(n) for n in names])
     at = 0
-    # the rows before the piece, decoded on the way to it: kept for the lane that ends at them, if they fit
-    reserved = int(raw_first * max(plan.row_bytes, 1.0)) if spares is not None and raw_first else 0
-    if reserved and not spares.reserve(reserved):
-        reserved = 0
-    before: list[Any] | None = [] if reserved else None
     try:
         for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[int(plan.unit_part[unit])],
                                          columns=stored):
             end = at + batch.num_rows
-            if before is not None and at < raw_first:
-                before.append(batch.slice(0, min(end, raw_first) - at))
-                if end >= raw_first:
-                    spares.put(unit, raw_first, before, reserved)
-                    before, reserved = None, 0
             if end > raw_first:
                 lo, hi = max(raw_first - at, 0), min(raw_stop, end) - at
                 part = batch.slice(lo, hi - lo)
                 if keep is not None:
                     part = part.filter(pa.array(keep[begin + at + lo:begin + at + hi]))
-                yield _checked(part, names, values, schema, path)
+                for name, column in zip(part.schema.names, part.columns):
+                    if column.null_count:   # a file without statistics: found here, named here
+                        raise null_error(name, column.null_count, path, note=" (its statistics did not say)")
+                yield _with_partitions(part, names, values, schema)
             at = end
             if at >= raw_stop:
                 break
     finally:
-        if reserved:                   # stopped before the piece's start (a failure, the reader closed)
-            spares.release(reserved)
         handle.close()
-
-
-def _checked(part: Any, names: Sequence[str], values: dict[str, Any], schema: Any, path: str) -> Any:
-    """`part` refused if it holds a null (a file without statistics: found here, named here), else with its
-    partition columns (`_with_partitions`)."""
-    for name, column in zip(part.schema.names, part.columns):
-        if column.null_count:
-            raise null_error(name, column.null_count, path, note=" (its statistics did not say)")
-    return _with_partitions(part, names, values, schema)
 
 
 def _with_partitions(batch: Any, names: Sequence[str], values: dict[str, Any], schema: Any) -> Any:
