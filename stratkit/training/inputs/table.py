@@ -26,6 +26,7 @@ from stratkit.data.budget import check_budget
 from stratkit.data.readahead import last_failure
 from stratkit.data.table_input import lanes_note
 from stratkit.errors import ConfigError
+from stratkit.strategy.keras_compat.trainer_patches import _is_chief
 from stratkit.training.inputs import rules
 from stratkit.training.inputs.base import InputAdapter, PreparedData, WorkerContext
 
@@ -98,7 +99,7 @@ class TableAdapter(InputAdapter):
         data.feed(self.model)                                              # the columns against the model
         if training:
             note = lanes_note(layout, world)
-            if note and getattr(strategy.extended, "should_checkpoint", True):   # the chief: said once, not per worker
+            if note and _is_chief(strategy):                                    # said once, not per worker
                 log.warning("%s", note)
         passes = None if training else 1
         epoch, step = (first_epoch, first_step) if training else (0, 0)
