@@ -7,7 +7,9 @@ rounds (the order rotates), each consumed in-graph by `Dataset.reduce` as `fit` 
 
 * reader: `TableInput(...).dataset_fn(B)` for one pipeline, one pass (shuffled: lanes, windows); and 3 passes in
   one pipeline, as `fit` reads its epochs (its threads started and its first block read once, not each pass);
-* limit: pyarrow's raw `ParquetFile.iter_batches` decode of the same columns, file after file;
+* limit: pyarrow's raw `ParquetFile.iter_batches` decode of the same columns, file after file, with its defaults;
+  and again with `use_threads=False` (its column threads off: 1.4-1.6x faster on this 2-core machine, so the
+  stricter limit; the reader's ratio is reported against both);
 * recipe: the usual hand-written `tf.data.Dataset.from_generator` yielding rows from pyarrow batches, `.batch(B)`;
 * from moto also the reader through s3fs (`STRATKIT_LAKE_FILESYSTEM=fsspec`), against pyarrow's S3 client.
 
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             reader_limit = [r["reader"] / r["limit"] for r in result["rounds"]]
             passes = next(k for k in result["rounds"][0] if k.startswith("reader, "))
             steady_limit = [r[passes] / r["limit"] for r in result["rounds"]]
+            steady_fast = [r[passes] / r["limit, use_threads=False"] for r in result["rounds"]]
             reader_recipe = [r["reader"] / r["recipe"] for r in result["rounds"]]
             rows_out.append({"source": where, "reader rows/s": round(statistics.mean(rates["reader"])),
                              "limit rows/s": round(statistics.mean(rates["limit"])),
@@ -153,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{passes} rows/s": round(statistics.mean(r[passes] for r in result["rounds"])),
                              "passes/limit": round(statistics.mean(steady_limit), 3),
                              "passes/limit min-max": f"{min(steady_limit):.2f}-{max(steady_limit):.2f}",
+                             "limit 1 thread rows/s": round(statistics.mean(r["limit, use_threads=False"]
+                                                                            for r in result["rounds"])),
+                             "passes/limit 1 thread": f"{statistics.mean(steady_fast):.3f} ({min(steady_fast):.2f}-"
+                                                      f"{max(steady_fast):.2f})",
                              "reader/recipe": round(statistics.mean(reader_recipe), 2),
                              "plan s": round(result["plan_seconds"], 2),
                              "reader via s3fs rows/s": round(statistics.mean(r["reader via s3fs"] for r in
