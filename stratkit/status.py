@@ -28,11 +28,13 @@ read alike by the training processes and by `stratkit launch`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import signal
 import sys
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from stratkit.errors import ConfigError
 
@@ -93,6 +95,32 @@ def _bare_default(handler: logging.Handler) -> bool:
             and formatter._fmt == logging.BASIC_FORMAT)  # noqa: SLF001 - the stdlib's own format string
 
 
+#: Set in `hushed()`: this context's stratkit status lines and warnings are another worker's to say.
+_HUSHED: contextvars.ContextVar[bool] = contextvars.ContextVar("stratkit_hushed", default=False)
+
+
+class _Hush(logging.Filter):
+    """Drops a record below ERROR logged inside `hushed()` (a filter on each stratkit logger, so a handler of the
+    user's does not get it either)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not _HUSHED.get()
+
+
+_HUSH = _Hush()
+
+
+@contextlib.contextmanager
+def hushed(quiet: bool = True) -> Iterator[None]:
+    """Within the block (this thread or task), stratkit's status lines and warnings are not said when `quiet`:
+    what every worker of a run works out alike (a table's plan) is said once, by the chief; errors always are."""
+    token = _HUSHED.set(bool(quiet) or _HUSHED.get())
+    try:
+        yield
+    finally:
+        _HUSHED.reset(token)
+
+
 def logger(name: str) -> logging.Logger:
     """The logger for a stratkit module (`status.logger(__name__)`), with the console handler installed."""
     root = logging.getLogger(_ROOT)
@@ -100,7 +128,10 @@ def logger(name: str) -> logging.Logger:
         root.addHandler(_Console())
         if root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
-    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+    out = logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+    if _HUSH not in out.filters:
+        out.addFilter(_HUSH)
+    return out
 
 
 def parse_signal(text: str, name: str = PREEMPTION_SIGNAL_VAR) -> int:

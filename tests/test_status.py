@@ -49,6 +49,28 @@ def test_the_user_can_silence_status_lines_and_keep_warnings():
     assert out.stderr == "[stratkit] warning: kept\n"
 
 
+def test_a_hushed_block_keeps_its_status_lines_and_warnings_from_every_handler_but_not_its_errors():
+    """What every worker works out alike is said by the chief: the others plan inside `hushed()`; a handler of the
+    user's gets nothing from the block either, and lines after it are said again."""
+    out = _run("""
+        import logging, sys
+        logging.getLogger().addHandler(logging.StreamHandler(sys.stdout))
+        from stratkit import status
+        log = status.logger("stratkit.data.sources.files")
+        with status.hushed(False):
+            log.warning("said: not hushed")
+        with status.hushed():
+            log.info("hidden status")
+            log.warning("hidden warning")
+            with status.hushed(False):
+                log.warning("hidden: an inner block does not unhush")
+            log.error("said: an error")
+        log.warning("said: after the block")
+    """)
+    assert out.stdout == "said: not hushed\nsaid: an error\nsaid: after the block\n", out.stdout
+    assert "hidden" not in out.stderr
+
+
 def test_a_closed_stdout_never_fails_the_caller():
     out = _run("""
         import sys

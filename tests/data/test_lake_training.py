@@ -115,14 +115,30 @@ def test_two_workers_under_launch_equal_one_process_and_train_every_row_once_per
         assert min(len(results[0]["ids"][epoch]), len(results[1]["ids"][epoch])) > ROWS // 3  # both read
 
 
-def test_lanes_that_do_not_divide_the_workers_are_warned_of_once_and_every_row_is_still_read_once(lake):
-    """3 lanes over 2 workers: one worker reads 2 lanes, the other 1 (the chief says so once, not each worker),
-    and the epoch is still every row once."""
+def test_what_the_plan_and_the_lanes_warn_of_is_said_once_by_the_chief_and_every_row_is_still_read_once(
+        lake, store_server):
+    """3 lanes over 2 workers: one worker reads 2 lanes, the other 1; and the table's directory holds a file without
+    `.parquet`, left out. Every worker plans the table, the chief says each once; the epoch is every row once."""
+    import stores
+
+    from stratkit.storage.arrow import arrow_filesystem
+
     url, env = lake
-    done = _launch(2, [url], {**env, "LAKE_LANES": "3", "LAKE_EPOCHS": "1"})
+    stray = f"s3://{BUCKET}/t64-stray"
+    with stores.client_settings(store_server("s3")):
+        fs, base = arrow_filesystem(url)
+        _, copy = arrow_filesystem(stray)
+        import pyarrow.fs as pafs
+
+        for info in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
+            fs.copy_file(info.path, copy + info.path[len(base):])
+        with fs.open_output_stream(f"{copy}/NOTES") as out:
+            out.write(b"not a table file")
+    done = _launch(2, [stray], {**env, "LAKE_LANES": "3", "LAKE_EPOCHS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
-    said = (done.stdout + done.stderr).count("3 lanes over 2 workers: some read 2 lanes, others 1")
-    assert said == 1, done.stderr[-4000:]
+    said = done.stdout + done.stderr
+    assert said.count("3 lanes over 2 workers: some read 2 lanes, others 1") == 1, done.stderr[-4000:]
+    assert said.count("1 file(s) without .parquet were not read, e.g. 'NOTES'") == 1, done.stderr[-4000:]
     results = {r["rank"]: r for r in _result(done.stdout)}
     ids = results[0]["ids"]["0"] + results[1]["ids"]["0"]
     assert len(ids) == ROWS and sorted(ids) == list(range(ROWS))

@@ -34,11 +34,17 @@ log = status.logger(__name__)
 
 
 def agreed(data: TableInput, strategy: Any) -> TableInput:
-    """`data` pinned to the snapshot every worker reads (the chief's Delta version), its plan checked alike.
+    """`data` pinned to the snapshot every worker reads (the chief's Delta version), its plan checked alike. Every
+    worker plans the table; what planning says (files left out, a partition named as a column) the chief says.
 
     Raises:
         ConfigError: this or another worker could not plan the table, or the workers' plans differ.
     """
+    with status.hushed(strategy is not None and not _is_chief(strategy)):
+        return _agreed(data, strategy)
+
+
+def _agreed(data: TableInput, strategy: Any) -> TableInput:
     from stratkit.strategy import collectives, keras_compat
 
     multi = strategy is not None and keras_compat.is_multi_worker_collective(strategy)
