@@ -186,6 +186,33 @@ def test_settings_fixed_in_a_running_process_are_used_by_the_next_call(monkeypat
     assert server.fs().cat_file(f"{bucket}/run2/kept") == b"1"          # on the server the test started
 
 
+@pytest.mark.parametrize("scheme", ["gs", "az"])
+def test_a_gcs_or_azure_setting_fixed_in_a_running_process_is_used_by_the_next_call(monkeypatch, use_store, scheme):
+    """The same on the GCS emulator (its endpoint moved, then back: STORAGE_EMULATOR_HOST) and on Azurite (a
+    wrong account key in the connection string, then the right one): the next call uses the settings of now."""
+    server = use_store(scheme)
+    bucket = server.make_bucket(_unique("fixed"))
+    name = "STORAGE_EMULATOR_HOST" if scheme == "gs" else "AZURE_STORAGE_CONNECTION_STRING"
+    good = os.environ[name]
+    monkeypatch.setenv("STRATKIT_STORE_TIMEOUT", "120")   # the client's retries on a refused port end first
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))                        # a port nothing listens on
+    try:
+        if scheme == "gs":
+            monkeypatch.setenv(name, f"http://127.0.0.1:{closed.getsockname()[1]}")
+        else:
+            key = good.split("AccountKey=", 1)[1].split(";", 1)[0]
+            monkeypatch.setenv(name, good.replace(key, "d3Jvbmcga2V5IG9mIDMyIGJ5dGVzIGV4YWN0bHkhIQ=="))
+        with pytest.raises(ConfigError):
+            storage.check_store(server.url(bucket, "run"), "backup_dir")
+    finally:
+        closed.close()
+    monkeypatch.setenv(name, good)
+    store = storage.check_store(server.url(bucket, "run"), "backup_dir")
+    store.write_bytes("kept", b"1")
+    assert server.fs().cat_file(f"{bucket}/run/kept") == b"1"          # on the server the test started
+
+
 def test_a_url_whose_filesystem_is_missing_names_the_extra():
     code = ("import sys; sys.modules['s3fs'] = None; sys.modules['adlfs'] = None\n"
             "from stratkit import storage\n"
