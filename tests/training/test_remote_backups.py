@@ -267,6 +267,12 @@ def test_the_store_down_mid_run_training_goes_on_and_the_run_says_what_never_arr
         assert _committed(server, url, direct)[0] == AT_14   # still the resume point (the newest commit)
     finally:
         server.up()
+    try:
+        # The retries back off up to RETRY_MAX (30 s): after a long outage (a loaded machine: the test waits for step
+        # 30 and the warning) the next try can come after the few steps left, and training's end drops it. The run
+        # holds at step 33 until the store has answered again.
+        _wait_for(lambda: run.said("the store answers again"), "an upload to land once the store is back", 100)
+    finally:
         (tmp_path / "go").write_text("")
     assert run.finish() == 0, run.err[-5000:]
     assert run.err.count("uploads are failing") == 1, run.err[-5000:]   # one warning for the outage, not per retry
