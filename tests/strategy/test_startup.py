@@ -86,5 +86,6 @@ def test_two_workers_are_ready_right_after_a_late_leader_starts(tmp_path):
     leader, other = (json.loads(r.stdout.strip().splitlines()[-1]) for r in results)
     assert leader["replicas"] == other["replicas"] == 2
     late = other["ready"] - leader["before"]
-    # Measured: 0.1-0.2 s with the wait; 0.6-1.6 s without it (the retry after a 1.6 s +-20% backoff).
-    assert late < 0.45, f"worker 1 was ready {late:.2f} s after the leader began creating its strategy"
+    # Measured: 0.1-0.2 s with the wait, 0.45 once on a loaded machine (a rehearsal whose make test took 45 min, not
+    # 30); 0.6-1.6 s without it (the retry after a 1.6 s +-20% backoff; load only adds to it).
+    assert late < 0.55, f"worker 1 was ready {late:.2f} s after the leader began creating its strategy"
