@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from stratkit.process.payload import exit_now, load_payload, run_function
+from stratkit.process.payload import TUNER_RESULT, exit_now, load_payload, run_function
 from stratkit.tuning import environment
-
-#: A tune run's result file per tuner.
-TUNER_RESULT = "result-{}.pkl"
 
 _FIX = ("define train_fn in the script or notebook that calls LocalRunner.run (it is pickled by value), or in a "
         "module this Python can import")

@@ -37,11 +37,10 @@ from stratkit.cluster import layout as cluster_layout
 from stratkit.errors import ConfigError, StratkitError
 from stratkit.launch.plan import LaunchPlan, plan_launch
 from stratkit.launch.results import LaunchResult
-from stratkit.launch.runfn import TUNER_RESULT
 from stratkit.launch.supervisor import Supervisor
 from stratkit.launch.tune import TunePlan
 from stratkit.process import arguments
-from stratkit.process.payload import RESULT, pickle_payload
+from stratkit.process.payload import RESULT, TUNER_RESULT, pickle_payload
 from stratkit.process.report import is_preempted
 from stratkit.status import EXIT_PREEMPTED
 from stratkit.strategy.server import RUN_DIR_VAR
@@ -257,7 +256,7 @@ class LocalRunner:
 
 
 def _load_result(workdir: str, tuners: int = 0) -> Any:
-    """The chief's value; a tune run's: the lowest tuner's that finished (`runfn.TUNER_RESULT`)."""
+    """The chief's value; a tune run's: the lowest tuner's that finished (`payload.TUNER_RESULT`)."""
     names = [TUNER_RESULT.format(i) for i in range(tuners)] if tuners else [RESULT]
     path = next((os.path.join(workdir, n) for n in names if os.path.exists(os.path.join(workdir, n))), None)
     if path is None:

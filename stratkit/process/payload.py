@@ -25,6 +25,8 @@ from stratkit.errors import ConfigError, PayloadError
 #: File names in a run's working directory.
 PAYLOAD = "payload.pkl"
 RESULT = "result.pkl"
+#: A tune run's result file per tuner (`LocalRunner(tune=True)`: every task is a tuner).
+TUNER_RESULT = "result-{}.pkl"
 
 
 def pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict, *, where: str) -> bytes:

@@ -63,6 +63,9 @@ def test_a_function_defined_in_a_script_runs_on_every_worker_and_the_chiefs_valu
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[worker:0] hello from worker:0" in result.stdout and "[worker:1] hello from worker:1" in result.stdout
     assert f"RESULT {{'n': 42, 'task': 'worker:0', 'cwd': '{tmp_path}'}}" in result.stdout
+    # each task starts as `python -m stratkit.launch.runfn`: nothing imports that module before runpy runs it
+    # (it said "RuntimeWarning: 'stratkit.launch.runfn' found in sys.modules ..." once per task)
+    assert "Warning" not in result.stdout + result.stderr, result.stdout + result.stderr
 
 
 def test_with_parameter_servers_every_task_runs_and_the_chief_answers(capsys):
