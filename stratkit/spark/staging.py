@@ -26,7 +26,9 @@ number and are not in the table; they go with the run's directory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import tempfile
 from typing import Any
@@ -222,7 +224,11 @@ def remove(staged: StagedData) -> None:
         shutil.rmtree(staged.path, ignore_errors=True)
         return
     try:
-        storage.open_store(staged.path, "staging_dir").remove_all()
+        store = storage.open_store(staged.path, "staging_dir")
+        store.remove_all()
+        if store.local:       # `<run id>/<name>` on a disk: the run's own directory goes with its last argument
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(os.path.normpath(store.path())))
     except Exception as exc:  # noqa: BLE001 - best effort: the run's result matters more than its scratch
         log.warning("could not remove the staging directory %s: %s", storage.redact(staged.path), exc)
 

@@ -117,3 +117,13 @@ def test_a_train_fn_on_s3_staged_data_saves_to_s3_and_the_driver_reads_it_back(s
     for got, want in zip(loaded.get_weights(), result["weights"]):
         assert np.array_equal(got, np.asarray(want, got.dtype))
     assert storage.open_store(stage_url).list() == []            # the run's staging went with the run
+
+
+def test_a_run_staged_in_a_directory_on_disk_leaves_it_as_it_found_it(spark, tmp_path):
+    """The run's copy goes, and so does its own `<run id>` directory (it left one empty directory a run)."""
+    keep = tmp_path / "the-users-file.txt"
+    keep.write_text("kept")
+    shard = SparkRunner(num_workers=2).run(lambda data: data.num_rows, DataFrameInput(_frame(spark, 20),
+                                                                                     staging_dir=str(tmp_path)))
+    assert shard == 10                                               # the chief's half
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["the-users-file.txt"]
