@@ -16,7 +16,10 @@ from stratkit.status import EXIT_PREEMPTED
 #: What a script prints when it needs a network the private namespace does not have.
 _NETWORK_ERRORS = ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
                    "No route to host", "Could not resolve host", "nodename nor servname", "No address associated",
-                   "the store could not be reached")  # (stratkit.storage's words: a backup_dir or path URL)
+                   "the store could not be reached",   # stratkit.storage's words: a backup_dir or path URL
+                   # pyarrow's S3 client (curl) finding nothing at a store's address: a store on this machine's
+                   # loopback (moto, MinIO) is not on the private network's
+                   "Could not connect to server", "Couldn't connect to server", "NETWORK_CONNECTION")
 
 
 @dataclass(frozen=True)

@@ -366,6 +366,27 @@ def test_a_network_error_in_the_private_network_gets_a_hint_in_the_report(tmp_pa
     assert re.search(r"ran in a private network.*--no-private-network", report, re.S), report
 
 
+STORE_ON_LOOPBACK = """
+import os
+os.environ.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+                  AWS_DEFAULT_REGION="us-east-1")
+from stratkit.data import Table
+Table.parquet("s3://lake/events").plan()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_unshare("--user", "--map-root-user", "--net"), reason="no user+network namespaces")
+def test_a_table_on_a_store_the_private_network_cannot_reach_gets_the_hint_in_the_report(tmp_path):
+    # A store on this machine's loopback (moto, MinIO) is not on the private network's: pyarrow's S3 client
+    # says "Could not connect to server" (curl), which the report did not take for a network error.
+    result = _run_as([], ["--workers", "1", "--", sys.executable, _script(tmp_path, STORE_ON_LOOPBACK)], timeout=120)
+    assert result.returncode == 1, result.stderr
+    report = result.stderr[result.stderr.index("root cause"):]
+    assert "ConfigError: table path 's3://lake/events' cannot be read" in report, report
+    assert re.search(r"ran in a private network.*--no-private-network", report, re.S), report
+
+
 SLEEPER = """
     import json, os, subprocess, sys, time
     task = json.loads(os.environ["TF_CONFIG"])["task"]
