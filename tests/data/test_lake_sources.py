@@ -486,6 +486,26 @@ def test_a_delta_timestamp_before_the_table_is_refused_and_a_version_in_a_string
     assert Table.delta(path, version=dt.datetime.now(dt.timezone.utc)).plan().rows == 150
 
 
+def test_a_delta_timestamp_string_without_an_offset_is_utc_as_a_naive_datetime_is(tmp_path):
+    """A naive datetime was read as UTC, but the same moment as a string without an offset ('2099-01-01',
+    '2099-01-01T00:00:00') was refused as a version the table does not have (delta-rs parses RFC 3339 only)."""
+    import datetime as dt
+
+    from deltalake import write_deltalake
+
+    path = str(tmp_path / "delta")
+    write_deltalake(path, lake_tables.columns(0, 100))
+    write_deltalake(path, lake_tables.columns(100, 50), mode="append")
+    for when in ("2099-01-01", "2099-01-01T00:00:00", "2099-01-01 00:00:00.5", "2099-01-01T00:00:00Z",
+                 dt.datetime(2099, 1, 1)):
+        assert Table.delta(path, version=when).plan().rows == 150, when
+    with pytest.raises(ConfigError, match=r"version='2000-01-01' is before the earliest commit"):
+        Table.delta(path, version="2000-01-01").plan()
+    with pytest.raises(ConfigError, match=r"version='last tuesday' for the Delta table .* is not a version number, a "
+                                          r"datetime or an ISO 8601 string. Fix"):
+        Table.delta(path, version="last tuesday").plan()
+
+
 def test_a_model_trained_on_a_table_then_scores_arrays_whose_labels_have_another_rank_and_the_reverse(
         trainer, parquet_dir):
     """Keras reuses a model's traced step, and one traced for (B, 1) labels (a table's, for a Dense(1)) failed on

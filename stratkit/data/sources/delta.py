@@ -77,7 +77,7 @@ def open_table(url: str, version: Any, shown: str) -> Any:
                 raise ValueError(f"version {version} does not exist")
             table.load_as_version(version)
         elif isinstance(version, (str, _dt.datetime)):
-            table.load_as_version(version)
+            table.load_as_version(moment(version))
         else:
             raise TypeError
     except TypeError:
@@ -92,21 +92,33 @@ def open_table(url: str, version: Any, shown: str) -> Any:
     return table
 
 
+def moment(when: str | _dt.datetime) -> _dt.datetime:
+    """A `version=` timestamp as an aware datetime: an ISO 8601 string ('2024-05-01', '2024-05-01T12:00:00Z',
+    '...+02:00') or a datetime; without an offset it is UTC, as delta-rs takes a naive datetime (delta-rs itself
+    parses RFC 3339 strings only, so '2024-05-01' failed there).
+
+    Raises:
+        TypeError: a string that is not ISO 8601 (the caller names it and the fix).
+    """
+    if isinstance(when, str):
+        text = when.strip()
+        try:   # Python 3.10's fromisoformat takes no "Z"
+            when = _dt.datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in ("Z", "z") else text)
+        except ValueError:
+            raise TypeError(f"{when!r} is not ISO 8601") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=_dt.timezone.utc)
+
+
 def _check_not_before_creation(table: Any, when: Any, shown: str, latest: int) -> None:
     """Refuse a timestamp before the table's earliest commit: delta-rs reads that version for it (1.6.6,
     measured), which the table did not hold at that time. A timestamp after the last commit reads the last version, as
     "the table as of then" does (`fit` pins and records it)."""
-    import datetime as dt
-
     try:
-        moment = when if isinstance(when, dt.datetime) else dt.datetime.fromisoformat(str(when).strip())
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=dt.timezone.utc)
         first = min(int(entry["timestamp"]) for entry in table.history() if entry.get("timestamp") is not None)
-    except (ValueError, TypeError, KeyError):  # a form delta-rs read but Python does not, or no history: its answer
+    except (ValueError, TypeError, KeyError):  # no history with timestamps: delta-rs's answer stands
         return
-    created = dt.datetime.fromtimestamp(first / 1000, dt.timezone.utc)
-    if moment < created:
+    created = _dt.datetime.fromtimestamp(first / 1000, _dt.timezone.utc)
+    if moment(when) < created:
         raise ConfigError(f"version={when!r} is before the earliest commit the Delta table {shown!r} holds "
                           f"({created.isoformat()}): no version of it can be read as of then. Fix: pass a timestamp "
                           f"at or after that, a version number (0 to {latest}), or leave version= out to read the "
