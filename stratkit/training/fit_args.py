@@ -120,9 +120,12 @@ def split_validation(data: Any, validation_split: Any, validation_data: Any) -> 
         raise ConfigError(f"both validation_split={validation_split} and validation_data were given (model.fit "
                           "would ignore validation_split). Fix: give one of them")
     if not _is_arrays(data):
+        held_out = ("TableInput(<a held-out table>) instead (another directory or table, or a filter= on a "
+                    "partition column: Table.parquet(path, filter=[(\"split\", \"=\", \"val\")]))"
+                    if type(data).__name__ == "TableInput" else
+                    "<a held-out dataset> instead (e.g. dataset.take(n) / dataset.skip(n))")
         raise ConfigError(f"validation_split={validation_split} splits arrays only (as in model.fit), but data is "
-                          f"{_kind(data)}. Fix: pass validation_data=<a held-out dataset> instead (e.g. "
-                          "dataset.take(n) / dataset.skip(n))")
+                          f"{_kind(data)}. Fix: pass validation_data={held_out}")
     parts = tuple(data) if isinstance(data, (tuple, list)) else (data,)
     first = parts[0]
     rows = len(next(iter(first.values())) if isinstance(first, dict) else first)

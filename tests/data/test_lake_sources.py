@@ -486,6 +486,14 @@ def test_a_delta_timestamp_before_the_table_is_refused_and_a_version_in_a_string
     assert Table.delta(path, version=dt.datetime.now(dt.timezone.utc)).plan().rows == 150
 
 
+def test_validation_split_with_a_table_names_a_held_out_table_as_the_fix(trainer, parquet_dir):
+    """The fix said dataset.take(n) / dataset.skip(n), which a TableInput does not have."""
+    data = TableInput(Table.parquet(parquet_dir), features="x", label="y")
+    with pytest.raises(ConfigError, match=r"validation_split=0.2 splits arrays only .*data is a TableInput. Fix: pass "
+                                          r"validation_data=TableInput\(<a held-out table>\)"):
+        trainer.fit(trainer.build(_build), data, global_batch_size=64, validation_split=0.2)
+
+
 def test_a_delta_timestamp_string_without_an_offset_is_utc_as_a_naive_datetime_is(tmp_path):
     """A naive datetime was read as UTC, but the same moment as a string without an offset ('2099-01-01',
     '2099-01-01T00:00:00') was refused as a version the table does not have (delta-rs parses RFC 3339 only)."""
