@@ -80,7 +80,7 @@ def check_resume(saved: OrderRecord, now: OrderRecord, *, mid_pass: bool, backup
     if saved.fingerprint != now.fingerprint or saved.rows != now.rows:
         raise ConfigError(f"backup_dir={backup!r} was written reading the table snapshot {saved.fingerprint[:12]} "
                           f"({saved.rows} rows), but this run reads {now.fingerprint[:12]} ({now.rows} rows): the "
-                          "table's files changed under the run (a file rewritten, added or removed). Nothing was "
+                          "table's files changed under the run (a file rewritten or removed). Nothing was "
                           "changed. Fix: restore the table's files, read a Delta table (its versions are kept), or "
                           "move the backup away to start over")
     changes = [(name, getattr(saved, name), getattr(now, name)) for name in ("seed", "lanes", "window", "shuffle")
