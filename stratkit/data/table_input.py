@@ -248,6 +248,21 @@ class TableInput:
         return f"TableInput({self.table!r}, features={self.features!r}, label={self.label!r})"
 
 
+def planned(data: TableInput) -> TableInput:
+    """`data` planned on the driver, as the tasks get it (a Delta table without a version pinned to its latest):
+    every runner plans a `TableInput` argument here once (`process.payload.pickle_payload`, Spark's
+    `in_place`), so a table that cannot be read is a ConfigError before any process starts and no task lists
+    the files or reads the footers.
+
+    Raises:
+        ConfigError: the table cannot be planned (a missing path or column, files whose schemas differ, ...).
+    """
+    if data.table.kind == "delta" and data.table.version is None:
+        data = data.at_version(int(data.table.latest_version() or 0))
+    data.plan()
+    return data
+
+
 def _batch(global_batch_size: Any) -> int:
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive integer: got {global_batch_size!r}")
@@ -266,4 +281,4 @@ def lanes_note(layout: Layout, world: int) -> str | None:
             f"(the largest share {most * world / layout.lanes:.2f}x the mean). Fix: lanes= a multiple of {world}")
 
 
-__all__ = ["DEFAULT_READ_AHEAD", "LANE_CHOICES", "TableInput", "auto_lanes", "auto_window", "lanes_note"]
+__all__ = ["DEFAULT_READ_AHEAD", "LANE_CHOICES", "TableInput", "auto_lanes", "auto_window", "lanes_note", "planned"]

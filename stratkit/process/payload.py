@@ -37,6 +37,7 @@ def pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict, *, w
     """
     import cloudpickle
 
+    args, kwargs = _planned_tables(args, kwargs)
     try:
         return cloudpickle.dumps((train_fn, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - find the culprit for the message
@@ -49,6 +50,19 @@ def pickle_payload(train_fn: Callable[..., Any], args: tuple, kwargs: dict, *, w
                                   f"{inner}). Fix: pass plain data (numbers, strings, numpy arrays, paths) and create "
                                   "models, sessions, locks or open files inside train_fn") from None
         raise ConfigError(f"train_fn and its arguments cannot be pickled ({type(exc).__name__}: {exc})") from None
+
+
+def _planned_tables(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with each `stratkit.data.TableInput` among them planned here, on the driver
+    (`table_input.planned`); the others as given."""
+    if "stratkit.data.table_input" not in sys.modules:     # no TableInput was made in this process
+        return args, kwargs
+    from stratkit.data.table_input import TableInput, planned
+
+    def plan(value: Any) -> Any:
+        return planned(value) if isinstance(value, TableInput) else value
+
+    return tuple(plan(a) for a in args), {k: plan(v) for k, v in kwargs.items()}
 
 
 def load_payload(workdir: str, fix: str) -> tuple[Callable[..., Any], tuple, dict]:

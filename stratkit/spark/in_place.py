@@ -28,6 +28,7 @@ from urllib.parse import unquote, urlsplit
 
 from stratkit import status
 from stratkit.data import Table, TableInput
+from stratkit.data.table_input import planned
 from stratkit.errors import ConfigError
 from stratkit.spark.data import DataFrameInput
 
@@ -38,18 +39,6 @@ _SCHEMES = {"file": "", "s3a": "s3", "s3n": "s3", "s3": "s3", "gs": "gs", "hdfs"
 _RELATION = "org.apache.spark.sql.execution.datasources.LogicalRelation"
 _PROJECT = "org.apache.spark.sql.catalyst.plans.logical.Project"
 _ATTRIBUTE = "org.apache.spark.sql.catalyst.expressions.AttributeReference"
-
-
-def planned(data: TableInput) -> TableInput:
-    """`data` planned on the driver (a Delta table without a version pinned to its latest): what the tasks get.
-
-    Raises:
-        ConfigError: the table cannot be planned (a missing path or column, files whose schemas differ, ...).
-    """
-    if data.table.kind == "delta" and data.table.version is None:
-        data = data.at_version(int(data.table.latest_version() or 0))
-    data.plan()
-    return data
 
 
 def read_in_place(value: Any, spark: Any, name: str) -> TableInput | None:

@@ -179,3 +179,28 @@ def test_ctrl_c_stops_every_task_and_raises_keyboard_interrupt():
     assert time.monotonic() - started < 60
     assert runner.last_run.attempts == 1 and all(code != 0 for code in runner.last_run.exit_codes.values())
     assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
+
+
+def planned_here(data):
+    return {"planned": data.table.planned, "rows": data.num_rows}
+
+
+def test_a_table_argument_is_planned_once_by_the_driver_and_one_that_cannot_be_read_is_refused_before_any_task(
+        tmp_path):
+    """Each task planned its TableInput argument itself (listing the files, reading every footer), and a bad path
+    was one failed task per worker, a LocalTrainingError, after every process had imported TensorFlow."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stratkit.data import Table, TableInput
+
+    (tmp_path / "t").mkdir()
+    pq.write_table(pa.table({"x": np.arange(10, dtype="float32")}), tmp_path / "t" / "part-0.parquet")
+    runner = LocalRunner(num_workers=2)
+    assert runner.run(planned_here, TableInput(Table.parquet(str(tmp_path / "t")), features="x")) == {
+        "planned": True, "rows": 10}
+    first = runner.last_run
+    with pytest.raises(ConfigError, match=r"table path .*missing.* does not exist. Fix"):
+        runner.run(planned_here, data=TableInput(Table.parquet(str(tmp_path / "missing")), features="x"))
+    assert runner.last_run is first                                  # no task was started for it
