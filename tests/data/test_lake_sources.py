@@ -419,6 +419,21 @@ def test_a_glob_matches_within_one_directory_level_as_spark_and_the_shell_do(tmp
     assert TableInput(Table.parquet(f"{tmp_path}/*.parquet"), features="x", label="y").num_rows == 4
 
 
+def test_a_glob_that_names_directories_reads_their_files_as_spark_does(tmp_path):
+    """`t/day=*` was refused ("holds no .parquet files"): Spark reads a directory a glob matches."""
+    table = pa.table({"x": pa.array([1.0, 2.0]), "y": pa.array([0.0, 1.0])})
+    for name in ("day=1/a.parquet", "day=2/b.parquet", "day=2/sub/c.parquet", "day=2/notes.txt", "day=2/_SUCCESS",
+                 "other/d.parquet"):
+        (tmp_path / "t" / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp_path / "t" / name)
+    names = lambda url: [os.path.relpath(f, tmp_path / "t") for f in Table.parquet(url).plan().files]  # noqa: E731
+    assert names(f"{tmp_path}/t/day=*") == ["day=1/a.parquet", "day=2/b.parquet", "day=2/sub/c.parquet"]
+    assert names(f"{tmp_path}/t/day=[2]") == ["day=2/b.parquet", "day=2/sub/c.parquet"]
+    data = TableInput(Table.parquet(f"{tmp_path}/t/day=*"), features=["x", "day"], shuffle=False)
+    (step,) = list(data.reader(10, passes=1))
+    assert sorted(step[0][0][1].reshape(-1).tolist()) == [1, 1, 2, 2, 2, 2]          # the partition is kept
+
+
 def test_hive_partition_values_are_decoded_and_the_default_partition_is_a_null(tmp_path):
     """pyarrow (as Spark and Hive) writes `city=New%20York` and `city=__HIVE_DEFAULT_PARTITION__`: the reader fed
     the raw names (b"New%20York", b"__HIVE_DEFAULT_PARTITION__") to the model and a filter on "New York" kept no

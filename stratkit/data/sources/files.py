@@ -96,9 +96,10 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
         relative = entry.path[len(base):].lstrip("/")
         if any(part.startswith(("_", ".")) for part in relative.split("/")):
             continue
-        if pattern is not None and not glob_match(entry.path.split("/"), pattern.split("/")):
+        named = pattern is not None and glob_match(entry.path.split("/"), pattern.split("/"))
+        if pattern is not None and not named and not _under_match(entry.path.split("/"), pattern.split("/")):
             continue
-        if suffix and not entry.path.endswith(suffix) and pattern is None:
+        if suffix and not entry.path.endswith(suffix) and not named:   # a file the glob names is read as named
             skipped.append(relative)
             continue
         out.append(FileEntry(entry.path, int(entry.size), _tag(entry)))
@@ -110,6 +111,12 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
                     "no suffix is read with a glob (e.g. %r) or a list of its files", shown, len(skipped), suffix,
                     sorted(skipped)[0], shown.rstrip("/") + "/*")
     return sorted(out, key=lambda e: e.path)
+
+
+def _under_match(parts: list[str], pattern: list[str]) -> bool:
+    """Whether a file lies under a directory the glob matches (read as that directory's files, as Spark reads a
+    matched directory); a pattern with `**` matches files only."""
+    return "**" not in pattern and len(parts) > len(pattern) and glob_match(parts[:len(pattern)], pattern)
 
 
 def _tag(info: Any) -> str:
