@@ -106,6 +106,8 @@ class DataFrameInput:
                               "Parquet scan in place, stage the rest) or True (read in place or refuse)")
         self.df = df
         self.in_place = in_place
+        #: How messages name this input and the setting that stages it (`KerasEstimator` gives its own words).
+        self.described = ("argument {name!r}", "DataFrameInput(df, in_place=False)", "DataFrameInput(in_place=True)")
         names = list(df.columns)
         if label_col == "label" and "label" not in names and feature_cols is None:
             label_col = None  # the default, on an unlabeled DataFrame

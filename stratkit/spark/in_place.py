@@ -57,18 +57,18 @@ def read_in_place(value: Any, spark: Any, name: str) -> TableInput | None:
     if not isinstance(value, DataFrameInput) or value.in_place is False:
         return None
     table, why = _scanned_table(value)
+    what, opt_out, forced = value.described
+    what = what.format(name=name)
     if table is None:
         if value.in_place:
-            raise ConfigError(f"argument {name!r}: DataFrameInput(in_place=True), but the DataFrame is not a plain "
-                              f"scan of a Parquet table ({why}). Fix: in_place=False (stage it) or pass "
-                              "TableInput(Table.parquet(url), ...)")
-        log.debug("argument %r is staged: %s", name, why)
+            raise ConfigError(f"{what}: {forced}, but the DataFrame is not a plain scan of a Parquet table ({why}). "
+                              f"Fix: {opt_out} (stage it) or pass TableInput(Table.parquet(url), ...)")
+        log.debug("%s is staged: %s", what, why)
         return None
     data = ScannedTable(table, features=list(value.feature_cols),
                         label=value.label_cols[0] if value.label_cols else None, sample_weight=value.weight_col)
-    log.info("argument %r is a scan of the Parquet table %s: read in place by every worker (no staging copy; "
-             "train_fn receives a stratkit.data.TableInput). DataFrameInput(df, in_place=False) stages it", name,
-             table.shown)
+    log.info("%s is a scan of the Parquet table %s: read in place by every worker (no staging copy). %s stages it",
+             what, table.shown, opt_out)
     return data
 
 

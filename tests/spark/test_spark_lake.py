@@ -18,6 +18,7 @@ The session is tests/spark/test_spark_runner.py's (`shared_session`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -244,7 +245,7 @@ def build_model():
 
 
 def test_keras_estimator_reads_a_parquet_scan_in_place_and_trains_as_one_process(spark, table_dir, reference,
-                                                                                 no_staging):
+                                                                                 no_staging, caplog):
     from stratkit.spark import KerasEstimator
 
     calls, scratch = no_staging
@@ -252,6 +253,11 @@ def test_keras_estimator_reads_a_parquet_scan_in_place_and_trains_as_one_process
                                epochs=2, numWorkers=2, seed=11, verbose=0, timeout=600.0)
     fitted = estimator.fit(spark.read.parquet(table_dir))
     assert calls == [] and list(scratch.iterdir()) == []
+    # said in the estimator's words (it named "argument 'arg1'" and DataFrameInput(df, in_place=False))
+    said = caplog.text
+    assert re.search(r"the DataFrame passed to fit\(\) is a scan of the Parquet table .*readInPlace=False stages "
+                     r"it", said), said
+    assert "arg1" not in said and "DataFrameInput" not in said
     _same({"w": reference["w"], "h": {k: reference["h"][k] for k in ("loss", "mae")}},
           {"w": [w.tolist() for w in fitted.keras_model().get_weights()], "h": fitted.history})
 

@@ -114,6 +114,7 @@ class KerasEstimator(Estimator, EstimatorParams, MLWritable, MLReadable):
         columns = {"feature_cols": list(job.feature_cols), "label_col": list(job.label_cols),
                    "weight_col": job.weight_col}   # staged each in its own type
         inputs = DataFrameInput(train, in_place=self.getOrDefault("readInPlace"), **columns)
+        inputs.described = ("the DataFrame passed to fit()", "readInPlace=False", "readInPlace=True")
         held_out = None if validation is None else DataFrameInput(validation, **columns)
         try:
             with tracking.driver_run(self.getOrDefault("tracking")):   # the run SparkRunner hands the chief
