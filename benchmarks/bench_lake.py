@@ -15,7 +15,8 @@ rounds (the order rotates), each consumed in-graph by `Dataset.reduce` as `fit` 
 
 Targets: reader >= 0.8x the limit and >= 2x the recipe. Then a small CNN (16x16x3 images, 30,000 rows) through
 `Trainer.fit` fed by the reader against the same CNN on in-memory arrays: steps/s of the warm second epoch,
->= 0.95x. Then memory: 2 workers under `stratkit launch` train on a table 10x `read_ahead_bytes` (local disk),
+>= 0.95x; and, as the ceiling of any reader decoding the table with pyarrow, the same CNN fed pyarrow's raw
+decode (`iter_batches`, no order) through the reader's own tf.data pipeline (3 ways, their order rotating). Then memory: 2 workers under `stratkit launch` train on a table 10x `read_ahead_bytes` (local disk),
 after the same fit on a tiny table in the same process; the control launches the same workers for as many steps
 of the same model fed from memory (no reader). Each worker's peak RSS is recorded: the table's growth less the
 control's (the model's own) must stay within the budget. 3 rounds, the order alternating. Load averages before
@@ -177,12 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         workers = memory(small, big, size["budget"], env, size["memory_rounds"])
         raw["memory"] = workers
     load_after = os.getloadavg()
+    ceiling = [r["decoded"] / r["arrays"] for r in cnn["rounds"]]
+    to_ceiling = [r["table"] / r["decoded"] for r in cnn["rounds"]]
     cnn_row = {"table steps/s": round(statistics.mean(r["table"] for r in cnn["rounds"]), 2),
                "arrays steps/s": round(statistics.mean(r["arrays"] for r in cnn["rounds"]), 2),
+               "decoded steps/s": round(statistics.mean(r["decoded"] for r in cnn["rounds"]), 2),
                "table/arrays": round(statistics.mean(ratios), 3),
-               "min-max": f"{min(ratios):.3f}-{max(ratios):.3f}"}
+               "min-max": f"{min(ratios):.3f}-{max(ratios):.3f}",
+               "decoded/arrays": f"{statistics.mean(ceiling):.3f} ({min(ceiling):.2f}-{max(ceiling):.2f})",
+               "table/decoded": f"{statistics.mean(to_ceiling):.3f} ({min(to_ceiling):.2f}-{max(to_ceiling):.2f})"}
     print_table("rows/s into fit (mean of the rounds)", rows_out)
-    print_table("a small CNN's steps/s: fed by the reader vs in-memory arrays", [cnn_row])
+    print_table("a small CNN's steps/s: fed by the reader, by in-memory arrays, by pyarrow's raw decode", [cnn_row])
     memory_table = memory_rows(workers)
     print_table("memory: 2 workers, a table 10x read_ahead_bytes, against the same steps fed from memory",
                 memory_table)
