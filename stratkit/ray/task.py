@@ -64,6 +64,7 @@ class TaskActor:
         self.label = label
         self.workdir = tempfile.mkdtemp(prefix="stratkit-ray-task-")
         self._holder: Any = None
+        self._holder_lock = threading.Lock()     # the start thread and stop() both release the held port
         self._proc: subprocess.Popen[bytes] | None = None
         self._pump: OutputPump | None = None
         self._lines: list[str] = []
@@ -150,15 +151,22 @@ class TaskActor:
 
     def _release_port_when_listening(self) -> None:
         """Close the held port once the task's TF server listens on it (or the process is gone)."""
-        if self._holder is None:
+        holder = self._holder
+        if holder is None:
             return
-        host, port = self._holder.getsockname()[:2]
-        while self._proc is not None and self._proc.poll() is None:
+        host, port = holder.getsockname()[:2]
+        while self._proc is not None and self._proc.poll() is None and self._holder is not None:
             if ports.is_listening(host, port, ports.listening_ports()):
                 break
             time.sleep(0.1)
-        self._holder.close()
-        self._holder = None
+        self._release_port()
+
+    def _release_port(self) -> None:
+        """Close the held port, once, whichever of the start thread and `stop()` comes first."""
+        with self._holder_lock:
+            holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.close()
 
     def _line(self, line: Line) -> None:
         with self._changed:
@@ -195,8 +203,6 @@ class TaskActor:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if self._holder is not None:
-            self._holder.close()
-            self._holder = None
+        self._release_port()
         shutil.rmtree(self.workdir, ignore_errors=True)
         return self._proc.returncode if self._proc is not None else None

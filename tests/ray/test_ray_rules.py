@@ -126,3 +126,32 @@ def test_a_retry_counts_the_workers_the_alive_nodes_fit_one_per_node_with_strict
     assert elastic.room_for_workers(nodes, 1, 1, "PACK") == 1  # one GPU per worker
     assert [arguments.workers_within(room, 2, 1) for room in (0, 1, 2, 3)] == [None, 1, 2, 2]
     assert arguments.workers_within(1, 3, 2) is None
+
+
+def test_a_task_stopped_while_its_port_waits_for_the_server_releases_the_port_once_with_no_thread_error():
+    """The actor's start thread closes the held port once the TF server listens (or the process ends), and
+    `stop()` closes it too: when `stop()` came first, the thread raised "'NoneType' object has no attribute
+    'close'" (seen in a Ray test's output)."""
+    import subprocess
+    import threading
+
+    from stratkit.ray.task import TaskActor
+
+    actor = TaskActor("worker:0")
+    actor.hold("127.0.0.1")
+    actor._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],   # never listens
+                                   start_new_session=True)                               # its group, as start_child
+    errors = []
+    thread = threading.Thread(target=lambda: _recorded(actor._release_port_when_listening, errors))
+    thread.start()
+    actor.stop()
+    thread.join(30)
+    assert not thread.is_alive() and errors == []
+    assert actor._holder is None and actor._proc.returncode is not None
+
+
+def _recorded(call, errors):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - what the thread raised is the test's result
+        errors.append(exc)
