@@ -3,6 +3,7 @@ directory: whole-object writes, listings, directories, and the start-up check's 
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
 import subprocess
@@ -186,6 +187,20 @@ def test_settings_fixed_in_a_running_process_are_used_by_the_next_call(monkeypat
     assert server.fs().cat_file(f"{bucket}/run2/kept") == b"1"          # on the server the test started
 
 
+class _NotHere(http.server.BaseHTTPRequestHandler):
+    """Another server at the address a wrong setting names: every request is 404."""
+
+    def _answer(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.mark.parametrize("scheme", ["gs", "az"])
 def test_a_gcs_or_azure_setting_fixed_in_a_running_process_is_used_by_the_next_call(monkeypatch, use_store, scheme):
     """The same on the GCS emulator (its endpoint moved, then back: STORAGE_EMULATOR_HOST) and on Azurite (a
@@ -194,19 +209,21 @@ def test_a_gcs_or_azure_setting_fixed_in_a_running_process_is_used_by_the_next_c
     bucket = server.make_bucket(_unique("fixed"))
     name = "STORAGE_EMULATOR_HOST" if scheme == "gs" else "AZURE_STORAGE_CONNECTION_STRING"
     good = os.environ[name]
-    monkeypatch.setenv("STRATKIT_STORE_TIMEOUT", "120")   # the client's retries on a refused port end first
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))                        # a port nothing listens on
+    # The wrong GCS endpoint is a server that answers 404 to everything: gcsfs gives up on it at once (on a
+    # refused port it retried for ~30 s, backing off).
+    elsewhere = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotHere)
+    threading.Thread(target=elsewhere.serve_forever, daemon=True).start()
     try:
         if scheme == "gs":
-            monkeypatch.setenv(name, f"http://127.0.0.1:{closed.getsockname()[1]}")
+            monkeypatch.setenv(name, f"http://127.0.0.1:{elsewhere.server_address[1]}")
         else:
             key = good.split("AccountKey=", 1)[1].split(";", 1)[0]
             monkeypatch.setenv(name, good.replace(key, "d3Jvbmcga2V5IG9mIDMyIGJ5dGVzIGV4YWN0bHkhIQ=="))
         with pytest.raises(ConfigError):
             storage.check_store(server.url(bucket, "run"), "backup_dir")
     finally:
-        closed.close()
+        elsewhere.shutdown()
+        elsewhere.server_close()
     monkeypatch.setenv(name, good)
     store = storage.check_store(server.url(bucket, "run"), "backup_dir")
     store.write_bytes("kept", b"1")
