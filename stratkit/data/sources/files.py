@@ -89,6 +89,7 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
     except OSError as exc:
         raise ConfigError(f"table path {shown!r} cannot be listed: {exc}. Fix: check the store's endpoint and "
                           "credentials") from None
+    wanted = pattern.split("/") if pattern is not None else None
     out, skipped = [], []
     for entry in infos:
         if entry.type != pafs.FileType.File:
@@ -96,8 +97,9 @@ def list_files(fs: Any, base: str, shown: str, suffix: str) -> list[FileEntry]:
         relative = entry.path[len(base):].lstrip("/")
         if any(part.startswith(("_", ".")) for part in relative.split("/")):
             continue
-        named = pattern is not None and glob_match(entry.path.split("/"), pattern.split("/"))
-        if pattern is not None and not named and not _under_match(entry.path.split("/"), pattern.split("/")):
+        parts = entry.path.split("/")
+        named = wanted is not None and glob_match(parts, wanted)
+        if wanted is not None and not named and not _under_match(parts, wanted):
             continue
         if suffix and not entry.path.endswith(suffix) and not named:   # a file the glob names is read as named
             skipped.append(relative)
